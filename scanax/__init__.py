@@ -1,0 +1,11 @@
+"""scanax: a drop-in superset of ``jax.lax.scan``, layer stacks, multi-layer RNNs and
+fused training loops for JAX, Flax NNX, Equinox and plain pytrees."""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from ._scan import scan as scan
+
+try:
+    __version__ = _version("scanax")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"

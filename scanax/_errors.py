@@ -1,0 +1,204 @@
+"""Message builders for scanax's errors.
+
+Every message starts with the public call (``scanax.scan: ...``), names each offending
+leaf by pytree path with a short type (``float32[5, 4]``), says what was expected and
+ends with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def short_type(x: Any) -> str:
+    """``float32[5, 4]`` for arrays (and shape/dtype structs), the type name otherwise."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is not None and dtype is not None:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            name = str(dtype)
+        else:
+            name = np.dtype(dtype).name
+        weak = "~" if getattr(x, "weak_type", False) else ""
+        return f"{weak}{name}[{', '.join(map(str, shape))}]"
+    if isinstance(x, (bool, int, float, complex)):
+        return f"{type(x).__name__} {x!r}"
+    return type(x).__name__
+
+
+def listing(rows: list[tuple[str, str]]) -> str:
+    width = max((len(a) for a, _ in rows), default=0)
+    return "\n".join(f"  {a.ljust(width)}  {b}" for a, b in rows)
+
+
+def not_callable(call: str, f: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `f` must be callable as f(carry, x) -> (carry, y), "
+        f"got {short_type(f)}.\nFix: pass the loop body function first."
+    )
+
+
+def bad_length(call: str, length: Any) -> Exception:
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+        return TypeError(
+            f"{call}: `length` must be a non-negative Python int or None, got "
+            f"{short_type(length)}.\nFix: pass the number of iterations as an int, "
+            "e.g. length=100."
+        )
+    return ValueError(
+        f"{call}: `length` must be non-negative, got {length}.\n"
+        "Fix: pass the number of iterations (0 or more)."
+    )
+
+
+def no_length(call: str) -> ValueError:
+    return ValueError(
+        f"{call}: cannot tell how many iterations to run: `xs` is None and `length` "
+        "is None.\nFix: pass `length=n`, or pass `xs` with a leading axis to scan "
+        "over."
+    )
+
+
+def all_broadcast(call: str) -> ValueError:
+    return ValueError(
+        f"{call}: every leaf of `xs` is broadcast (in_axes None), so there is no "
+        "axis to take the number of iterations from, and `length` is None.\n"
+        "Fix: pass `length=n`, or scan some leaf with an integer in_axes."
+    )
+
+
+def lengths_differ(call: str, rows: list[tuple[str, int, str]]) -> ValueError:
+    body = listing([(p, f"{t}: length {n}") for p, n, t in rows])
+    return ValueError(
+        f"{call}: the scanned leaves of `xs` have different lengths along their "
+        f"scanned axes:\n{body}\nFix: give every scanned leaf the same length, or "
+        "broadcast the ones that are the same at every step with in_axes=None."
+    )
+
+
+def length_mismatch(call: str, length: int, rows: list[tuple[str, int, str]]) -> ValueError:
+    body = listing([(p, f"{t}: length {n}") for p, n, t in rows])
+    return ValueError(
+        f"{call}: `length={length}` disagrees with the scanned leaves of `xs`:\n"
+        f"{body}\nFix: drop `length` (it is inferred from `xs`), or slice `xs` to "
+        f"{length} steps."
+    )
+
+
+def not_scannable(call: str, path: str, leaf: Any, axis: int) -> TypeError:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return TypeError(
+            f"{call}: {path} is {short_type(leaf)}, a 0-d array, which has no axis "
+            f"{axis} to scan over.\nFix: give it a leading time axis, or broadcast "
+            "it with in_axes=None if it is the same at every step."
+        )
+    return TypeError(
+        f"{call}: {path} is a {short_type(leaf)}, not an array, so it cannot be "
+        f"scanned over (in_axes {axis}).\nFix: broadcast it with in_axes=None (it "
+        "then reaches `f` unchanged at every step), or make it an array."
+    )
+
+
+def axis_out_of_range(call: str, path: str, leaf: Any, axis: int, what: str) -> ValueError:
+    ndim = len(leaf.shape)
+    return ValueError(
+        f"{call}: {what} {axis} is out of range for {path}, which is "
+        f"{short_type(leaf)} ({ndim} axes, so valid axes are {-ndim}..{ndim - 1}).\n"
+        f"Fix: use an axis in that range."
+    )
+
+
+def bad_axis_value(call: str, what: str, path: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{call}: {what} may hold only ints and None, but {what}{path} is "
+        f"{short_type(value)}.\nFix: use an int (the axis to scan over) or None "
+        "(broadcast: the same value at every step)."
+    )
+
+
+def prefix_mismatch(call: str, what: str, tree_name: str, detail: str) -> ValueError:
+    return ValueError(
+        f"{call}: {what} must be an int, None, or a pytree prefix of `{tree_name}`, "
+        f"but {detail}.\nFix: give {what} the same container structure as "
+        f"`{tree_name}` (or a prefix of it), e.g. in_axes=(0, None) for "
+        "xs=(inputs, state)."
+    )
+
+
+def not_a_pair(call: str, out: Any) -> TypeError:
+    extra = ""
+    if isinstance(out, (tuple, list)):
+        extra = f" of length {len(out)}"
+    return TypeError(
+        f"{call}: `f` must return a pair (new_carry, y), but it returned a "
+        f"{type(out).__name__}{extra}.\nFix: end the body with `return carry, y` "
+        "(use `return carry, None` when there is no per-step output)."
+    )
+
+
+def carry_mismatch(call: str, rows: list[tuple[str, str, str]], hint: str) -> TypeError:
+    body = listing([(p, f"init {a}, returned {b}") for p, a, b in rows])
+    return TypeError(
+        f"{call}: the carry returned by `f` must have the same structure, shapes and "
+        f"dtypes as `init`, but it differs:\n{body}\nFix: {hint}"
+    )
+
+
+def carry_structure(call: str, init_desc: str, out_desc: str) -> TypeError:
+    return TypeError(
+        f"{call}: the carry returned by `f` must have the same pytree structure as "
+        f"`init`, but\n  init:     {init_desc}\n  returned: {out_desc}\nFix: return "
+        "a carry built like `init` (same containers, keys and fields); keep values "
+        "that change kind out of the carry."
+    )
+
+
+def static_changed(call: str, path: str, before: Any, after: Any) -> TypeError:
+    return TypeError(
+        f"{call}: carry{path} is a non-array (static) value, which must come back "
+        f"unchanged from `f`, but it was {before!r} and `f` returned {after!r}.\n"
+        "Fix: keep non-array values fixed inside the loop (pass them in `xs` with "
+        "in_axes=None), or make the value an array so it can change."
+    )
+
+
+def bad_output_leaf(call: str, path: str, leaf: Any) -> TypeError:
+    return TypeError(
+        f"{call}: every leaf of the per-step output `y` must be an array, but "
+        f"y{path} is a {short_type(leaf)}.\nFix: return arrays in `y` (or drop "
+        "the value; put constants outside the loop)."
+    )
+
+
+def nnx_broadcast_mutated(call: str, path: str, names: list[str]) -> ValueError:
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return ValueError(
+        f"{call}: `f` changed the NNX object {path}, but it is broadcast "
+        f"(in_axes None), so the change would be dropped after the step. Changed: "
+        f"{shown}.\nFix: put the object in the carry, e.g. "
+        "`scanax.scan(f, (carry, obj), xs)` and return it from `f`."
+    )
+
+
+def nnx_closure_mutation(call: str, names: list[str], err: Exception) -> ValueError:
+    found = (
+        "NNX objects `f` reaches through its closure or globals: " + ", ".join(names)
+        if names
+        else "an NNX object `f` reaches through its closure or globals"
+    )
+    return ValueError(
+        f"{call}: `f` changes {found}. A scan cannot change objects it does not "
+        "carry, so nothing was run and nothing was changed.\nFix: carry them and "
+        "return them from `f`:\n"
+        "    def step(carry, batch):\n"
+        "        model, optimizer = carry\n"
+        "        ...\n"
+        "        return (model, optimizer), loss\n"
+        "    (model, optimizer), losses = scanax.scan(step, (model, optimizer), "
+        "batches)\n"
+        "After the scan, the objects you passed are updated in place."
+        f"\n(NNX said: {str(err).splitlines()[0]})"
+    )

@@ -1,0 +1,401 @@
+"""The core: ``scanax.scan``, a drop-in superset of ``jax.lax.scan``."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _errors, _nnx
+from ._axes import is_array, is_arraylike, match_prefix, normalize_axis
+
+Carry = TypeVar("Carry")
+X = TypeVar("X")
+Y = TypeVar("Y")
+
+_CALL = "scanax.scan"
+
+
+# ---------------------------------------------------------------------------- carry
+
+
+class _CarryCodec:
+    """Splits a carry into traced arrays and static parts, and back.
+
+    Arrays (and Python numbers, as in ``lax.scan``) are carried; any other leaf
+    (functions, strings, Equinox static fields) is static and must come back from
+    ``f`` unchanged; NNX objects are carried as their joint ``nnx.split`` state.
+    """
+
+    def __init__(self, call: str, init: Any):
+        self.call = call
+        leaves, self.treedef = jtu.tree_flatten_with_path(init, is_leaf=_nnx.is_node)
+        self.paths = [p for p, _ in leaves]
+        self.leaves = [x for _, x in leaves]
+        self.node_idx = [i for i, x in enumerate(self.leaves) if _nnx.is_node(x)]
+        self.dyn_idx = [
+            i for i, x in enumerate(self.leaves) if not _nnx.is_node(x) and is_arraylike(x)
+        ]
+        self.nodes = [self.leaves[i] for i in self.node_idx]
+        if self.nodes:
+            self.graphdef, state = _nnx.split(self.nodes)
+        else:
+            self.graphdef, state = None, None
+        self.dynamic = (state, [self.leaves[i] for i in self.dyn_idx])
+
+    def decode(self, dynamic: Any) -> Any:
+        state, arrays = dynamic
+        leaves = list(self.leaves)
+        if self.nodes:
+            for i, node in zip(self.node_idx, _nnx.merge(self.graphdef, state)):
+                leaves[i] = node
+        for i, a in zip(self.dyn_idx, arrays):
+            leaves[i] = a
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def encode(self, carry: Any, dynamic_in: Any) -> Any:
+        """The dynamic part of a carry returned by ``f``, checked against ``init``."""
+        leaves, treedef = jtu.tree_flatten(carry, is_leaf=_nnx.is_node)
+        if treedef != self.treedef:
+            raise _errors.carry_structure(self.call, str(self.treedef), str(treedef))
+        for i, (before, after) in enumerate(zip(self.leaves, leaves)):
+            if i in self.node_idx or i in self.dyn_idx:
+                if _nnx.is_node(before) != _nnx.is_node(after):
+                    raise _errors.carry_structure(
+                        self.call, _errors.short_type(before), _errors.short_type(after)
+                    )
+                continue
+            if not _same_static(before, after):
+                raise _errors.static_changed(
+                    self.call, jtu.keystr(self.paths[i]), before, after
+                )
+        state = None
+        if self.nodes:
+            graphdef, state = _nnx.split([leaves[i] for i in self.node_idx])
+            if graphdef != self.graphdef:
+                raise _errors.carry_structure(
+                    self.call,
+                    "NNX objects " + _node_desc(self.nodes),
+                    "NNX objects with a different graph (Variables or submodules "
+                    "added, removed or re-typed)",
+                )
+        arrays = [leaves[i] for i in self.dyn_idx]
+        out = (state, arrays)
+        self._check_types(dynamic_in, out)
+        return out
+
+    def _named_dynamic(self, dynamic: Any) -> list[tuple[str, Any]]:
+        state, arrays = dynamic
+        named = []
+        if self.nodes:
+            for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+                node_path = self.paths[self.node_idx[path[0].key]]
+                named.append(("carry" + jtu.keystr((*node_path, *path[1:])), leaf))
+        for i, a in zip(self.dyn_idx, arrays):
+            named.append(("carry" + jtu.keystr(self.paths[i]), a))
+        return named
+
+    def _check_types(self, dynamic_in: Any, dynamic_out: Any) -> None:
+        rows, hints = [], []
+        for (path, a), (_, b) in zip(
+            self._named_dynamic(dynamic_in), self._named_dynamic(dynamic_out)
+        ):
+            ta, tb = jax.typeof(a), jax.typeof(b)
+            if ta.shape != tb.shape or ta.dtype != tb.dtype:
+                rows.append((path, _errors.short_type(ta), _errors.short_type(tb)))
+                if ta.shape != tb.shape:
+                    hints.append(
+                        f"keep {path} at shape {tuple(ta.shape)} (a carry cannot "
+                        "change shape; preallocate and write with `.at[i].set`)"
+                    )
+                else:
+                    hints.append(f"cast it back: `new.astype(jnp.{ta.dtype.name})`")
+        if rows:
+            raise _errors.carry_mismatch(self.call, rows, hints[0] + ".")
+
+    def finish(self, dynamic: Any) -> Any:
+        """The final carry, with the user's NNX objects updated in place."""
+        state, arrays = dynamic
+        leaves = list(self.leaves)
+        if self.nodes:
+            _nnx.update(self.nodes, state)
+        for i, a in zip(self.dyn_idx, arrays):
+            leaves[i] = a
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+def _node_desc(nodes: list[Any]) -> str:
+    return "(" + ", ".join(type(n).__name__ for n in nodes) + ")"
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------- xs
+
+
+@dataclasses.dataclass
+class _XsPlan:
+    """``xs`` split into scanned arrays (moved to axis 0) and broadcast values."""
+
+    treedef: Any
+    leaves: list[Any]  # broadcast values in place; scanned slots are filled per step
+    scanned_idx: list[int]
+    scanned: list[Any]  # the scanned arrays, scan axis first
+    bcast_nodes: list[tuple[int, str, Any, Any]]  # (leaf index, path, graphdef, state)
+    scan_nodes: list[tuple[int, str, Any]]  # (leaf index, path, graphdef)
+    length: int
+
+    def decode(self, x_slices: list[Any]) -> Any:
+        leaves = list(self.leaves)
+        n = len(self.scanned_idx)
+        for i, a in zip(self.scanned_idx, x_slices[:n]):
+            leaves[i] = a
+        for (i, _, graphdef, state) in self.bcast_nodes:
+            leaves[i] = _nnx.merge(graphdef, state)
+        for (i, _, graphdef), state in zip(self.scan_nodes, x_slices[n:]):
+            leaves[i] = _nnx.merge(graphdef, state)
+        return jtu.tree_unflatten(self.treedef, leaves), leaves
+
+    def check_unchanged(self, call: str, leaves: list[Any], x_slices: list[Any]) -> None:
+        n = len(self.scanned_idx)
+        given = [s for (*_, s) in self.bcast_nodes] + x_slices[n:]
+        nodes = self.bcast_nodes + self.scan_nodes
+        for (i, path, *_), state in zip(nodes, given):
+            _, now = _nnx.split(leaves[i])
+            before = jtu.tree_leaves_with_path(state)
+            after = jtu.tree_leaves(now)
+            changed = [jtu.keystr(p) for (p, a), b in zip(before, after) if a is not b]
+            if changed or len(before) != len(after):
+                raise _errors.nnx_broadcast_mutated(call, path, changed or ["structure"])
+
+
+def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> _XsPlan:
+    triples = match_prefix(call, "in_axes", "xs", in_axes, xs, is_leaf=_nnx.is_node)
+    treedef = jtu.tree_structure(xs, is_leaf=_nnx.is_node)
+    leaves: list[Any] = []
+    scanned_idx, scanned, bcast_nodes, scan_nodes = [], [], [], []
+    node_states = []
+    lengths: list[tuple[str, int, str]] = []
+    for i, (path, axis, leaf) in enumerate(triples):
+        name = "xs" + jtu.keystr(path)
+        leaves.append(leaf)
+        if _nnx.is_node(leaf):
+            graphdef, state = _nnx.split(leaf)
+            if axis is None:
+                bcast_nodes.append((i, name, graphdef, state))
+                continue
+            moved = []
+            for spath, a in jtu.tree_flatten_with_path(state)[0]:
+                sname = name + jtu.keystr(spath)
+                ax = _scan_axis(call, sname, a, axis)
+                lengths.append((sname, a.shape[ax], _errors.short_type(a)))
+                moved.append(jnp.moveaxis(a, ax, 0) if ax else a)
+            scan_nodes.append((i, name, graphdef))
+            node_states.append(jtu.tree_unflatten(jtu.tree_structure(state), moved))
+            continue
+        if axis is None:
+            continue
+        ax = _scan_axis(call, name, leaf, axis)
+        lengths.append((name, leaf.shape[ax], _errors.short_type(leaf)))
+        scanned_idx.append(i)
+        scanned.append(jnp.moveaxis(leaf, ax, 0) if ax else leaf)
+    n = _infer_length(call, xs, lengths, length)
+    return _XsPlan(
+        treedef, leaves, scanned_idx, scanned + node_states, bcast_nodes, scan_nodes, n
+    )
+
+
+def _scan_axis(call: str, name: str, leaf: Any, axis: int) -> int:
+    if not is_array(leaf) or leaf.ndim == 0:
+        raise _errors.not_scannable(call, name, leaf, axis)
+    return normalize_axis(call, "in_axes", name, leaf, axis)
+
+
+def _infer_length(
+    call: str, xs: Any, lengths: list[tuple[str, int, str]], length: int | None
+) -> int:
+    if length is not None:
+        if isinstance(length, bool):
+            raise _errors.bad_length(call, length)
+        try:
+            length = operator.index(length)
+        except TypeError as err:
+            raise _errors.bad_length(call, length) from err
+        if length < 0:
+            raise _errors.bad_length(call, length)
+    found = {n for _, n, _ in lengths}
+    if len(found) > 1:
+        raise _errors.lengths_differ(call, lengths)
+    if found:
+        (n,) = found
+        if length is not None and length != n:
+            raise _errors.length_mismatch(call, length, lengths)
+        return n
+    if length is None:
+        if xs is None or not jtu.tree_leaves(xs, is_leaf=_nnx.is_node):
+            raise _errors.no_length(call)
+        raise _errors.all_broadcast(call)
+    return length
+
+
+# ---------------------------------------------------------------------------- scan
+
+
+@dataclasses.dataclass
+class Loop:
+    """A scan reduced to arrays: what every lowering (plain, remat, progress...) runs.
+
+    ``body(carry, x) -> (carry, y)`` takes and returns only arrays; ``init`` and
+    ``xs`` are pytrees of arrays with ``xs`` scanned along axis 0.
+    """
+
+    body: Callable[[Any, Any], tuple[Any, Any]]
+    init: Any
+    xs: Any
+    length: int
+
+
+def prepare(
+    call: str, f: Callable, init: Any, xs: Any, length: Any, in_axes: Any
+) -> tuple[Loop, _CarryCodec]:
+    """Validate a call and reduce it to a :class:`Loop` over arrays."""
+    if not callable(f):
+        raise _errors.not_callable(call, f)
+    plan = _plan_xs(call, xs, in_axes, length)
+    codec = _CarryCodec(call, init)
+
+    def body(dynamic, x_slices):
+        x, x_leaves = plan.decode(x_slices)
+        out = f(codec.decode(dynamic), x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise _errors.not_a_pair(call, out)
+        new_carry, y = out
+        new_dynamic = codec.encode(new_carry, dynamic)
+        if plan.bcast_nodes or plan.scan_nodes:
+            plan.check_unchanged(call, x_leaves, x_slices)
+        for path, leaf in jtu.tree_flatten_with_path(y, is_leaf=_nnx.is_node)[0]:
+            if not is_arraylike(leaf):
+                raise _errors.bad_output_leaf(call, jtu.keystr(path), leaf)
+        return new_dynamic, y
+
+    return Loop(body, codec.dynamic, plan.scanned, plan.length), codec
+
+
+def run_lax(loop: Loop, reverse: bool, unroll: int | bool) -> tuple[Any, Any]:
+    """The plain lowering: exactly one ``lax.scan``."""
+    return jax.lax.scan(
+        loop.body, loop.init, loop.xs, length=loop.length, reverse=reverse, unroll=unroll
+    )
+
+
+def move_out_axes(call: str, ys: Any, out_axes: Any) -> Any:
+    if isinstance(out_axes, int) and not isinstance(out_axes, bool) and out_axes == 0:
+        return ys
+    triples = match_prefix(call, "out_axes", "ys", out_axes, ys)
+    moved = []
+    for path, axis, leaf in triples:
+        if axis is None:
+            raise _errors.bad_axis_value(call, "out_axes", jtu.keystr(path), axis)
+        ax = normalize_axis(call, "out_axes", "ys" + jtu.keystr(path), leaf, axis)
+        with jax.named_scope("scanax.out_axes"):
+            moved.append(jnp.moveaxis(leaf, 0, ax) if ax else leaf)
+    return jtu.tree_unflatten(jtu.tree_structure(ys), moved)
+
+
+def scan(
+    f: Callable[[Carry, X], tuple[Carry, Y]],
+    init: Carry,
+    xs: X | None = None,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+) -> tuple[Carry, Y]:
+    """Scan ``f`` over ``xs`` while carrying state: ``jax.lax.scan``, and more.
+
+    Conceptually equivalent to::
+
+        def scan(f, init, xs, length=None, *, in_axes=0, out_axes=0):
+            carry, ys = init, []
+            for i in range(length):
+                x = tree_map(lambda leaf, ax: leaf if ax is None else take(leaf, i, ax),
+                             xs, in_axes)
+                carry, y = f(carry, x)
+                ys.append(y)
+            return carry, stack(ys, axis=out_axes)
+
+    Every call valid for ``jax.lax.scan`` is valid here and gives the same result;
+    with no new option it lowers to the same single ``lax.scan``.
+
+    Arguments:
+        f: the loop body, ``f(carry, x) -> (carry, y)``.
+        init: the initial carry: any pytree. Arrays are carried; other leaves (such
+            as functions or strings in an Equinox module) are static and must come
+            back unchanged. Flax NNX objects (Modules, Optimizers, Rngs, Variables)
+            may be carried: after the scan the objects passed in are updated in
+            place to their final state, and also returned.
+        xs: the values to scan over (or to broadcast, see ``in_axes``).
+        length: the number of iterations; required when nothing is scanned.
+        reverse, unroll: as in ``jax.lax.scan``.
+        in_axes: an int, ``None`` or a pytree prefix of ``xs`` of those. An int
+            iterates over that axis of the leaves below it; ``None`` broadcasts
+            them: ``f`` gets the same value at every step. Broadcast arrays are
+            passed to the loop as operands (not tiled, not baked in as
+            constants: no retrace under ``jit`` when their values change) and are
+            differentiable. Broadcast non-array leaves (functions, strings, ints,
+            optax transforms) reach ``f`` unchanged and are static.
+        out_axes: an int or a pytree prefix of ``ys``: where the step axis goes in
+            the stacked outputs.
+
+    Returns:
+        ``(final_carry, ys)``, as ``jax.lax.scan``.
+
+    Raises:
+        TypeError: for a badly structured call: ``f`` not callable or not returning
+            a pair, a carry that changes structure, shape or dtype, a non-array
+            leaf to scan over, ``in_axes`` holding other than int/None.
+        ValueError: for bad values: disagreeing lengths, axes out of range, no
+            way to tell the length, an NNX object that ``f`` changes but does not
+            carry.
+
+    Example:
+        >>> import jax.numpy as jnp, scanax
+        >>> def step(total, xw):
+        ...     x, w = xw
+        ...     return total + x @ w, total
+        >>> w = jnp.array([1.0, 2.0])
+        >>> total, partial = scanax.scan(step, 0.0, (jnp.ones((3, 2)), w),
+        ...                              in_axes=(0, None))
+        >>> float(total), partial.tolist()
+        (9.0, [0.0, 3.0, 6.0])
+    """
+    loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
+    dynamic, ys = _call_lowering(codec, f, lambda: run_lax(loop, reverse, unroll))
+    return codec.finish(dynamic), move_out_axes(_CALL, ys, out_axes)
+
+
+def _call_lowering(codec: _CarryCodec, f: Callable, lowering: Callable[[], Any]) -> Any:
+    """Run a lowering, turning NNX's closure-mutation error into scanax's."""
+    nnx_error = _nnx.trace_context_error()
+    if nnx_error is None:
+        return lowering()
+    try:
+        return lowering()
+    except nnx_error as err:
+        raise _errors.nnx_closure_mutation(
+            codec.call, _nnx.reachable_nodes(f), err
+        ) from err
