@@ -1,0 +1,133 @@
+"""Every code example we publish runs: docs pages, the README, and docstrings.
+
+* Each ```` ```python ```` fenced block of ``README.md`` and of every ``docs/*.md`` page
+  runs in order, all blocks of a page sharing one fresh module namespace, inside a
+  temporary working directory: one test per page. Blocks in other languages
+  (```` ```bash ````, ```` ```text ````) are not run. Tracebacks point at the line of
+  the Markdown file.
+* The doctests (``>>>`` examples) in the docstrings of every ``scanax`` module run
+  with ``doctest``: one test per module that has any.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import pkgutil
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import scanax
+
+os.environ.setdefault("MPLBACKEND", "Agg")  # plots in docs must not open windows
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$"
+)
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``(first line number, source)`` of each ```` ```python ```` block, in order.
+
+    The info string must start with ``python`` or ``py`` (``python title="x.py"`` is
+    fine); the block's indentation (e.g. inside a list item) is removed.
+    """
+    blocks = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, info = m["indent"], m["fence"], m["info"].strip()
+        lang = info.split()[0].lower() if info else ""
+        body, start = [], i + 2  # 1-based number of the block's first line
+        i += 1
+        while i < len(lines):
+            stripped = lines[i].strip()
+            if stripped.startswith(fence[0] * len(fence)) and not stripped.strip(
+                fence[0]
+            ):
+                break
+            line = lines[i]
+            body.append(line[len(indent) :] if line.startswith(indent) else line)
+            i += 1
+        i += 1
+        if lang in ("python", "py"):
+            blocks.append((start, "\n".join(body) + "\n"))
+    return blocks
+
+
+def test_python_blocks_parser():
+    text = (
+        "intro\n```python\na = 1\n```\n```bash\nls\n```\n"
+        '- item\n\n    ```python title="x.py"\n    b = a + 1\n    ```\n'
+    )
+    assert python_blocks(text) == [(3, "a = 1\n"), (11, "b = a + 1\n")]
+
+
+def _page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_docs_page(page, tmp_path, monkeypatch):
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    if not blocks:
+        return  # a page without Python code has nothing to check
+    monkeypatch.chdir(tmp_path)
+    name = "scanax_docs_" + re.sub(r"\W", "_", page.stem)
+    module = types.ModuleType(name)
+    module.__file__ = str(page)
+    # Registered so that dataclasses, pickling and typing can find the page's module.
+    monkeypatch.setitem(sys.modules, name, module)
+    for first_line, source in blocks:
+        # Pad so that line numbers in tracebacks are the Markdown file's.
+        code = compile("\n" * (first_line - 1) + source, str(page), "exec")
+        exec(code, module.__dict__)
+
+
+def _modules() -> list[types.ModuleType]:
+    mods = [scanax]
+    for info in pkgutil.walk_packages(scanax.__path__, "scanax."):
+        if info.name != "scanax.__main__":
+            mods.append(importlib.import_module(info.name))
+    return mods
+
+
+_FINDER = doctest.DocTestFinder()
+
+
+def _doctests(module: types.ModuleType) -> list[doctest.DocTest]:
+    return [t for t in _FINDER.find(module) if t.examples]
+
+
+_DOCTEST_MODULES = [m for m in _modules() if _doctests(m)]
+
+
+@pytest.mark.parametrize("module", _DOCTEST_MODULES, ids=lambda m: m.__name__)
+def test_docstring_examples(module, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    runner = doctest.DocTestRunner(optionflags=flags)
+    report: list[str] = []
+    for test in _doctests(module):
+        runner.run(test, out=report.append)
+    results = runner.summarize(verbose=False)
+    assert results.attempted > 0
+    assert results.failed == 0, "".join(report)
+
+
+def test_scan_docstring_has_an_example():
+    """The core's docstring example is among those the suite runs."""
+    names = {t.name for m in _DOCTEST_MODULES for t in _doctests(m)}
+    assert "scan" in {n.rsplit(".", 1)[-1] for n in names}
