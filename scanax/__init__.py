@@ -3,6 +3,7 @@ fused training loops for JAX, Flax NNX, Equinox and plain pytrees."""
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from ._fit import FitResult as FitResult, fit as fit
 from ._scan import scan as scan
 
 try:

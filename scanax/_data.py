@@ -1,0 +1,209 @@
+"""Where ``scanax.fit`` gets its batches: arrays on device, or an iterable of host batches.
+
+Array data is sampled on device: step ``t`` of training uses batch ``t % per_epoch``
+of epoch ``t // per_epoch``, whose order is ``jr.permutation(jr.fold_in(key, epoch),
+n)`` (in order when ``key`` is None). Everything is a function of the global step, so
+results do not depend on how steps are grouped into calls. An incomplete last batch
+of each epoch is dropped.
+
+Iterable data is consumed in order on the host, stacked ``steps_per_call`` batches at
+a time and moved to the device while the previous chunk trains.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+from . import _errors
+from ._axes import is_array
+
+_CALL = "scanax.fit"
+
+
+def is_array_data(data: Any) -> bool:
+    """True when ``data`` is a (non-empty) pytree of arrays rather than an iterable."""
+    leaves = jtu.tree_leaves(data)
+    return bool(leaves) and all(is_array(x) for x in leaves)
+
+
+class ArraySource:
+    """A pytree of arrays with a leading example axis, sampled on device."""
+
+    kind = "array"
+
+    def __init__(self, data: Any, batch_size: Any, key: Any):
+        rows = [
+            (jtu.keystr(p), x.shape[0] if x.ndim else None, _errors.short_type(x))
+            for p, x in jtu.tree_flatten_with_path(data)[0]
+        ]
+        if any(n is None for _, n, _ in rows) or len({n for _, n, _ in rows}) > 1:
+            body = _errors.listing(
+                [(f"data{p}", f"{t}: {'no leading axis' if n is None else n}")
+                 for p, n, t in rows]
+            )
+            raise ValueError(
+                f"{_CALL}: the arrays in `data` must share their leading (example) "
+                f"axis, found:\n{body}\nFix: give every leaf the same number of "
+                "examples along axis 0."
+            )
+        self.n = rows[0][1]
+        if batch_size is None:
+            raise TypeError(
+                f"{_CALL}: `data` is a pytree of arrays ({self.n} examples) but "
+                "`batch_size` is None.\nFix: pass batch_size=... (examples per step), "
+                "or pass an iterable of ready-made batches as `data`."
+            )
+        self.batch_size = positive_int("batch_size", batch_size)
+        if self.batch_size > self.n:
+            raise ValueError(
+                f"{_CALL}: batch_size={self.batch_size} is larger than the data "
+                f"({self.n} examples along axis 0).\nFix: pass batch_size <= {self.n}."
+            )
+        self.per_epoch = self.n // self.batch_size
+        self.shuffle = key is not None
+        self.key = key if key is not None else jr.key(0)
+        self.data = data
+        self.static = ("array", self.n, self.batch_size, self.shuffle)
+
+    # -- on device, inside the compiled chunk: functions of the global step only --
+
+    def permutation(self, key: Any, t: Any) -> Any:
+        """The example order of the epoch that step ``t`` belongs to."""
+        if not self.shuffle:
+            return jnp.zeros((0,), jnp.int32)
+        epoch = t // self.per_epoch
+        return jr.permutation(jr.fold_in(key, epoch), self.n).astype(jnp.int32)
+
+    def next_permutation(self, key: Any, t: Any, perm: Any) -> Any:
+        if not self.shuffle:
+            return perm
+        return jax.lax.cond(
+            t % self.per_epoch == 0,
+            lambda: self.permutation(key, t),
+            lambda: perm,
+        )
+
+    def batch(self, data: Any, perm: Any, t: Any) -> Any:
+        start = (t % self.per_epoch) * self.batch_size
+        if self.shuffle:
+            idx = jax.lax.dynamic_slice(perm, (start,), (self.batch_size,))
+            return jtu.tree_map(lambda x: jnp.take(x, idx, axis=0), data)
+        return jtu.tree_map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.batch_size), data
+        )
+
+
+class IterSource:
+    """An iterable of host batches, stacked into chunks of ``steps_per_call``."""
+
+    kind = "iter"
+
+    def __init__(self, data: Any):
+        try:
+            self.iterator: Iterator = iter(data)
+        except TypeError as err:
+            raise TypeError(
+                f"{_CALL}: `data` must be a pytree of arrays (with batch_size) or an "
+                f"iterable of batches, got {_errors.short_type(data)}.\nFix: pass "
+                "arrays with a leading example axis, or an iterator of batches."
+            ) from err
+        self.consumed = 0  # batches taken from the iterator so far
+        self.treedef = None
+        self.types: list[tuple[tuple[int, ...], Any]] = []
+        self.paths: list[str] = []
+        self.static = ("iter",)
+
+    def skip(self, count: int) -> int:
+        """Drop ``count`` batches (to resume); returns how many there were."""
+        skipped = sum(1 for _ in itertools.islice(self.iterator, count))
+        self.consumed += skipped
+        return skipped
+
+    def take(self, count: int, length: int) -> tuple[Any, int] | None:
+        """Up to ``count`` batches stacked on a new leading axis (host arrays),
+        padded to ``length`` with zeros, and how many are real; None when done."""
+        batches = list(itertools.islice(self.iterator, count))
+        if not batches:
+            return None
+        self.consumed += len(batches)
+        columns = [self._leaves(b, self.consumed - len(batches) + k)
+                   for k, b in enumerate(batches)]
+        stacked = []
+        for j, (shape, dtype) in enumerate(self.types):
+            col = np.empty((length, *shape), dtype)
+            for k, leaves in enumerate(columns):
+                col[k] = leaves[j]
+            if len(batches) < length:
+                col[len(batches):] = 0
+            stacked.append(col)
+        return jtu.tree_unflatten(self.treedef, stacked), len(batches)
+
+    def _leaves(self, batch: Any, index: int) -> list[np.ndarray]:
+        flat, treedef = jtu.tree_flatten_with_path(batch)
+        leaves = [np.asarray(x) for _, x in flat]
+        if self.treedef is None:
+            self.treedef = treedef
+            self.paths = [jtu.keystr(p) for p, _ in flat]
+            self.types = [(x.shape, x.dtype) for x in leaves]
+            return leaves
+        if treedef != self.treedef:
+            raise TypeError(
+                f"{_CALL}: batch {index} of `data` has structure {treedef}, but the "
+                f"first batch had {self.treedef}.\nFix: yield batches of one "
+                "structure."
+            )
+        rows = [
+            (f"batch{p}", f"{_errors.short_type(x)}, first batch had "
+             f"{np.dtype(d).name}[{', '.join(map(str, s))}]")
+            for p, x, (s, d) in zip(self.paths, leaves, self.types)
+            if x.shape != s or x.dtype != d
+        ]
+        if rows:
+            raise TypeError(
+                f"{_CALL}: batch {index} of `data` differs in shape or dtype from the "
+                f"first batch:\n{_errors.listing(rows)}\nFix: yield batches of one "
+                "shape (drop or pad an incomplete last batch)."
+            )
+        return leaves
+
+
+def positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value > 0:
+                return value
+            raise ValueError(
+                f"{_CALL}: `{name}` must be a positive int, got {value}.\nFix: pass "
+                f"{name}=1 or more."
+            )
+    raise TypeError(
+        f"{_CALL}: `{name}` must be a positive int, got "
+        f"{_errors.short_type(value)}.\nFix: pass an int, e.g. {name}=100."
+    )
+
+
+def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSource:
+    """Array data when ``batch_size`` is given (or ``data`` is a non-list pytree of
+    arrays, to report the missing ``batch_size``); otherwise an iterable of batches."""
+    if batch_size is None and (isinstance(data, list) or not is_array_data(data)):
+        return IterSource(data)
+    if not is_array_data(data):
+        raise TypeError(
+            f"{_CALL}: `batch_size` is for array data, but `data` is "
+            f"{_errors.short_type(data)}, not a pytree of arrays.\nFix: drop "
+            "batch_size for an iterable of ready-made batches, or pass arrays."
+        )
+    return ArraySource(data, batch_size, key)

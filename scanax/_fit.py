@@ -1,0 +1,341 @@
+"""``scanax.fit``: many optimizer steps fused into one compiled ``lax.scan`` per call."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+from . import _data, _errors, _models
+from ._scan import scan
+
+_CALL = "scanax.fit"
+_DEFAULT_STEPS_PER_CALL = 100
+_CACHE_SIZE = 32
+
+# Compiled chunk functions, keyed on (loss_fn, model structure, data layout, length):
+# a second ``fit`` of a same-structured model with the same loss_fn reuses them.
+_CHUNKS: collections.OrderedDict = collections.OrderedDict()
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What ``scanax.fit`` returns.
+
+    Attributes:
+        model: the trained model. NNX: the object passed in, updated in place;
+            Equinox/pytree and TrainState: a new one.
+        optimizer: NNX: the ``nnx.Optimizer`` passed in, updated in place; optax: the
+            final optax state; TrainState: None (the state is ``model``).
+        history: per-step numpy arrays, one entry per applied step: ``"loss"`` and
+            every metric that ``loss_fn`` returns.
+        steps: the number of optimizer steps applied.
+    """
+
+    model: Any
+    optimizer: Any
+    history: dict[str, np.ndarray]
+    steps: int
+
+
+def fit(
+    model: Any,
+    optimizer: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    data: Any,
+    *,
+    steps: int,
+    batch_size: int | None = None,
+    key: Any = None,
+    steps_per_call: int | None = None,
+    progress: bool = True,
+    checkpoint_dir: Any = None,
+    checkpoint_every: int | None = None,
+    mesh: Any = None,
+) -> FitResult:
+    """Train ``model`` for ``steps`` optimizer steps, ``steps_per_call`` of them fused
+    into each compiled ``lax.scan``.
+
+    Conceptually equivalent to (NNX shown; the other kinds do the same with their
+    own update)::
+
+        for t in range(steps):
+            batch = next_batch(data, t)
+            (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+                model, batch)
+            if not all_finite(loss, grads):
+                warn(...); break
+            optimizer.update(model, grads)
+            history.append(loss, metrics)
+
+    Arguments:
+        model, optimizer: one of the supported pairs:
+            ``(nnx.Module, nnx.Optimizer)``: both updated in place;
+            ``(Equinox module or any pytree of arrays, optax.GradientTransformation)``:
+            the floating-point arrays are trained, starting from ``tx.init``;
+            ``(flax TrainState, None)``: the state's own ``tx`` is used.
+        loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, metrics)``, with a
+            scalar floating-point loss and a dict of array metrics. For a
+            TrainState it receives the state holding the parameters being
+            differentiated.
+        data: a pytree of arrays with a leading example axis (with ``batch_size``):
+            minibatches are drawn on device, reshuffled every epoch from ``key`` (in
+            order when ``key`` is None), an incomplete last batch dropped; or an
+            iterable (a list, generator, data loader...) of batches, consumed in
+            order; training ends early, cleanly, when it runs out.
+        steps: the number of optimizer steps (at most, for an iterable).
+        batch_size: examples per step, for array data.
+        key: a ``jax.random`` key for shuffling array data.
+        steps_per_call: steps run per compiled call; the progress bar, NaN check and
+            checkpoints happen between calls. Results do not depend on it. Default:
+            ``min(steps, 100)``.
+        progress: show a tqdm bar with steps/s and the latest loss.
+        checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
+            ``docs/checkpoint.md``.
+        mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
+            over; see ``docs/multi_device.md``.
+
+    Returns:
+        A :class:`FitResult` ``(model, optimizer, history, steps)``.
+
+    Raises:
+        TypeError: an unsupported (model, optimizer) pair, a non-scalar loss,
+            ``steps`` or ``batch_size`` not an int, missing ``batch_size``.
+        ValueError: arrays in ``data`` with different leading sizes, a
+            ``batch_size`` larger than the data, a non-positive ``steps``.
+
+    A step whose loss or gradients are not finite is not applied: training stops
+    there with a ``RuntimeWarning`` naming the step, and the result holds the last
+    good state.
+    """
+    steps = _data.positive_int("steps", steps)
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{_CALL}: `loss_fn` must be callable as loss_fn(model, batch) -> loss, "
+            f"got {_errors.short_type(loss_fn)}.\nFix: pass the loss function third: "
+            "fit(model, optimizer, loss_fn, data, steps=...)."
+        )
+    adapter = _models.adapt(model, optimizer)
+    source = _data.make_source(data, batch_size, key)
+    if steps_per_call is None:
+        length = min(steps, _DEFAULT_STEPS_PER_CALL)
+    else:
+        length = min(steps, _data.positive_int("steps_per_call", steps_per_call))
+    run = _Run(adapter, source, loss_fn, steps, length, progress)
+    return run.go()
+
+
+# ---------------------------------------------------------------------------- compile
+
+
+def _chunk_function(adapter: Any, source: Any, loss_fn: Callable, length: int):
+    """The jitted ``chunk(state, stopped, start, end, data, key, xs)``, cached."""
+    cache_key = None
+    if adapter.static is not None:
+        try:
+            cache_key = (loss_fn, adapter.static, source.static, length)
+            hash(cache_key)
+        except TypeError:
+            cache_key = None
+    if cache_key is not None and cache_key in _CHUNKS:
+        _CHUNKS.move_to_end(cache_key)
+        return _CHUNKS[cache_key]
+    fn = jax.jit(_build_chunk(adapter.make_step(loss_fn), source, length))
+    if cache_key is not None:
+        _CHUNKS[cache_key] = fn
+        while len(_CHUNKS) > _CACHE_SIZE:
+            _CHUNKS.popitem(last=False)
+    return fn
+
+
+def _build_chunk(step: Callable, source: Any, length: int) -> Callable:
+    on_device = source.kind == "array"
+
+    def guarded(state, batch):
+        """One step, not applied when its loss or gradients are not finite."""
+        new, loss, metrics, grads = step(state, batch)
+        loss_ok = jnp.isfinite(loss)
+        grads_ok = jnp.array(True)
+        for g in jtu.tree_leaves(grads):
+            grads_ok = grads_ok & jnp.all(jnp.isfinite(g))
+        ok = loss_ok & grads_ok
+        new = jtu.tree_map(lambda a, b: jnp.where(ok, a, b), new, state)
+        return new, (loss, metrics, loss_ok, grads_ok)
+
+    def chunk(state, stopped, start, end, data, key, xs):
+        with jax.named_scope("scanax.fit"):
+            ts = start + jnp.arange(length, dtype=jnp.int32)
+            perm = source.permutation(key, start) if on_device else None
+
+            def body(carry, x):
+                state, stopped, perm = carry
+                if on_device:
+                    t = x
+                    perm = source.next_permutation(key, t, perm)
+                    batch = source.batch(data, perm, t)
+                else:
+                    t, batch = x
+                active = (t < end) & ~stopped
+                _, out_type = jax.eval_shape(guarded, state, batch)
+                state, (loss, metrics, loss_ok, grads_ok) = jax.lax.cond(
+                    active,
+                    lambda s: guarded(s, batch),
+                    lambda s: (s, _zeros(out_type)),
+                    state,
+                )
+                ok = loss_ok & grads_ok
+                stopped = stopped | (active & ~ok)
+                ys = {
+                    "loss": loss,
+                    "metrics": metrics,
+                    "applied": active & ok,
+                    "loss_ok": loss_ok,
+                    "grads_ok": grads_ok,
+                }
+                return (state, stopped, perm), ys
+
+            (state, stopped, _), ys = scan(
+                body, (state, stopped, perm), ts if on_device else (ts, xs)
+            )
+            return state, stopped, ys
+
+    return chunk
+
+
+def _zeros(tree: Any) -> Any:
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def _strong(tree: Any) -> Any:
+    """Drop weak types (a carry must keep its type; restored checkpoints lose them)."""
+    return jtu.tree_map(
+        lambda x: jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x,
+        tree,
+    )
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+class _Run:
+    """One ``fit`` call: dispatch chunks, keep one in flight, collect history."""
+
+    def __init__(self, adapter, source, loss_fn, steps, length, progress):
+        self.adapter, self.source, self.steps, self.length = (
+            adapter,
+            source,
+            steps,
+            length,
+        )
+        self.fn = _chunk_function(adapter, source, loss_fn, length)
+        self.state = _strong(adapter.state)
+        self.stopped = jnp.array(False)
+        self.done = 0  # steps applied
+        self.history: dict[str, list[np.ndarray]] = {"loss": []}
+        self.halted = False
+        self.bar = _progress_bar(steps) if progress else None
+        if source.kind == "array":
+            self.data = jax.device_put(source.data)
+            self.key = source.key
+        else:
+            self.data, self.key = None, jr.key(0)
+
+    def _chunks(self) -> Iterator[tuple[int, int, Any]]:
+        """``(start, end, xs)`` for each call; host batches are put on device here,
+        which for the next chunk overlaps the previous chunk's training."""
+        start = 0
+        while start < self.steps and not self.halted:
+            want = min(self.length, self.steps - start)
+            if self.source.kind == "array":
+                yield start, start + want, None
+                start += want
+                continue
+            taken = self.source.take(want, self.length)
+            if taken is None:
+                return
+            xs, count = taken
+            yield start, start + count, jax.device_put(xs)
+            start += count
+
+    def go(self) -> FitResult:
+        pending = None
+        try:
+            chunks = self._chunks()
+            nxt = next(chunks, None)
+            while nxt is not None:
+                start, end, xs = nxt
+                self.state, self.stopped, ys = self.fn(
+                    self.state,
+                    self.stopped,
+                    np.int32(start),
+                    np.int32(end),
+                    self.data,
+                    self.key,
+                    xs,
+                )
+                nxt = next(chunks, None)  # prefetch while this chunk trains
+                if pending is not None:
+                    self._collect(*pending)
+                pending = (start, end, ys)
+                if self.halted:
+                    break
+            if pending is not None:
+                self._collect(*pending)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        model, optimizer = self.adapter.finish(self.state)
+        history = {
+            k: np.concatenate(v) if v else np.zeros((0,), np.float32)
+            for k, v in self.history.items()
+        }
+        return FitResult(model, optimizer, history, self.done)
+
+    def _collect(self, start: int, end: int, ys: Any) -> None:
+        ys = jax.device_get(ys)
+        applied = ys["applied"]
+        count = int(applied.sum())
+        self.history["loss"].append(ys["loss"][:count])
+        for name, value in ys["metrics"].items():
+            self.history.setdefault(name, []).append(np.asarray(value)[:count])
+        self.done += count
+        if self.bar is not None and count:
+            self.bar.update(count)
+            self.bar.set_postfix(loss=f"{float(ys['loss'][count - 1]):.4g}")
+        if not self.halted and start + count < end:
+            self.halted = True
+            i = count
+            self._warn(start + i, ys["loss"][i], ys["loss_ok"][i], ys["grads_ok"][i])
+
+    def _warn(self, t: int, loss: Any, loss_ok: Any, grads_ok: Any) -> None:
+        what = []
+        if not loss_ok:
+            what.append(f"a non-finite loss ({float(loss)})")
+        if not grads_ok:
+            what.append("non-finite gradients")
+        warnings.warn(
+            f"{_CALL}: step {t} gave {' and '.join(what)}; training stopped before "
+            f"applying it. The result holds the state after {self.done} good steps.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _progress_bar(total: int) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as err:
+        raise ImportError(
+            f"{_CALL}: progress=True needs tqdm, which is not installed.\nFix: `pip "
+            "install tqdm` (or `scanax[progress]`), or pass progress=False."
+        ) from err
+    return tqdm(total=total, unit="step", desc=_CALL, dynamic_ncols=True)
+

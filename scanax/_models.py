@@ -1,0 +1,263 @@
+"""Model kinds for ``scanax.fit``: NNX, optax over a pytree (Equinox), flax TrainState.
+
+Each adapter reduces a ``(model, optimizer)`` pair to a pytree of arrays (``state``),
+a hashable description of everything else (``static``: same ``static`` means the same
+compiled step), a pure ``step(state, batch)`` and a way back to the user's objects.
+This is the only module of ``fit`` that touches flax; it imports nothing from a
+framework the user has not already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _errors, _nnx
+from ._axes import is_array
+
+_CALL = "scanax.fit"
+
+SUPPORTED = (
+    "  (nnx.Module, nnx.Optimizer)          e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)\n"
+    "  (Equinox module or pytree of arrays, optax.GradientTransformation)\n"
+    "  (flax.training.train_state.TrainState, None)   its own `tx` is used"
+)
+
+
+def split_loss(call: str, out: Any) -> tuple[Any, dict]:
+    """``loss`` or ``(loss, metrics)`` from a ``loss_fn`` result, checked."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise TypeError(
+                f"{call}: `loss_fn` returned a tuple of {len(out)} "
+                f"({', '.join(_errors.short_type(x) for x in out)}); expected a scalar "
+                "loss or a pair (loss, metrics) with metrics a dict of arrays.\n"
+                "Fix: return `loss` or `(loss, {'name': value, ...})`."
+            )
+        loss, metrics = out
+    else:
+        loss, metrics = out, {}
+    shape = getattr(loss, "shape", None)
+    dtype = getattr(loss, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{call}: `loss_fn` must return a scalar floating-point loss, got "
+            f"{_errors.short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
+            "over the batch."
+        )
+    for path, leaf in jtu.tree_flatten_with_path(metrics)[0]:
+        if not hasattr(leaf, "shape"):
+            raise TypeError(
+                f"{call}: metric metrics{jtu.keystr(path)} is "
+                f"{_errors.short_type(leaf)}, expected an array.\nFix: return jax "
+                "arrays (e.g. `jnp.mean(...)`) as metrics."
+            )
+    return loss, metrics
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        return None
+    return x
+
+
+class NNXAdapter:
+    """``(nnx.Module, nnx.Optimizer)``: both carried as one ``nnx.split`` state."""
+
+    kind = "nnx"
+
+    def __init__(self, model: Any, optimizer: Any):
+        self.objects = (model, optimizer)
+        self.graphdef, self.state = _nnx.split([model, optimizer])
+        self.static = _hashable(("nnx", self.graphdef))
+
+    def make_step(self, loss_fn: Callable) -> Callable:
+        nnx = sys.modules["flax.nnx"]
+        graphdef = self.graphdef
+
+        def step(state, batch):
+            model, optimizer = nnx.merge(graphdef, state)
+            grad_fn = nnx.value_and_grad(
+                lambda m, b: split_loss(_CALL, loss_fn(m, b)),
+                argnums=nnx.DiffState(0, optimizer.wrt),
+                has_aux=True,
+            )
+            (loss, metrics), grads = grad_fn(model, batch)
+            optimizer.update(model, grads)
+            return nnx.split([model, optimizer])[1], loss, metrics, grads
+
+        return step
+
+    def finish(self, state: Any) -> tuple[Any, Any]:
+        _nnx.update(list(self.objects), state)
+        return self.objects
+
+
+class OptaxAdapter:
+    """A pytree of parameters (an Equinox module, a dict...) and an optax transform.
+
+    As in Equinox, the floating-point arrays are trained, other arrays are carried
+    unchanged and every other leaf is static. The optax state is ``tx.init`` of the
+    model with ``None`` at every leaf that is not trained (``eqx.filter(model,
+    eqx.is_inexact_array)``).
+    """
+
+    kind = "optax"
+
+    def __init__(self, model: Any, tx: Any):
+        leaves, self.treedef = jtu.tree_flatten(model)
+        self.leaves = leaves
+        self.train = tuple(i for i, x in enumerate(leaves) if _is_inexact(x))
+        self.other = tuple(
+            i for i, x in enumerate(leaves) if is_array(x) and not _is_inexact(x)
+        )
+        dynamic = set(self.train) | set(self.other)
+        statics = tuple((i, x) for i, x in enumerate(leaves) if i not in dynamic)
+        self.tx = tx
+        params = [leaves[i] for i in self.train]
+        others = [leaves[i] for i in self.other]
+        opt_state = tx.init(self._filtered(params))
+        self.state = {"params": params, "other": others, "opt_state": opt_state}
+        self.static = _hashable(
+            ("optax", self.treedef, self.train, self.other, statics, tx)
+        )
+
+    def _filtered(self, params: list[Any]) -> Any:
+        leaves: list[Any] = [None] * len(self.leaves)
+        for i, p in zip(self.train, params):
+            leaves[i] = p
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def _model(self, params: list[Any], others: list[Any]) -> Any:
+        leaves = list(self.leaves)
+        for i, p in zip(self.train, params):
+            leaves[i] = p
+        for i, a in zip(self.other, others):
+            leaves[i] = a
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def make_step(self, loss_fn: Callable) -> Callable:
+        tx = self.tx
+
+        def step(state, batch):
+            params, others = state["params"], state["other"]
+
+            def objective(p):
+                return split_loss(_CALL, loss_fn(self._model(p, others), batch))
+
+            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
+                params
+            )
+            updates, opt_state = tx.update(
+                self._filtered(grads), state["opt_state"], self._filtered(params)
+            )
+            flat = jtu.tree_leaves(updates)
+            new = [(p + u).astype(p.dtype) for p, u in zip(params, flat)]
+            out = {"params": new, "other": others, "opt_state": opt_state}
+            return out, loss, metrics, grads
+
+        return step
+
+    def finish(self, state: Any) -> tuple[Any, Any]:
+        return self._model(state["params"], state["other"]), state["opt_state"]
+
+
+class TrainStateAdapter:
+    """A flax ``TrainState``: ``loss_fn(state, batch)``, then ``apply_gradients``."""
+
+    kind = "trainstate"
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.static = _hashable(("trainstate", jtu.tree_structure(state)))
+
+    def make_step(self, loss_fn: Callable) -> Callable:
+        def step(state, batch):
+            def objective(params):
+                return split_loss(_CALL, loss_fn(state.replace(params=params), batch))
+
+            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
+                state.params
+            )
+            return state.apply_gradients(grads=grads), loss, metrics, grads
+
+        return step
+
+    def finish(self, state: Any) -> tuple[Any, Any]:
+        return state, None
+
+
+def _is_inexact(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _is_train_state(x: Any) -> bool:
+    mod = sys.modules.get("flax.training.train_state")
+    return mod is not None and isinstance(x, mod.TrainState)
+
+
+def _is_gradient_transformation(x: Any) -> bool:
+    optax = sys.modules.get("optax")
+    return optax is not None and isinstance(x, optax.GradientTransformation)
+
+
+def _is_nnx_optimizer(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Optimizer)
+
+
+def adapt(model: Any, optimizer: Any) -> NNXAdapter | OptaxAdapter | TrainStateAdapter:
+    """The adapter for a ``(model, optimizer)`` pair, or a TypeError naming the fix."""
+    if _is_train_state(model):
+        if optimizer is not None:
+            raise _bad_pair(
+                model,
+                optimizer,
+                "a TrainState carries its own optimizer (`tx`).\nFix: pass "
+                "optimizer=None.",
+            )
+        return TrainStateAdapter(model)
+    if _nnx.is_node(model):
+        if _is_nnx_optimizer(optimizer):
+            return NNXAdapter(model, optimizer)
+        fix = "Fix: pass nnx.Optimizer(model, tx, wrt=nnx.Param) as the optimizer."
+        raise _bad_pair(model, optimizer, fix)
+    if _is_gradient_transformation(optimizer):
+        bad = [
+            (jtu.keystr(p), _errors.short_type(x))
+            for p, x in jtu.tree_flatten_with_path(model, is_leaf=_nnx.is_node)[0]
+            if _nnx.is_node(x)
+        ]
+        if bad:
+            raise TypeError(
+                f"{_CALL}: the model holds NNX objects, which an optax "
+                f"transformation cannot train:\n{_errors.listing(bad)}\nFix: pass "
+                "an nnx.Module with nnx.Optimizer(model, tx, wrt=nnx.Param)."
+            )
+        if not any(_is_inexact(x) for x in jtu.tree_leaves(model)):
+            raise TypeError(
+                f"{_CALL}: the model ({_errors.short_type(model)}) has no "
+                "floating-point arrays to train.\nFix: pass an Equinox module or a "
+                "pytree whose parameters are floating-point jax arrays."
+            )
+        return OptaxAdapter(model, optimizer)
+    if _is_nnx_optimizer(optimizer):
+        fix = "Fix: pass the nnx.Module that the nnx.Optimizer was built for."
+    else:
+        fix = "Fix: pass one of the supported pairs."
+    raise _bad_pair(model, optimizer, fix)
+
+
+def _bad_pair(model: Any, optimizer: Any, fix: str) -> TypeError:
+    return TypeError(
+        f"{_CALL}: unsupported (model, optimizer) pair "
+        f"({_errors.short_type(model)}, {_errors.short_type(optimizer)}); the "
+        f"supported pairs are:\n{SUPPORTED}\n{fix}"
+    )
