@@ -1,0 +1,164 @@
+"""Recurrent cell protocols: detection, default states and one uniform step.
+
+``scanax.rnn`` accepts cells written against different conventions. Each cell is
+matched, without annotation, to one protocol, which gives a uniform
+``step(cell, state, x) -> (state, y)``:
+
+- ``flax``: Flax NNX cells (anything with ``initialize_carry``, e.g. ``nnx.GRUCell``,
+  ``nnx.LSTMCell``, ``nnx.OptimizedLSTMCell``, ``nnx.SimpleCell``):
+  ``cell(carry, x) -> (carry, y)``; batched natively.
+- ``eqx_gru``: ``eqx.nn.GRUCell``: ``cell(x, h) -> h``, output ``h``; unbatched, so it
+  is vmapped over any batch axes.
+- ``eqx_lstm``: ``eqx.nn.LSTMCell``: ``cell(x, (h, c)) -> (h, c)``, output ``h``;
+  unbatched.
+- ``state``: any other callable with ``cell(h, x) -> h`` (the output is the new state).
+- ``pair``: any other callable with ``cell(carry, x) -> (carry, y)``.
+
+Nothing here imports a framework: Flax and Equinox are looked up in ``sys.modules``
+(if the user has such a cell, its framework is already imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from ._errors import short_type
+
+SUPPORTED = (
+    "  - `cell(h, x) -> h` (any callable; the output is the new state h)\n"
+    "  - `cell(carry, x) -> (carry, y)` (any callable, and Flax NNX cells: "
+    "nnx.GRUCell, nnx.LSTMCell, nnx.OptimizedLSTMCell, nnx.SimpleCell)\n"
+    "  - eqx.nn.GRUCell: `cell(x, h) -> h`\n"
+    "  - eqx.nn.LSTMCell: `cell(x, (h, c)) -> (h, c)`, output h"
+)
+
+# Attribute names that give a generic cell's widths (the seed's cells have `dim`,
+# their state width).
+_IN_ATTRS = ("input_size", "in_features")
+_OUT_ATTRS = ("hidden_size", "hidden_features", "dim")
+
+
+def _attr_int(cell: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(cell, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _is_nnx_cell(cell: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return (
+        nnx is not None
+        and nnx.graph.is_graph_node(cell)
+        and callable(getattr(cell, "initialize_carry", None))
+    )
+
+
+def _eqx_kind(cell: Any) -> str | None:
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return None
+    if isinstance(cell, eqx.nn.GRUCell):
+        return "eqx_gru"
+    if isinstance(cell, eqx.nn.LSTMCell):
+        return "eqx_lstm"
+    return None
+
+
+@dataclasses.dataclass
+class Cell:
+    """How to run one cell: its protocol, widths and batch handling."""
+
+    kind: str  # "flax", "eqx_gru", "eqx_lstm", "state", "pair", or "?" (undecided)
+    in_width: int | None
+    out_width: int | None
+    n_batch: int = 0  # batch axes to vmap over (unbatched Equinox cells only)
+
+    @property
+    def unbatched(self) -> bool:
+        return self.kind in ("eqx_gru", "eqx_lstm")
+
+    def default_state(self, cell: Any, batch: tuple[int, ...], dtype: Any) -> Any:
+        """The state ``init=None`` stands for, or None if it cannot be told."""
+        if self.kind == "flax":
+            from flax import nnx
+
+            # The rng is only used by random carry initialisers; zeros ignore it.
+            return cell.initialize_carry((*batch, self.in_width), rngs=nnx.Rngs(0))
+        if self.kind in ("eqx_gru", "eqx_lstm"):
+            zeros = jnp.zeros((*batch, cell.hidden_size), cell.weight_hh.dtype)
+            return zeros if self.kind == "eqx_gru" else (zeros, zeros)
+        if self.out_width is None:
+            return None
+        return jnp.zeros((*batch, self.out_width), dtype)
+
+    def step(self, cell: Any, state: Any, x: Any) -> tuple[Any, Any]:
+        """One time step in the uniform form ``(state, x) -> (state, y)``."""
+        if self.kind in ("flax", "pair"):
+            return cell(state, x)
+        if self.kind == "state":
+            new = cell(state, x)
+            return new, new
+        fn = self._eqx_step
+        for _ in range(self.n_batch):
+            fn = jax.vmap(fn, in_axes=(None, 0, 0))
+        return fn(cell, state, x)
+
+    def _eqx_step(self, cell: Any, state: Any, x: Any) -> tuple[Any, Any]:
+        new = cell(x, state)
+        return new, (new if self.kind == "eqx_gru" else new[0])
+
+
+def detect(cell: Any) -> Cell | None:
+    """The protocol of ``cell`` as far as it can be told without running it.
+
+    Returns None for objects that are not callable. Generic callables get kind
+    ``"?"``: :func:`probe_kind` settles between ``state`` and ``pair``.
+    """
+    if _is_nnx_cell(cell):
+        return Cell("flax", getattr(cell, "in_features", None), cell.hidden_features)
+    kind = _eqx_kind(cell)
+    if kind is not None:
+        return Cell(kind, cell.input_size, cell.hidden_size)
+    if not callable(cell):
+        return None
+    return Cell("?", _attr_int(cell, _IN_ATTRS), _attr_int(cell, _OUT_ATTRS))
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    la, ta = jtu.tree_flatten(a)
+    lb, tb = jtu.tree_flatten(b)
+    return ta == tb and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb, strict=True)
+    )
+
+
+def probe_kind(spec: Cell, state: Any, out: Any) -> str | None:
+    """``state`` or ``pair`` from what a generic cell returned, or None if neither."""
+    if _same_types(state, out):
+        return "state"
+    if isinstance(out, (tuple, list)) and len(out) == 2 and _same_types(state, out[0]):
+        return "pair"
+    return None
+
+
+def describe(tree: Any) -> str:
+    leaves = jtu.tree_leaves(tree)
+    if len(leaves) == 1 and jtu.tree_structure(tree).num_nodes == 1:
+        return short_type(leaves[0])
+    return str(jtu.tree_map(short_type, tree)).replace("'", "")
+
+
+def eval_step(spec: Cell, cell: Any, state: Any, x: Any) -> Callable[[], Any]:
+    """A thunk running one step abstractly (``jax.eval_shape``)."""
+    if spec.kind == "?":
+        return lambda: jax.eval_shape(lambda s, v: cell(s, v), state, x)
+    return lambda: jax.eval_shape(lambda s, v: spec.step(cell, s, v), state, x)

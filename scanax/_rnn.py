@@ -1,0 +1,437 @@
+"""``scanax.rnn``: multi-layer recurrent networks over cells of different widths."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _cells
+from ._errors import short_type
+from ._scan import scan
+
+_CALL = "scanax.rnn"
+_ORDERS = ("time", "layer")
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _name(i: int, cell: Any) -> str:
+    return f"cells[{i}] ({type(cell).__name__})"
+
+
+def err_unknown_protocol(i: int, cell: Any, detail: str) -> TypeError:
+    return TypeError(
+        f"{_CALL}: cannot tell how to call {_name(i, cell)}: {detail}.\n"
+        f"Supported cell protocols:\n{_cells.SUPPORTED}\n"
+        "Fix: wrap the cell in a small function or module with one of these "
+        "signatures."
+    )
+
+
+def err_width(i: int, cell: Any, want: int, got: int, source: str) -> ValueError:
+    return ValueError(
+        f"{_CALL}: {_name(i, cell)} expects inputs of width {want}, but {source} "
+        f"has width {got}.\nFix: build {_name(i, cell).split(' ')[0]} with input "
+        f"width {got}, or change the layer before it to output width {want}."
+    )
+
+
+def err_call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
+    return ValueError(
+        f"{_CALL}: {_name(i, cell)} failed on an input {short_type(x)} (width "
+        f"{x.shape[-1]}, from {source}); see the error above.\nFix: check that its "
+        "input width matches the previous layer's output width."
+    )
+
+
+def err_no_state(i: int, cell: Any) -> ValueError:
+    return ValueError(
+        f"{_CALL}: cannot tell the state shape of {_name(i, cell)}: it has none of "
+        f"the attributes {', '.join(_cells._OUT_ATTRS)}.\nFix: pass `init=` with one "
+        "state per cell."
+    )
+
+
+def err_init_count(n_init: int, n_cells: int) -> ValueError:
+    return ValueError(
+        f"{_CALL}: `init` has {n_init} states for {n_cells} cells.\nFix: pass one "
+        "state per cell, as a tuple, or init=None for the cells' default states."
+    )
+
+
+def err_init_type(init: Any) -> TypeError:
+    return TypeError(
+        f"{_CALL}: `init` must be a tuple (or list) of per-layer states or None, got "
+        f"{short_type(init)}.\nFix: pass init=(state_0, state_1, ...), one per cell."
+    )
+
+
+def err_init_state(i: int, cell: Any, got: Any, want: Any) -> TypeError:
+    return TypeError(
+        f"{_CALL}: init[{i}] does not match the state of {_name(i, cell)}:\n"
+        f"  init[{i}]  {_cells.describe(got)}\n  expected  {_cells.describe(want)}\n"
+        f"Fix: pass init[{i}] with the structure, shapes and dtypes expected (the "
+        "batch axes of xs, then the cell's state width)."
+    )
+
+
+def err_seq_lengths_dtype(seq_lengths: Any) -> TypeError:
+    return TypeError(
+        f"{_CALL}: `seq_lengths` must be an integer array, got "
+        f"{short_type(seq_lengths)}.\nFix: pass `jnp.asarray(lengths, jnp.int32)`."
+    )
+
+
+def err_seq_lengths_shape(
+    seq_lengths: Any, batch: tuple[int, ...], xs: Any
+) -> ValueError:
+    return ValueError(
+        f"{_CALL}: `seq_lengths` must have one entry per sequence, shape {batch} (the "
+        f"batch axes of xs {short_type(xs)}), got {short_type(seq_lengths)}.\nFix: "
+        "pass an int array of the batch shape."
+    )
+
+
+def err_xs(xs: Any, time_axis: Any) -> Exception:
+    if not hasattr(xs, "ndim") or not hasattr(xs, "shape"):
+        return TypeError(
+            f"{_CALL}: `xs` must be an array with a time axis and a feature axis, "
+            f"got {short_type(xs)}.\nFix: pass an array such as float32[T, D] or "
+            "float32[T, B, D]."
+        )
+    return ValueError(
+        f"{_CALL}: time_axis={time_axis!r} is not a valid time axis of xs "
+        f"{short_type(xs)}: it must be an axis other than the last (feature) axis.\n"
+        "Fix: use time_axis=0 for time-major [T, B, D] or 1 for batch-major [B, T, D]."
+    )
+
+
+def err_order(order: Any) -> ValueError:
+    return ValueError(
+        f"{_CALL}: `order` must be one of {_ORDERS}, got {order!r}.\nFix: use "
+        "order='time' (time-outer scan, layers unrolled per step; the default) or "
+        "order='layer' (one scan over time per layer)."
+    )
+
+
+def err_no_cells() -> ValueError:
+    return ValueError(f"{_CALL}: `cells` is empty.\nFix: pass at least one cell.")
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _time_axis(xs: Any, time_axis: Any) -> int:
+    if not hasattr(xs, "ndim") or xs.ndim < 2:
+        raise err_xs(xs, time_axis)
+    if isinstance(time_axis, bool):
+        raise err_xs(xs, time_axis)
+    try:
+        ax = operator.index(time_axis)
+    except TypeError as err:
+        raise err_xs(xs, time_axis) from err
+    if not -xs.ndim <= ax < xs.ndim or ax % xs.ndim == xs.ndim - 1:
+        raise err_xs(xs, time_axis)
+    return ax % xs.ndim
+
+
+def _plan(
+    cells: tuple, x0: Any, init: Any, xs_desc: str
+) -> tuple[list[_cells.Cell], tuple]:
+    """Detect every cell's protocol, check widths and build the initial states.
+
+    Runs each cell once abstractly (``jax.eval_shape``) on the previous layer's
+    output, so every error is raised before the real loop is traced.
+    """
+    if init is not None:
+        if not isinstance(init, (tuple, list)):
+            raise err_init_type(init)
+        if len(init) != len(cells):
+            raise err_init_count(len(init), len(cells))
+    batch = tuple(x0.shape[:-1])
+    specs, states = [], []
+    x = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
+    source = f"xs {xs_desc}"
+    for i, cell in enumerate(cells):
+        spec = _cells.detect(cell)
+        if spec is None:
+            raise err_unknown_protocol(i, cell, "it is not callable")
+        if spec.unbatched:
+            spec.n_batch = len(batch)
+        width = x.shape[-1]
+        if spec.in_width is not None and spec.in_width != width:
+            raise err_width(i, cell, spec.in_width, width, source)
+        default = spec.default_state(cell, batch, x0.dtype)
+        if init is None:
+            if default is None:
+                raise err_no_state(i, cell)
+            state = default
+        else:
+            state = init[i]
+            if default is not None and not _same(state, default):
+                raise err_init_state(i, cell, state, default)
+        try:
+            out = _cells.eval_step(spec, cell, state, x)()
+        except Exception as err:
+            raise err_call_failed(i, cell, x, source) from err
+        if spec.kind == "?":
+            spec.kind = _cells.probe_kind(spec, state, out) or "?"
+            if spec.kind == "?":
+                raise err_unknown_protocol(
+                    i,
+                    cell,
+                    f"called as cell(h, x) with h {_cells.describe(state)} it returned "
+                    f"{_cells.describe(out)}: neither a new h of the same type nor a "
+                    "pair (new h, y)",
+                )
+            if spec.kind == "state":
+                out = (out, out)
+        new_state, y = out
+        if not _same(new_state, state):
+            raise err_init_state(i, cell, state, new_state)
+        specs.append(spec)
+        states.append(state)
+        x = y
+        source = f"the output of {_name(i, cell)}"
+    return specs, tuple(states)
+
+
+def _same(a: Any, b: Any) -> bool:
+    la, ta = jtu.tree_flatten(a)
+    lb, tb = jtu.tree_flatten(b)
+    return ta == tb and all(
+        tuple(jnp.shape(x)) == tuple(jnp.shape(y))
+        and jnp.result_type(x) == jnp.result_type(y)
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def _check_seq_lengths(seq_lengths: Any, batch: tuple[int, ...], xs: Any) -> Any:
+    seq_lengths = (
+        jnp.asarray(seq_lengths) if not hasattr(seq_lengths, "dtype") else seq_lengths
+    )
+    if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
+        raise err_seq_lengths_dtype(seq_lengths)
+    if tuple(seq_lengths.shape) != batch:
+        raise err_seq_lengths_shape(seq_lengths, batch, xs)
+    return seq_lengths
+
+
+# ---------------------------------------------------------------------------- loops
+
+
+def _freeze(valid: Any, new: Any, old: Any) -> Any:
+    """``new`` where the step is valid, else ``old``, broadcasting over features."""
+
+    def pick(a, b):
+        v = valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim))
+        return jnp.where(v, a, b)
+
+    return jtu.tree_map(pick, new, old)
+
+
+def _mask_y(valid: Any, y: Any) -> Any:
+    return _freeze(valid, y, jtu.tree_map(jnp.zeros_like, y))
+
+
+def _time_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
+    """One scan over time; every layer runs inside the step (layers unrolled)."""
+    steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
+
+    def step(carry, inp):
+        cells_, x, t = inp
+        new_states = []
+        for spec, cell, state in zip(specs, cells_, carry, strict=True):
+            new, x = spec.step(cell, state, x)
+            if seq_lengths is not None:
+                new = _freeze(t < seq_lengths, new, state)
+            new_states.append(new)
+        if seq_lengths is not None:
+            x = _mask_y(t < seq_lengths, x)
+        return tuple(new_states), x
+
+    return scan(
+        step,
+        states,
+        (cells, xs, steps),
+        reverse=reverse,
+        unroll=unroll,
+        in_axes=(None, 0, 0),
+    )
+
+
+def _layer_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
+    """One scan over time per layer; layer ``i + 1`` reads all of layer ``i``'s ys."""
+    steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
+    finals = []
+    for spec, cell, state in zip(specs, cells, states, strict=True):
+
+        def step(carry, inp, spec=spec):
+            cell_, x, t = inp
+            new, y = spec.step(cell_, carry, x)
+            if seq_lengths is not None:
+                new = _freeze(t < seq_lengths, new, carry)
+            return new, y
+
+        final, xs = scan(
+            step,
+            state,
+            (cell, xs, steps),
+            reverse=reverse,
+            unroll=unroll,
+            in_axes=(None, 0, 0),
+        )
+        finals.append(final)
+    if seq_lengths is not None:
+        valid = steps.reshape((-1,) + (1,) * seq_lengths.ndim) < seq_lengths
+        xs = _mask_y(valid, xs)
+    return tuple(finals), xs
+
+
+# ---------------------------------------------------------------------------- public
+
+
+def rnn(
+    cells: Any,
+    xs: Any,
+    init: Sequence[Any] | None = None,
+    *,
+    seq_lengths: Any = None,
+    reverse: bool = False,
+    time_axis: int = 0,
+    order: str = "time",
+    unroll: int | bool = 1,
+) -> tuple[tuple[Any, ...], Any]:
+    """Run a multi-layer RNN over a sequence: layer ``i + 1`` reads layer ``i``.
+
+    Conceptually equivalent to::
+
+        def rnn(cells, xs, init=None, *, reverse=False, time_axis=0):
+            states = list(init or default_states(cells))
+            ys = []
+            steps = range(T)[::-1] if reverse else range(T)
+            for t in steps:
+                x = xs[t]                      # (time on time_axis)
+                for i, cell in enumerate(cells):
+                    states[i], x = step(cell, states[i], x)
+                ys.append(x)
+            if reverse:
+                ys = ys[::-1]                  # outputs aligned with the inputs
+            return tuple(states), stack(ys, axis=time_axis)
+
+    where ``step`` calls the cell in its own protocol (detected, no annotation):
+    ``cell(h, x) -> h`` (output = new state), ``cell(carry, x) -> (carry, y)`` (Flax
+    NNX cells and any such callable), ``eqx.nn.GRUCell`` ``cell(x, h) -> h`` and
+    ``eqx.nn.LSTMCell`` ``cell(x, (h, c)) -> (h, c)`` (output ``h``). Equinox cells
+    are unbatched: scanax vmaps them over the batch axes of ``xs``.
+
+    Arguments:
+        cells: one cell or a sequence of cells; widths may differ between layers.
+        xs: an array ``[..., D]`` with time on ``time_axis``; the axes other than time
+            and the last (features) are batch axes.
+        init: a tuple (or list) with one state per cell, or None for the cells'
+            default states: their own carry initialiser (NNX ``initialize_carry``,
+            with ``nnx.Rngs(0)``), else zeros of the cell's state width.
+        seq_lengths: optional int array, one length per sequence (the batch shape).
+            Past its length a sequence's states are frozen, so ``final_states`` holds
+            each sequence's state at its last valid step, and its outputs are zero.
+            Costs no memory in ``T`` (no history of states is kept).
+        reverse: process from the last step to the first; ``ys`` stay aligned with
+            ``xs``. With ``seq_lengths``, each sequence starts at its own last valid
+            step.
+        time_axis: 0 for time-major ``[T, B, D]``, 1 for batch-major ``[B, T, D]``.
+        order: ``"time"`` (default): one scan over time with all layers unrolled in
+            its step, the fastest measured. ``"layer"``: one scan over time per layer
+            (layer ``i``'s whole output sequence feeds layer ``i + 1``). Both give
+            the same results.
+        unroll: as in ``jax.lax.scan``.
+
+    Returns:
+        ``(final_states, ys)``: a tuple with one final state per cell, and the last
+        layer's outputs at every step, time on ``time_axis``.
+
+    Raises:
+        TypeError: a cell that follows no supported protocol, ``init`` of the wrong
+            type or with a state of the wrong structure/shape/dtype, non-integer
+            ``seq_lengths``, ``xs`` not an array.
+        ValueError: a cell whose input width differs from the previous layer's
+            output width, a wrong number of ``init`` states, ``seq_lengths`` of the
+            wrong shape, a bad ``time_axis`` or ``order``.
+
+    Example:
+        >>> import jax.numpy as jnp, scanax
+        >>> def cell(h, x):
+        ...     return jnp.tanh(h + x)
+        >>> states, ys = scanax.rnn([cell, cell], jnp.ones((5, 3)), init=(
+        ...     jnp.zeros(3), jnp.zeros(3)))
+        >>> ys.shape
+        (5, 3)
+    """
+    cells = tuple(cells) if isinstance(cells, (tuple, list)) else (cells,)
+    if not cells:
+        raise err_no_cells()
+    if order not in _ORDERS:
+        raise err_order(order)
+    ax = _time_axis(xs, time_axis)
+    xs_t = jnp.moveaxis(xs, ax, 0) if ax else xs
+    batch = tuple(xs_t.shape[1:-1])
+    if seq_lengths is not None:
+        seq_lengths = _check_seq_lengths(seq_lengths, batch, xs)
+    x0 = jax.ShapeDtypeStruct(xs_t.shape[1:], xs_t.dtype)
+    specs, states = _plan(cells, x0, init, short_type(xs))
+    loop = _time_outer if order == "time" else _layer_outer
+    with jax.named_scope("scanax.rnn"):
+        finals, ys = loop(specs, cells, states, xs_t, seq_lengths, reverse, unroll)
+    return finals, (jnp.moveaxis(ys, 0, ax) if ax else ys)
+
+
+def birnn(
+    forward: Any,
+    backward: Any,
+    xs: Any,
+    init: tuple[Any, Any] | None = None,
+    *,
+    seq_lengths: Any = None,
+    time_axis: int = 0,
+    order: str = "time",
+    unroll: int | bool = 1,
+) -> tuple[tuple[tuple[Any, ...], tuple[Any, ...]], Any]:
+    """Bidirectional ``scanax.rnn``: ``forward`` cells read ``xs`` first to last,
+    ``backward`` cells last to first; their outputs are concatenated on the last axis.
+
+    Conceptually equivalent to::
+
+        fwd_states, fwd_ys = scanax.rnn(forward, xs, init_fwd, ...)
+        bwd_states, bwd_ys = scanax.rnn(backward, xs, init_bwd, ..., reverse=True)
+        return (fwd_states, bwd_states), jnp.concatenate([fwd_ys, bwd_ys], axis=-1)
+
+    the same as ``nnx.Bidirectional(nnx.RNN(f), nnx.RNN(b))`` with ``return_carry``.
+
+    Arguments:
+        forward, backward: a cell or a sequence of cells each, as in ``scanax.rnn``.
+        xs, seq_lengths, time_axis, order, unroll: as in ``scanax.rnn`` (with
+            ``seq_lengths``, the backward pass starts at each sequence's last
+            valid step, and outputs past a sequence's length are zero).
+        init: None, or ``(forward_init, backward_init)``, each as ``init`` of
+            ``scanax.rnn``.
+
+    Returns:
+        ``((forward_states, backward_states), ys)``.
+    """
+    if init is None:
+        init = (None, None)
+    elif not isinstance(init, (tuple, list)) or len(init) != 2:
+        raise TypeError(
+            "scanax.birnn: `init` must be None or a pair (forward_init, "
+            f"backward_init), got {short_type(init)}.\nFix: pass init=(fwd, bwd)."
+        )
+    kw = dict(seq_lengths=seq_lengths, time_axis=time_axis, order=order, unroll=unroll)
+    fwd_states, fwd_ys = rnn(forward, xs, init[0], **kw)
+    bwd_states, bwd_ys = rnn(backward, xs, init[1], reverse=True, **kw)
+    return (fwd_states, bwd_states), jnp.concatenate([fwd_ys, bwd_ys], axis=-1)
