@@ -4,7 +4,9 @@ fused training loops for JAX, Flax NNX, Equinox and plain pytrees."""
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from ._fit import FitResult as FitResult, fit as fit
+from ._progress import Progress as Progress
 from ._scan import scan as scan
+from ._until import scan_until as scan_until
 
 try:
     __version__ = _version("scanax")

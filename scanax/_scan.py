@@ -324,6 +324,10 @@ def scan(
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
+    progress: Any = False,
+    remat: Any = False,
+    keep_every: int = 1,
+    keep: Any = "all",
 ) -> tuple[Carry, Y]:
     """Scan ``f`` over ``xs`` while carrying state: ``jax.lax.scan``, and more.
 
@@ -360,6 +364,23 @@ def scan(
             optax transforms) reach ``f`` unchanged and are static.
         out_axes: an int or a pytree prefix of ``ys``: where the step axis goes in
             the stacked outputs.
+        progress: ``False`` (default: no bar, the same program as without the
+            option), ``True``, an int ``every`` or ``scanax.Progress(...)``: a tqdm
+            bar updated from inside the compiled loop every ``every`` steps
+            (default: about 50 updates). Works under ``jit``, ``grad`` and
+            ``vmap`` (one bar for the batch). Needs ``tqdm``.
+        remat: ``False`` (default), ``True`` or a ``jax.checkpoint_policies``
+            policy to checkpoint ``f`` (reverse mode stores the carries and
+            recomputes each step), or ``"sqrt"``: checkpoint chunks of ``√length``
+            steps, so reverse mode stores O(√length) carries for one extra
+            forward pass.
+        keep_every: keep the outputs of every ``keep_every``-th step only:
+            ``ys[keep_every - 1::keep_every]`` (``length // keep_every`` of them).
+        keep: ``"all"`` (default): stack the kept outputs; ``"last"``: the output
+            of the last step run; ``"sum"``/``"mean"``: their sum/mean; or a
+            function ``fn(acc, y) -> acc`` folded over each output leaf (e.g.
+            ``jnp.maximum``). The reductions use O(1) memory.
+            See ``docs/long_scans.md``.
 
     Returns:
         ``(final_carry, ys)``, as ``jax.lax.scan``.
@@ -383,8 +404,19 @@ def scan(
         >>> float(total), partial.tolist()
         (9.0, [0.0, 3.0, 6.0])
     """
+    from . import _long
+
+    options = _long.resolve(
+        _CALL, progress=progress, remat=remat, keep_every=keep_every, keep=keep
+    )
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
-    dynamic, ys = _call_lowering(codec, f, lambda: run_lax(loop, reverse, unroll))
+    if options is None:
+        lowering = lambda: run_lax(loop, reverse, unroll)
+    else:
+        lowering = lambda: options.run(_CALL, loop, reverse, unroll)
+    dynamic, ys = _call_lowering(codec, f, lowering)
+    if options is not None and options.keep != "all":
+        return codec.finish(dynamic), ys
     return codec.finish(dynamic), move_out_axes(_CALL, ys, out_axes)
 
 

@@ -1,0 +1,71 @@
+"""How ``scanax.scan``'s long-scan options (progress, remat, keep) compose.
+
+Each option is a transformation of the :class:`~scanax._scan.Loop` or a lowering of
+it: ``remat=True``/policy checkpoints the body; ``progress`` adds an internal
+counter to the carry and ticks it outside any checkpointed region; ``keep_every``/
+``keep`` and ``remat="sqrt"`` are nested-scan lowerings. With every option off,
+``scanax.scan`` never comes here and runs the plain ``lax.scan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _progress, _remat, _thin
+from ._scan import Loop, run_lax
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    progress: _progress.Progress | None
+    remat: Any
+    keep_every: int
+    keep: Any
+
+    def run(self, call: str, loop: Loop, reverse: bool, unroll: Any) -> Any:
+        thin = self.keep_every != 1 or self.keep != "all"
+        if thin:
+            _thin.check_length(call, loop.length, self.keep_every, self.keep)
+        reporter = None
+        if self.progress is not None and loop.length > 0:
+            reporter = _progress.Reporter(self.progress, loop.length)
+        if self.remat == "sqrt" and loop.length > 0:
+            tick = reporter.tick if reporter else None
+            count = reporter.init() if reporter else None
+            carry, ys, count = _remat.run_sqrt(loop, reverse, unroll, tick, count)
+        else:
+            if self.remat is not None and self.remat != "sqrt":
+                loop = _remat.checkpoint_body(loop, self.remat)
+            if reporter is not None:
+                loop = reporter.wrap(loop)
+            if thin:
+                carry, ys = _thin.run_thinned(
+                    loop, reverse, unroll, self.keep_every, self.keep
+                )
+            else:
+                carry, ys = run_lax(loop, reverse, unroll)
+            if reporter is not None:
+                carry, count = carry
+        if reporter is not None:
+            reporter.close(count)
+        return carry, ys
+
+
+def resolve(
+    call: str, *, progress: Any, remat: Any, keep_every: Any, keep: Any
+) -> Options | None:
+    """Validated options, or None when all are off (the plain ``lax.scan``)."""
+    spec = _progress.resolve(call, progress)
+    remat = _remat.resolve(call, remat)
+    keep_every, keep = _thin.resolve(call, keep_every, keep)
+    thin = keep_every != 1 or keep != "all"
+    if remat == "sqrt" and thin:
+        raise ValueError(
+            f'{call}: remat="sqrt" cannot be combined with keep_every/keep.\nFix: '
+            "use remat=True (checkpoint each step) with keep_every/keep, or keep "
+            'all outputs with remat="sqrt".'
+        )
+    if spec is None and remat is None and not thin:
+        return None
+    return Options(spec, remat, keep_every, keep)

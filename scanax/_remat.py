@@ -1,0 +1,113 @@
+"""``remat=``: gradient checkpointing of the loop body, or of √T-step chunks.
+
+``remat=True`` or a ``jax.checkpoint_policies`` policy checkpoints the body:
+reverse mode stores only the carries (or what the policy saves) and recomputes the
+rest of each step.
+
+``remat="sqrt"`` splits the ``T`` steps into ``T // c`` chunks of ``c = ceil(√T)``
+steps (plus one shorter chunk of the ``T mod c`` remaining steps) and runs an outer
+scan over checkpointed inner scans. Reverse mode stores the carry at each chunk
+boundary, then recomputes one chunk at a time: O(√T) carries and step residuals
+in memory, for one extra forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from ._scan import Loop
+
+
+def resolve(call: str, remat: Any) -> Any:
+    """``None`` (off), ``True``, ``"sqrt"`` or a policy; raises for anything else."""
+    if remat is False or remat is None:
+        return None
+    if remat is True or remat == "sqrt":
+        return remat
+    if isinstance(remat, str):
+        raise ValueError(
+            f'{call}: `remat` must be False, True, "sqrt" or a '
+            f"jax.checkpoint_policies policy, got the string {remat!r}.\nFix: pass "
+            'remat="sqrt" for O(√T) gradient memory, or remat=True to checkpoint '
+            "each step."
+        )
+    if not callable(remat):
+        raise TypeError(
+            f'{call}: `remat` must be False, True, "sqrt" or a '
+            f"jax.checkpoint_policies policy (a callable), got "
+            f"{type(remat).__name__} {remat!r}.\nFix: pass remat=True, "
+            'remat="sqrt" or e.g. remat=jax.checkpoint_policies.dots_saveable.'
+        )
+    return remat
+
+
+def checkpoint_body(loop: Loop, remat: Any) -> Loop:
+    """The loop with a checkpointed body (``remat`` True or a policy)."""
+    policy = None if remat is True else remat
+    body = jax.checkpoint(loop.body, policy=policy, prevent_cse=False)
+    return Loop(body, loop.init, loop.xs, loop.length)
+
+
+def chunk_size(length: int) -> int:
+    return max(1, math.isqrt(length - 1) + 1) if length > 1 else 1
+
+
+def run_sqrt(
+    loop: Loop,
+    reverse: bool,
+    unroll: int | bool,
+    tick: Callable[[Any, int], Any] | None = None,
+    count: Any = None,
+) -> tuple[Any, Any, Any]:
+    """Nested √T checkpointing. Returns ``(carry, ys, count)``.
+
+    ``tick(count, n)`` (the progress bar's) runs in the outer loop, before each
+    chunk of ``n`` steps, outside the checkpointed region, so that recomputing a
+    chunk in the backward pass does not report again.
+    """
+    n = loop.length
+    c = chunk_size(n)
+    outer, rest = divmod(n, c)
+    head = jtu.tree_map(lambda a: a[: outer * c], loop.xs)
+    tail = jtu.tree_map(lambda a: a[outer * c :], loop.xs)
+    chunks = jtu.tree_map(lambda a: a.reshape(outer, c, *a.shape[1:]), head)
+
+    def run_chunk(carry, xs, steps):
+        return jax.lax.scan(
+            loop.body, carry, xs, length=steps, reverse=reverse, unroll=unroll
+        )
+
+    def segment(state, xs, steps):
+        carry, count = state
+        if tick is not None:
+            count = tick(count, steps)
+        inner = jax.checkpoint(
+            lambda c_, x_: run_chunk(c_, x_, steps), prevent_cse=False
+        )
+        carry, ys = inner(carry, xs)
+        return (carry, count), ys
+
+    def run_head(state):
+        state, ys = jax.lax.scan(
+            lambda s, x: segment(s, x, c), state, chunks, length=outer, reverse=reverse
+        )
+        ys = jtu.tree_map(lambda a: a.reshape(outer * c, *a.shape[2:]), ys)
+        return state, ys
+
+    with jax.named_scope("scanax.remat_sqrt"):
+        state = (loop.init, count)
+        if rest and reverse:
+            state, ys_tail = segment(state, tail, rest)
+        state, ys = run_head(state)
+        if rest and not reverse:
+            state, ys_tail = segment(state, tail, rest)
+        if rest:
+            ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
+    carry, count = state
+    return carry, ys, count

@@ -1,0 +1,173 @@
+"""``keep_every=`` and ``keep=``: thinned or reduced per-step outputs.
+
+``keep_every=k`` keeps the outputs ``ys[k - 1::k]`` (the steps whose index ``i``
+has ``(i + 1) % k == 0``; ``T // k`` of them; the same indices with
+``reverse=True``). It runs as an outer scan over ``T // k`` chunks of ``k`` steps,
+each an inner scan of ``k - 1`` steps without outputs and one step whose output is
+kept, plus a scan without outputs over the ``T mod k`` steps left over: nothing
+else is ever stored.
+
+``keep`` then says what to return of the kept outputs: ``"all"`` (stacked, the
+default), ``"last"`` (of the last step run), ``"sum"``, ``"mean"``, or a binary
+function ``fn(acc, y) -> acc`` folded over each leaf in the order the steps run,
+starting from the first kept output. The reductions keep one accumulator: O(1)
+memory in ``T``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _errors
+from ._scan import Loop
+
+_REDUCERS = ("all", "last", "sum", "mean")
+
+
+def resolve(call: str, keep_every: Any, keep: Any) -> tuple[int, Any]:
+    if isinstance(keep_every, bool) or not isinstance(keep_every, int):
+        raise TypeError(
+            f"{call}: `keep_every` must be a positive int, got "
+            f"{type(keep_every).__name__} {keep_every!r}.\nFix: pass e.g. "
+            "keep_every=10 to keep the output of every 10th step (1 keeps all)."
+        )
+    if keep_every < 1:
+        raise ValueError(
+            f"{call}: `keep_every` must be a positive int, got {keep_every}.\n"
+            "Fix: pass e.g. keep_every=10 to keep the output of every 10th step "
+            "(1 keeps all)."
+        )
+    if not (keep in _REDUCERS or callable(keep)):
+        raise ValueError(
+            f'{call}: `keep` must be "all", "last", "sum", "mean" or a '
+            f"function fn(acc, y) -> acc, got {keep!r}.\nFix: pass e.g. "
+            'keep="mean" for the mean output, or keep=jnp.maximum for the running '
+            "maximum."
+        )
+    return keep_every, keep
+
+
+def check_length(call: str, length: int, keep_every: int, keep: Any) -> None:
+    """Reductions without an identity need at least one kept output."""
+    if keep in ("all", "sum") or length // keep_every > 0:
+        return
+    name = keep if isinstance(keep, str) else "a function"
+    raise ValueError(
+        f"{call}: keep={name!r} needs at least one kept output, but the scan has "
+        f"{length} steps and keep_every={keep_every} keeps {length // keep_every}.\n"
+        'Fix: run at least keep_every steps, or use keep="all" or keep="sum".'
+    )
+
+
+def _no_y(body: Callable) -> Callable:
+    return lambda c, x: (body(c, x)[0], None)
+
+
+def _index(tree: Any, i: int) -> Any:
+    return jtu.tree_map(lambda a: a[i], tree)
+
+
+def run_thinned(
+    loop: Loop, reverse: bool, unroll: int | bool, keep_every: int, keep: Any
+) -> tuple[Any, Any]:
+    """Run ``loop`` keeping only the outputs ``keep_every`` and ``keep`` ask for."""
+    k, n = keep_every, loop.length
+    outer, rest = divmod(n, k)
+    head = jtu.tree_map(lambda a: a[: outer * k], loop.xs)
+    tail = jtu.tree_map(lambda a: a[outer * k :], loop.xs)
+    chunks = jtu.tree_map(lambda a: a.reshape(outer, k, *a.shape[1:]), head)
+    body, silent = loop.body, _no_y(loop.body)
+
+    def chunk(carry, xs):
+        """k steps; returns the output of the last one (index k - 1)."""
+        first = _index(xs, slice(0, k - 1))
+        if reverse:
+            carry, y = body(carry, _index(xs, k - 1))
+        if k > 1:
+            carry, _ = jax.lax.scan(
+                silent, carry, first, length=k - 1, reverse=reverse, unroll=unroll
+            )
+        if not reverse:
+            carry, y = body(carry, _index(xs, k - 1))
+        return carry, y
+
+    def skip_tail(carry):
+        if not rest:
+            return carry
+        carry, _ = jax.lax.scan(
+            silent, carry, tail, length=rest, reverse=reverse, unroll=unroll
+        )
+        return carry
+
+    def outer_body(state, xs):
+        carry, acc, started = state
+        carry, y = chunk(carry, xs)
+        acc, out = _fold(keep, acc, y, started)
+        return (carry, acc, jnp.ones((), bool)), out
+
+    with jax.named_scope("scanax.keep"):
+        acc0 = (
+            None
+            if keep == "all"
+            else _acc_init(keep, _kept_shape(chunk, loop.init, chunks))
+        )
+        carry = loop.init
+        if reverse:
+            carry = skip_tail(carry)
+        (carry, acc, _), ys = jax.lax.scan(
+            outer_body,
+            (carry, acc0, jnp.zeros((), bool)),
+            chunks,
+            length=outer,
+            reverse=reverse,
+            unroll=unroll if k == 1 else 1,
+        )
+        if not reverse:
+            carry = skip_tail(carry)
+        if keep == "all":
+            return carry, ys
+        if keep == "mean":
+            acc = jtu.tree_map(lambda a: a / outer, acc)
+        return carry, acc
+
+
+def _kept_shape(chunk: Callable, init: Any, chunks: Any) -> Any:
+    x0 = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunks)
+    return jax.eval_shape(chunk, init, x0)[1]
+
+
+def _acc_init(keep: Any, y_shape: Any) -> Any:
+    if keep == "all":
+        return None
+    if keep in ("sum", "mean"):
+        return jtu.tree_map(
+            lambda s: jnp.sum(jnp.zeros((1, *s.shape), s.dtype), axis=0), y_shape
+        )
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
+
+
+def _fold(keep: Any, acc: Any, y: Any, started: jax.Array) -> tuple[Any, Any]:
+    if keep == "all":
+        return acc, y
+    if keep == "last":
+        return y, None
+    if keep in ("sum", "mean"):
+        return jtu.tree_map(lambda a, b: a + b.astype(a.dtype), acc, y), None
+
+    def fold_leaf(a, b):
+        out = jax.eval_shape(keep, a, b)
+        if getattr(out, "shape", None) != a.shape or out.dtype != a.dtype:
+            raise TypeError(
+                "scanax.scan: the `keep` function must return an accumulator of "
+                f"the same shape and dtype as the output leaf, {a.dtype.name}"
+                f"{list(a.shape)}, got {_errors.short_type(out)}.\nFix: make "
+                "fn(acc, y) return an array like `y`, e.g. keep=jnp.maximum."
+            )
+        return jax.lax.cond(started, keep, lambda _, b_: b_, a, b)
+
+    return jtu.tree_map(fold_leaf, acc, y), None
