@@ -1,4 +1,4 @@
-"""in_axes / out_axes: matching an axis prefix to a pytree, and array/static partitions."""
+"""in_axes / out_axes: matching an axis prefix to a pytree; array and static leaves."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _is_axis_leaf(x: Any) -> bool:
 
 def _describe(x: Any) -> str:
     if isinstance(x, dict):
-        return f"a dict with keys {sorted(map(repr, x))}"
+        return f"a dict with keys [{', '.join(sorted(map(repr, x)))}]"
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of length {len(x)}"
     if x is None:
@@ -38,7 +38,9 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-def _first_mismatch(prefix: Any, tree: Any, path: KeyPath) -> tuple[KeyPath, str] | None:
+def _first_mismatch(
+    prefix: Any, tree: Any, path: KeyPath
+) -> tuple[KeyPath, str] | None:
     if _is_axis_leaf(prefix):
         return None
     if isinstance(prefix, (tuple, list, dict)):
@@ -54,7 +56,9 @@ def _first_mismatch(prefix: Any, tree: Any, path: KeyPath) -> tuple[KeyPath, str
         else:
             if len(prefix) != len(tree):
                 return path, f"{_describe(prefix)} where xs has {_describe(tree)}"
-            items = [(jtu.SequenceKey(i), p, t) for i, (p, t) in enumerate(zip(prefix, tree))]
+            items = [
+                (jtu.SequenceKey(i), p, t) for i, (p, t) in enumerate(zip(prefix, tree))
+            ]
         for key, p, t in items:
             found = _first_mismatch(p, t, (*path, key))
             if found:
@@ -87,7 +91,10 @@ def match_prefix(
         except (ValueError, TypeError) as err:
             found = _first_mismatch(prefix, tree, ())
             if found is None:
-                detail = f"{what} is {_describe(prefix)} and {tree_name} is {_describe(tree)}"
+                detail = (
+                    f"{what} is {_describe(prefix)} and {tree_name} is "
+                    f"{_describe(tree)}"
+                )
             else:
                 path, desc = found
                 where = f" at {tree_name}{jtu.keystr(path)}" if path else ""

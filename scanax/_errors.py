@@ -14,7 +14,7 @@ import numpy as np
 
 
 def short_type(x: Any) -> str:
-    """``float32[5, 4]`` for arrays (and shape/dtype structs), the type name otherwise."""
+    """``float32[5, 4]`` for arrays and shape/dtype structs, else the type name."""
     shape = getattr(x, "shape", None)
     dtype = getattr(x, "dtype", None)
     if shape is not None and dtype is not None:
@@ -79,7 +79,9 @@ def lengths_differ(call: str, rows: list[tuple[str, int, str]]) -> ValueError:
     )
 
 
-def length_mismatch(call: str, length: int, rows: list[tuple[str, int, str]]) -> ValueError:
+def length_mismatch(
+    call: str, length: int, rows: list[tuple[str, int, str]]
+) -> ValueError:
     body = listing([(p, f"{t}: length {n}") for p, n, t in rows])
     return ValueError(
         f"{call}: `length={length}` disagrees with the scanned leaves of `xs`:\n"
@@ -102,7 +104,9 @@ def not_scannable(call: str, path: str, leaf: Any, axis: int) -> TypeError:
     )
 
 
-def axis_out_of_range(call: str, path: str, leaf: Any, axis: int, what: str) -> ValueError:
+def axis_out_of_range(
+    call: str, path: str, leaf: Any, axis: int, what: str
+) -> ValueError:
     ndim = len(leaf.shape)
     return ValueError(
         f"{call}: {what} {axis} is out of range for {path}, which is "

@@ -43,17 +43,22 @@ def update(nodes: list[Any], state: Any) -> None:
     _nnx().update(nodes, state)
 
 
-def trace_context_error() -> type[Exception] | None:
-    """The error NNX raises when a Variable is set from another trace level."""
-    if _nnx() is None:
-        return None
+def loaded() -> bool:
+    return _nnx() is not None
+
+
+def is_trace_level_error(err: Exception) -> bool:
+    """NNX's refusal to touch a Variable created outside the current trace.
+
+    NNX raises ``TraceContextError`` when such a Variable is written, and a
+    ``ValueError`` ("Cannot extract graph node from different trace level") when one
+    is passed to an NNX transform such as ``nnx.value_and_grad``.
+    """
     from flax import errors
 
-    return errors.TraceContextError
-
-
-def variable_paths(state: Any) -> list[str]:
-    return [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(state)[0]]
+    if isinstance(err, errors.TraceContextError):
+        return True
+    return isinstance(err, ValueError) and "different trace level" in str(err)
 
 
 def reachable_nodes(f: Any) -> list[str]:

@@ -39,7 +39,9 @@ class _CarryCodec:
         self.leaves = [x for _, x in leaves]
         self.node_idx = [i for i, x in enumerate(self.leaves) if _nnx.is_node(x)]
         self.dyn_idx = [
-            i for i, x in enumerate(self.leaves) if not _nnx.is_node(x) and is_arraylike(x)
+            i
+            for i, x in enumerate(self.leaves)
+            if not _nnx.is_node(x) and is_arraylike(x)
         ]
         self.nodes = [self.leaves[i] for i in self.node_idx]
         if self.nodes:
@@ -162,13 +164,17 @@ class _XsPlan:
         n = len(self.scanned_idx)
         for i, a in zip(self.scanned_idx, x_slices[:n]):
             leaves[i] = a
-        for (i, _, graphdef, state) in self.bcast_nodes:
-            leaves[i] = _nnx.merge(graphdef, state)
+        for i, _, graphdef, state in self.bcast_nodes:
+            # Rebuild the Variables at this trace level (merging the captured ones
+            # would make NNX refuse any write, hiding the mutation check below).
+            leaves[i] = _nnx.merge(graphdef, jtu.tree_map(lambda a: a, state))
         for (i, _, graphdef), state in zip(self.scan_nodes, x_slices[n:]):
             leaves[i] = _nnx.merge(graphdef, state)
         return jtu.tree_unflatten(self.treedef, leaves), leaves
 
-    def check_unchanged(self, call: str, leaves: list[Any], x_slices: list[Any]) -> None:
+    def check_unchanged(
+        self, call: str, leaves: list[Any], x_slices: list[Any]
+    ) -> None:
         n = len(self.scanned_idx)
         given = [s for (*_, s) in self.bcast_nodes] + x_slices[n:]
         nodes = self.bcast_nodes + self.scan_nodes
@@ -178,7 +184,9 @@ class _XsPlan:
             after = jtu.tree_leaves(now)
             changed = [jtu.keystr(p) for (p, a), b in zip(before, after) if a is not b]
             if changed or len(before) != len(after):
-                raise _errors.nnx_broadcast_mutated(call, path, changed or ["structure"])
+                raise _errors.nnx_broadcast_mutated(
+                    call, path, changed or ["structure"]
+                )
 
 
 def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> _XsPlan:
@@ -206,6 +214,10 @@ def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> _XsPlan:
             node_states.append(jtu.tree_unflatten(jtu.tree_structure(state), moved))
             continue
         if axis is None:
+            if is_array(leaf) and not isinstance(leaf, jax.Array):
+                leaves[-1] = jnp.asarray(
+                    leaf
+                )  # f sees jax arrays, as for scanned leaves
             continue
         ax = _scan_axis(call, name, leaf, axis)
         lengths.append((name, leaf.shape[ax], _errors.short_type(leaf)))
@@ -296,7 +308,12 @@ def prepare(
 def run_lax(loop: Loop, reverse: bool, unroll: int | bool) -> tuple[Any, Any]:
     """The plain lowering: exactly one ``lax.scan``."""
     return jax.lax.scan(
-        loop.body, loop.init, loop.xs, length=loop.length, reverse=reverse, unroll=unroll
+        loop.body,
+        loop.init,
+        loop.xs,
+        length=loop.length,
+        reverse=reverse,
+        unroll=unroll,
     )
 
 
@@ -422,12 +439,13 @@ def scan(
 
 def _call_lowering(codec: _CarryCodec, f: Callable, lowering: Callable[[], Any]) -> Any:
     """Run a lowering, turning NNX's closure-mutation error into scanax's."""
-    nnx_error = _nnx.trace_context_error()
-    if nnx_error is None:
+    if not _nnx.loaded():
         return lowering()
     try:
         return lowering()
-    except nnx_error as err:
+    except Exception as err:
+        if not _nnx.is_trace_level_error(err):
+            raise
         raise _errors.nnx_closure_mutation(
             codec.call, _nnx.reachable_nodes(f), err
         ) from err

@@ -1,0 +1,567 @@
+"""scanax.scan against a plain Python loop: values, gradients, jit, vmap, options."""
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import scanax
+
+
+def ref_scan(f, init, xs=None, length=None, reverse=False, in_axes=0, out_axes=0):
+    """The semantics of scanax.scan, as a Python loop."""
+    axes = _broadcast_axes(in_axes, xs)
+    leaves, treedef = jtu.tree_flatten(xs)
+    ax_leaves = treedef.flatten_up_to(axes) if leaves else []
+    if length is None:
+        length = next(x.shape[a] for x, a in zip(leaves, ax_leaves) if a is not None)
+    carry, ys = init, []
+    steps = range(length)
+    for i in reversed(steps) if reverse else steps:
+        sl = [
+            x if a is None else jnp.take(x, i, axis=a)
+            for x, a in zip(leaves, ax_leaves)
+        ]
+        carry, y = f(carry, jtu.tree_unflatten(treedef, sl))
+        ys.append(y)
+    if reverse:
+        ys = ys[::-1]
+    if not ys:
+        return carry, None
+    stacked = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+    return carry, jtu.tree_map(
+        lambda y, ax: jnp.moveaxis(y, 0, ax),
+        stacked,
+        _broadcast_axes(out_axes, stacked),
+    )
+
+
+def _broadcast_axes(axes, tree):
+    if axes is None or isinstance(axes, int):
+        return jtu.tree_map(lambda _: axes, tree)
+    return jtu.tree_map(
+        lambda a, sub: jtu.tree_map(lambda _: a, sub),
+        axes,
+        tree,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _np(x):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        x = jr.key_data(x)
+    return np.asarray(x)
+
+
+def close(a, b, rtol=1e-5, atol=1e-5):
+    la, lb = jtu.tree_leaves(a), jtu.tree_leaves(b)
+    assert jtu.tree_structure(a) == jtu.tree_structure(b)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(_np(x), _np(y), rtol=rtol, atol=atol)
+
+
+def body(carry, x):
+    h, total = carry
+    seq, w = x["seq"], x["w"]
+    h = jnp.tanh(seq @ w + h)
+    return (h, total + h.sum()), {"h": h, "sq": h**2}
+
+
+def make_xs(key, t=5, d=3, batch_major=False):
+    k1, k2 = jr.split(key)
+    seq = jr.normal(k1, (2, t, d) if batch_major else (t, 2, d))
+    return {"seq": seq, "w": jr.normal(k2, (d, d)) * 0.5}
+
+
+INIT = (jnp.zeros((2, 3)), jnp.float32(0.0))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 2, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_broadcast_matches_loop(reverse, unroll, jit):
+    xs = make_xs(jr.key(0))
+    in_axes = {"seq": 0, "w": None}
+    run = ft.partial(scanax.scan, body, reverse=reverse, unroll=unroll, in_axes=in_axes)
+    got = (jax.jit(run) if jit else run)(INIT, xs)
+    want = ref_scan(body, INIT, xs, reverse=reverse, in_axes={"seq": 0, "w": None})
+    close(got, want)
+
+
+@pytest.mark.parametrize("out_axes", [0, 1, -1, {"h": 1, "sq": 0}])
+def test_in_axes_1_and_out_axes(out_axes):
+    xs = make_xs(jr.key(1), batch_major=True)
+    f = lambda c, x: body(c, {"seq": x["seq"], "w": x["w"]})
+    in_axes = {"seq": 1, "w": None}
+    got = scanax.scan(f, INIT, xs, in_axes=in_axes, out_axes=out_axes)
+    want = ref_scan(f, INIT, xs, in_axes=in_axes, out_axes=out_axes)
+    close(got, want)
+    assert got[1]["h"].shape == want[1]["h"].shape
+
+
+def test_gradients_wrt_init_scanned_and_broadcast():
+    xs = make_xs(jr.key(2))
+
+    def loss(init, xs, scan):
+        (h, total), ys = scan(body, init, xs, in_axes={"seq": 0, "w": None})
+        return total + (ys["sq"] ** 2).sum() + h.sum()
+
+    g = jax.grad(loss, argnums=(0, 1))(INIT, xs, scanax.scan)
+    g_ref = jax.grad(loss, argnums=(0, 1))(INIT, xs, ref_scan)
+    close(g, g_ref, rtol=1e-4)
+    assert float(jnp.abs(g[1]["w"]).sum()) > 0
+
+
+def test_vmap_over_broadcast_and_scanned():
+    xs = make_xs(jr.key(3))
+    ws = jr.normal(jr.key(4), (4, 3, 3))
+
+    def run(scan, w):
+        return scan(
+            body, INIT, {"seq": xs["seq"], "w": w}, in_axes={"seq": 0, "w": None}
+        )
+
+    got = jax.vmap(ft.partial(run, scanax.scan))(ws)
+    want = [run(ref_scan, w) for w in ws]
+    close(got, jtu.tree_map(lambda *a: jnp.stack(a), *want))
+
+
+def test_length_zero_and_xs_none():
+    carry, ys = scanax.scan(lambda c, _: (c + 1, c), jnp.float32(2.0), None, length=0)
+    assert float(carry) == 2.0 and ys.shape == (0,)
+    carry, ys = scanax.scan(lambda c, _: (c * 2, c), jnp.float32(1.0), length=4)
+    assert float(carry) == 16.0 and ys.tolist() == [1.0, 2.0, 4.0, 8.0]
+    w = jnp.ones(3)
+    carry, ys = scanax.scan(
+        lambda c, w: (c + w, None), jnp.zeros(3), w, 5, in_axes=None
+    )
+    assert carry.tolist() == [5.0, 5.0, 5.0] and ys is None
+    carry, ys = scanax.scan(
+        lambda c, x: (c + x[1], x[0]), 0.0, (jnp.zeros((0, 2)), 1.0), in_axes=(0, None)
+    )
+    assert float(carry) == 0.0 and ys.shape == (0, 2)
+
+
+def test_same_jaxpr_as_lax_scan_without_options():
+    f = lambda c, x: (c * x + 1.0, jnp.sin(c))
+    args = (jnp.float32(1.0), jnp.arange(6.0))
+    for kw in [{}, {"reverse": True}, {"unroll": 3}]:
+        ours = jax.make_jaxpr(lambda c, x: scanax.scan(f, c, x, **kw))(*args)
+        theirs = jax.make_jaxpr(lambda c, x: jax.lax.scan(f, c, x, **kw))(*args)
+        assert str(ours) == str(theirs)
+
+
+def test_broadcast_is_operand_not_constant_or_tiled():
+    w = jnp.ones((64, 64))
+    f = lambda c, w: (c @ w, None)
+    jaxpr = jax.make_jaxpr(lambda c, w: scanax.scan(f, c, w, 10, in_axes=None))(
+        jnp.ones(64), w
+    )
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert eqn.params["num_consts"] == 1 and eqn.invars[0] is jaxpr.jaxpr.invars[1]
+    assert not jaxpr.consts
+    assert all(e.primitive.name != "broadcast_in_dim" for e in jaxpr.eqns)
+
+
+def test_no_stale_closure_eagerly():
+    scale = jnp.float32(1.0)
+
+    def f(c, x):
+        return c + scale * x, None
+
+    xs = jnp.ones(3)
+    assert float(scanax.scan(f, 0.0, xs)[0]) == 3.0
+    scale = jnp.float32(5.0)  # noqa: F841 - read by f
+    assert float(scanax.scan(f, 0.0, xs)[0]) == 15.0
+
+
+# ------------------------------------------------------------------ static leaves
+
+
+def test_broadcast_config_with_functions_strings_ints():
+    config = {"act": jnp.tanh, "name": "layer", "n": 3, "w": jnp.full((2,), 0.5)}
+    seen = []
+
+    def f(c, x):
+        xt, cfg = x
+        seen.append((cfg["act"], cfg["name"], cfg["n"]))
+        return cfg["act"](c * cfg["w"] + xt) * cfg["n"], c
+
+    xs = jnp.arange(8.0).reshape(4, 2)
+    got = jax.jit(
+        lambda c, xs, w: scanax.scan(f, c, (xs, {**config, "w": w}), in_axes=(0, None))
+    )(jnp.zeros(2), xs, config["w"])
+    want = ref_scan(f, jnp.zeros(2), (xs, config), in_axes=(0, None))
+    close(got, want)
+    assert all(s == (jnp.tanh, "layer", 3) for s in seen)
+
+
+def test_equinox_module_with_activation_in_carry_and_broadcast():
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.relu, key=jr.key(0))
+
+    def f(carry, x):
+        model, h = carry
+        model = jtu.tree_map(lambda p: p * 0.9 if eqx.is_array(p) else p, model)
+        return (model, model(h + x)), h
+
+    xs = jr.normal(jr.key(1), (3, 2))
+    (model, h), hs = scanax.scan(f, (mlp, jnp.zeros(2)), xs)
+    (model_r, h_r), hs_r = ref_scan(f, (mlp, jnp.zeros(2)), xs)
+    close(eqx.filter(model, eqx.is_array), eqx.filter(model_r, eqx.is_array))
+    close((h, hs), (h_r, hs_r))
+    assert model.activation is jax.nn.relu
+
+    # broadcast: differentiable through eqx.filter_grad
+    def loss(m):
+        c, ys = scanax.scan(
+            lambda c, x: (m_apply(x[1], c + x[0]), c),
+            jnp.zeros(2),
+            (xs, m),
+            in_axes=(0, None),
+        )
+        return ys.sum() + c.sum()
+
+    def m_apply(m, h):
+        return m(h)
+
+    g = eqx.filter_grad(loss)(mlp)
+    g_ref = eqx.filter_grad(
+        lambda m: (lambda c, ys: ys.sum() + c.sum())(
+            *ref_scan(
+                lambda c, x: (x[1](c + x[0]), c),
+                jnp.zeros(2),
+                (xs, m),
+                in_axes=(0, None),
+            )
+        )
+    )(mlp)
+    close(eqx.filter(g, eqx.is_array), eqx.filter(g_ref, eqx.is_array), rtol=1e-4)
+
+
+def _train_state(params, apply_fn=lambda p, x: p @ x):
+    optax = pytest.importorskip("optax")
+    ts = pytest.importorskip("flax.training.train_state")
+    return ts.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.1))
+
+
+def test_seed_000_train_state_broadcast_and_trace_count():
+    state = _train_state(jnp.array([1.0, 2.0]))
+    traces = []
+
+    def step(carry, x_and_state):
+        x, ts = x_and_state
+        out = ts.apply_fn(ts.params, x)
+        return carry + out, out
+
+    @jax.jit
+    def run(init, inputs, ts):
+        traces.append(1)
+        return scanax.scan(step, init, (inputs, ts), in_axes=(0, None))
+
+    inputs = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+    carry, outs = run(jnp.float32(0.0), inputs, state)
+    assert float(carry) == 3.0 and outs.tolist() == [1.0, 2.0]
+    for i in range(5):
+        state = state.replace(params=jnp.array([3.0, 4.0]) * i)
+        carry, outs = run(jnp.float32(0.0), inputs, state)
+        assert float(carry) == 7.0 * i
+    assert len(traces) == 1
+
+
+def test_train_state_as_carry():
+    state = _train_state({"w": jnp.array([1.0, -1.0])}, lambda p, x: p["w"] @ x)
+
+    def step(ts, x):
+        loss_fn = lambda p: (ts.apply_fn(p, x) - 1.0) ** 2
+        loss, g = jax.value_and_grad(loss_fn)(ts.params)
+        return ts.apply_gradients(grads=g), loss
+
+    xs = jr.normal(jr.key(0), (4, 2))
+    got_state, got = scanax.scan(step, state, xs)
+    want_state, want = ref_scan(step, state, xs)
+    close(got, want)
+    close(got_state.params, want_state.params)
+    close(got_state.opt_state, want_state.opt_state)
+    assert int(got_state.step) == 4 and got_state.apply_fn is state.apply_fn
+
+
+# ------------------------------------------------------------------ NNX
+
+
+def _nnx_setup():
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return nnx, model, optimizer
+
+
+def _loss(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def _batches(n=4):
+    x = jr.normal(jr.key(5), (n, 8, 3))
+    return x, x.sum(-1, keepdims=True)
+
+
+def test_seed_003_nnx_model_optimizer_carry_matches_python_loop():
+    nnx, model, optimizer = _nnx_setup()
+    _, ref_model, ref_opt = _nnx_setup()
+
+    def train_step(carry, batch):
+        model, optimizer = carry
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        return (model, optimizer), loss
+
+    batches = _batches()
+    (m2, o2), losses = scanax.scan(train_step, (model, optimizer), batches)
+    assert m2 is model and o2 is optimizer  # same objects, updated in place
+    ref_losses = []
+    for i in range(4):
+        (_, _), loss = train_step(
+            (ref_model, ref_opt), jtu.tree_map(lambda a: a[i], batches)
+        )
+        ref_losses.append(loss)
+    close(losses, jnp.stack(ref_losses))
+    close(nnx.state(model), nnx.state(ref_model))
+    close(nnx.state(optimizer), nnx.state(ref_opt))
+    assert int(optimizer.step[...]) == 4
+
+
+def test_nnx_rngs_and_dropout_in_carry():
+    nnx = pytest.importorskip("flax.nnx")
+    rngs = nnx.Rngs(dropout=0)
+    drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def f(carry, x):
+        d = carry
+        return d, d(x)
+
+    xs = jnp.ones((3, 6))
+    _, got = scanax.scan(f, drop, xs)
+    ref = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
+    want = jnp.stack([ref(x) for x in xs])
+    close(got, want)
+    close(nnx.state(drop), nnx.state(ref))  # RNG count advanced in place
+
+
+def test_nnx_broadcast_module_read_only_and_grad():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+    xs = jr.normal(jr.key(0), (3, 2))
+    f = lambda c, x: (jnp.tanh(x[1](c) + x[0]), c)
+    got = scanax.scan(f, jnp.zeros(2), (xs, model), in_axes=(0, None))
+    want = ref_scan(f, jnp.zeros(2), (xs, model), in_axes=(0, None))
+    close(got, want)
+
+    def loss(m, scan):
+        c, ys = scan(f, jnp.zeros(2), (xs, m), in_axes=(0, None))
+        return c.sum() + ys.sum()
+
+    close(
+        nnx.grad(ft.partial(loss, scan=scanax.scan))(model),
+        nnx.grad(ft.partial(loss, scan=ref_scan))(model),
+        rtol=1e-4,
+    )
+
+
+def test_nnx_scanned_module_stack():
+    nnx = pytest.importorskip("flax.nnx")
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return nnx.Linear(2, 2, rngs=nnx.Rngs(key))
+
+    layers = make(jr.split(jr.key(0), 3))
+    got, _ = scanax.scan(
+        lambda h, layer: (jnp.tanh(layer(h)), None), jnp.ones(2), layers
+    )
+    state = nnx.state(layers)
+    h = jnp.ones(2)
+    for i in range(3):
+        k, b = state["kernel"][...][i], state["bias"][...][i]
+        h = jnp.tanh(h @ k + b)
+    close(got, h)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_error_nnx_broadcast_mutated():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    kernel = model.kernel[...]
+
+    def f(c, x):
+        x[1].kernel[...] = x[1].kernel[...] * 2
+        return c, None
+
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)changed the NNX object xs\[1\].*put the object in the carry",
+    ):
+        scanax.scan(f, 0.0, (jnp.ones(2), model), in_axes=(0, None))
+    np.testing.assert_array_equal(model.kernel[...], kernel)
+
+
+def test_error_nnx_closure_mutation_names_object_and_changes_nothing():
+    nnx, model, optimizer = _nnx_setup()
+    before = jtu.tree_map(_np, nnx.state((model, optimizer)))
+
+    def backprop(_, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        return _, loss
+
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)`model` \(Linear\).*`optimizer` \(Optimizer\).*nothing was changed.*scanax.scan\(step, \(model, optimizer\)",
+    ):
+        scanax.scan(backprop, None, _batches())
+    close(nnx.state((model, optimizer)), before)
+
+
+def test_error_lengths_differ_names_each_leaf():
+    xs = {"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)different lengths.*xs\['a'\]\s+float32\[3, 2\]: length 3.*xs\['b'\]\s+float32\[4\]: length 4",
+    ):
+        scanax.scan(lambda c, x: (c, None), 0.0, xs)
+
+
+@pytest.mark.parametrize(
+    "xs, in_axes, msg",
+    [
+        ({"a": jnp.float32(1.0)}, 0, r"xs\['a'\] is float32\[\], a 0-d array"),
+        (("s", jnp.ones(2)), 0, r"(?s)xs\[0\] is a str, not an array.*in_axes=None"),
+        ((jnp.ones((2, 3)),), (2,), r"in_axes 2 is out of range for xs\[0\].*-2\.\.1"),
+    ],
+)
+def test_error_scanned_leaf(xs, in_axes, msg):
+    with pytest.raises((TypeError, ValueError), match=msg):
+        scanax.scan(lambda c, x: (c, None), 0.0, xs, in_axes=in_axes)
+
+
+@pytest.mark.parametrize(
+    "in_axes, exc, msg",
+    [
+        (
+            (0, None, 0),
+            ValueError,
+            r"in_axes is a tuple of length 3 where xs has a tuple of length 2",
+        ),
+        (
+            {"x": 0},
+            ValueError,
+            r"in_axes is a dict with keys \['x'\] where xs has a tuple of length 2",
+        ),
+        ((0, "none"), TypeError, r"in_axes\[1\] is str"),
+        ((0, 1.5), TypeError, r"in_axes\[1\] is float 1.5"),
+        (True, TypeError, r"in_axes may hold only ints and None"),
+    ],
+)
+def test_error_in_axes(in_axes, exc, msg):
+    with pytest.raises(exc, match=msg):
+        scanax.scan(
+            lambda c, x: (c, None), 0.0, (jnp.ones(2), jnp.ones(2)), in_axes=in_axes
+        )
+
+
+@pytest.mark.parametrize(
+    "xs, length, in_axes, exc, msg",
+    [
+        (None, None, 0, ValueError, r"`xs` is None and `length` is None"),
+        (
+            jnp.ones(2),
+            None,
+            None,
+            ValueError,
+            r"(?s)every leaf of `xs` is broadcast.*pass `length=n`",
+        ),
+        (
+            jnp.ones(3),
+            4,
+            0,
+            ValueError,
+            r"(?s)`length=4` disagrees.*xs\s+float32\[3\]: length 3",
+        ),
+        (None, -1, 0, ValueError, r"`length` must be non-negative, got -1"),
+        (None, 2.0, 0, TypeError, r"`length` must be a non-negative Python int"),
+        (None, "3", 0, TypeError, r"`length` must be a non-negative Python int"),
+    ],
+)
+def test_error_length(xs, length, in_axes, exc, msg):
+    with pytest.raises(exc, match=msg):
+        scanax.scan(lambda c, x: (c, None), 0.0, xs, length, in_axes=in_axes)
+
+
+def test_error_f_not_callable_or_not_pair():
+    with pytest.raises(TypeError, match=r"`f` must be callable.*got int"):
+        scanax.scan(3, 0.0, jnp.ones(2))
+    with pytest.raises(
+        TypeError,
+        match=r"must return a pair \(new_carry, y\), but it returned a tuple of length 3",
+    ):
+        scanax.scan(lambda c, x: (c, x, x), 0.0, jnp.ones(2))
+    with pytest.raises(TypeError, match=r"returned a ArrayImpl|returned a .*Tracer"):
+        scanax.scan(lambda c, x: c, 0.0, jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    "new, msg",
+    [
+        (
+            lambda c: {"h": c["h"].astype(jnp.float16), "n": c["n"]},
+            r"(?s)carry\['h'\]\s+init float32\[3\], returned float16\[3\].*astype\(jnp.float32\)",
+        ),
+        (
+            lambda c: {"h": jnp.ones(4), "n": c["n"]},
+            r"(?s)carry\['h'\]\s+init float32\[3\], returned float32\[4\].*keep carry\['h'\] at shape \(3,\)",
+        ),
+        (
+            lambda c: {"h": c["h"]},
+            r"(?s)same pytree structure as `init`.*init:.*returned:",
+        ),
+        (
+            lambda c: {"h": c["h"], "n": "other"},
+            r"carry\['n'\] is a non-array \(static\) value.*'name'.*'other'",
+        ),
+    ],
+)
+def test_error_carry_changes(new, msg):
+    init = {"h": jnp.zeros(3), "n": "name"}
+    with pytest.raises(TypeError, match=msg):
+        scanax.scan(lambda c, x: (new(c), None), init, jnp.ones(2))
+
+
+def test_weak_type_change_is_allowed_like_lax_scan():
+    f = lambda c, x: (c + x, None)
+    got = scanax.scan(f, 0.0, jnp.arange(3.0))
+    want = jax.lax.scan(f, 0.0, jnp.arange(3.0))
+    close(got, want)
+
+
+def test_error_output_leaf_not_array():
+    with pytest.raises(TypeError, match=r"y\['tag'\] is a str"):
+        scanax.scan(lambda c, x: (c, {"tag": "a", "x": x}), 0.0, jnp.ones(2))
+
+
+def test_error_out_axes_out_of_range():
+    with pytest.raises(ValueError, match=r"out_axes 3 is out of range for ys"):
+        scanax.scan(lambda c, x: (c, x), 0.0, jnp.ones((2, 3)), out_axes=3)
+
+
+def test_errors_mention_no_private_jax_names():
+    try:
+        scanax.scan(lambda c, x: (c, None), 0.0, {"a": jnp.ones(2), "b": jnp.ones(3)})
+    except ValueError as err:
+        assert "jax._src" not in str(err)
