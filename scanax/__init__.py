@@ -5,7 +5,9 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 from ._fit import FitResult as FitResult, fit as fit
 from ._progress import Progress as Progress
+from ._rnn import birnn as birnn, rnn as rnn
 from ._scan import scan as scan
+from ._stack import Stack as Stack
 from ._until import scan_until as scan_until
 
 try:

@@ -1,0 +1,424 @@
+"""``scanax.Stack``: a sequence of layers, with runs of identical layers scanned.
+
+``Stack(layers)`` plans once, at construction: consecutive layers with identical
+structure (pytree structure, static fields, leaf shapes and dtypes) form runs, and
+repeating periods (``[attn, mlp] * 12``) form runs of blocks. Each run is stored
+stacked (one array per parameter, with a leading axis of length ``repeats``) and
+applied with one ``scanax.scan``; everything else is called directly.
+
+``Stack(...)`` returns the class that fits the layers: an ``nnx.Module`` for Flax NNX
+layers (``_stack_nnx.py``), an ``eqx.Module`` for Equinox layers (``_stack_eqx.py``),
+and this module's pytree class for any other callables. All three are instances of
+``scanax.Stack``. This file is framework-free; it holds the plan and the pytree path.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from ._axes import is_array
+from ._errors import short_type
+from ._scan import scan
+
+CALL = "scanax.Stack"
+
+# A plan is a tuple of pieces ``(start, period, repeats)``: layers
+# ``start : start + period * repeats``, ``repeats`` blocks of ``period`` layers.
+# ``repeats == 1`` (then ``period == 1``) is a single layer called directly.
+Piece = tuple[int, int, int]
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def err_not_sequence(layers: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `layers` must be a sequence (list or tuple) of layers, got "
+        f"{short_type(layers)}.\nFix: pass Stack([layer_0, layer_1, ...])."
+    )
+
+
+def err_empty() -> ValueError:
+    return ValueError(f"{CALL}: `layers` is empty.\nFix: pass at least one layer.")
+
+
+def err_not_callable(i: int, layer: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: layers[{i}] is not callable: got {short_type(layer)}.\n"
+        "Fix: every layer must be callable as layer(x, **kwargs) -> x."
+    )
+
+
+def err_index(i: Any, n: int) -> IndexError:
+    return IndexError(f"{CALL}: index {i} is out of range for a Stack of {n} layers.")
+
+
+def err_shared(i: int, j: int, path: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: layers[{i}] and layers[{j}] share the Variable at {path}; stacked "
+        "layers must own their Variables.\nFix: build each layer with its own "
+        "Variables (share weights explicitly, outside the Stack)."
+    )
+
+
+def err_mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: layers[{i}] is a {type(layer).__name__} (Flax NNX) but layers[{j}] "
+        f"is a {type(other).__name__} holding arrays outside NNX Variables.\nFix: "
+        "build all layers with one framework (NNX modules, or Equinox modules and "
+        "plain functions)."
+    )
+
+
+class ShapeChange(Exception):
+    """A stacked run's block changes ``x``'s type: it cannot be a scan carry."""
+
+
+def span(piece: Piece) -> str:
+    start, period, repeats = piece
+    return f"layers[{start}:{start + period * repeats}]"
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def pytree_signature(layer: Any) -> tuple[Any, list[Any]]:
+    """What must match for two layers to be stacked: structure, statics, types."""
+    leaves, treedef = jtu.tree_flatten(layer)
+    sig = [
+        ("array", tuple(x.shape), jnp.result_type(x)) if is_array(x) else ("static", x)
+        for x in leaves
+    ]
+    return treedef, sig
+
+
+def same_signature(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
+    (ta, la), (tb, lb) = a, b
+    if not _same_static(ta, tb) or len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb, strict=True):
+        if x[0] != y[0]:
+            return False
+        if x[0] == "array" and x[1:] != y[1:]:
+            return False
+        if x[0] == "static" and not _same_static(x[1], y[1]):
+            return False
+    return True
+
+
+def signature_ids(signatures: list[Any]) -> list[int]:
+    """Equal ids for layers with the same signature."""
+    reps: list[Any] = []
+    ids = []
+    for sig in signatures:
+        for k, rep in enumerate(reps):
+            if same_signature(sig, rep):
+                ids.append(k)
+                break
+        else:
+            ids.append(len(reps))
+            reps.append(sig)
+    return ids
+
+
+def plan(ids: list[int], max_period: int = 64) -> tuple[Piece, ...]:
+    """Split layers into pieces, minimising the layers traced, then the pieces.
+
+    A run of ``repeats`` blocks of ``period`` layers costs ``period`` traced layers
+    (one scan body); a single layer costs one. Dynamic programming over the start.
+    """
+    n = len(ids)
+    best: list[tuple[int, int]] = [(0, 0)] * (n + 1)
+    choice: list[tuple[int, int]] = [(1, 1)] * n
+    for i in reversed(range(n)):
+        best[i] = (1 + best[i + 1][0], 1 + best[i + 1][1])
+        choice[i] = (1, 1)
+        for p in range(1, min(max_period, (n - i) // 2) + 1):
+            block = ids[i : i + p]
+            r = 1
+            while ids[i + r * p : i + (r + 1) * p] == block:
+                r += 1
+            for rr in range(2, r + 1):
+                rest = best[i + rr * p]
+                cost = (p + rest[0], 1 + rest[1])
+                if cost < best[i]:
+                    best[i], choice[i] = cost, (p, rr)
+    pieces, i = [], 0
+    while i < n:
+        p, r = choice[i]
+        pieces.append((i, p, r))
+        i += p * r
+    return tuple(pieces)
+
+
+def locate(plan_: tuple[Piece, ...], n: int, i: Any) -> tuple[int, int, int]:
+    """(piece index, block index, index in block) of layer ``i``."""
+    if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+        raise err_index(i, n)
+    i %= n
+    for k, (start, period, repeats) in enumerate(plan_):
+        if start <= i < start + period * repeats:
+            j, m = divmod(i - start, period)
+            return k, j, m
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------- pytrees
+
+
+def stack_blocks(blocks: list[tuple]) -> tuple:
+    """One block whose arrays carry a leading axis over ``blocks``."""
+    return jtu.tree_map(
+        lambda *xs: jnp.stack(xs) if is_array(xs[0]) else xs[0], *blocks
+    )
+
+
+def pytree_view(stacked: Any, j: int) -> Any:
+    return jtu.tree_map(lambda x: x[j] if is_array(x) else x, stacked)
+
+
+def _split(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Array leaves of ``tree``, and a function putting new arrays in their place."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if is_array(x)]
+
+    def rebuild(arrays: list[Any]) -> Any:
+        new = list(leaves)
+        for i, a in zip(idx, arrays, strict=True):
+            new[i] = a
+        return jtu.tree_unflatten(treedef, new)
+
+    return [leaves[i] for i in idx], rebuild
+
+
+def call_pytree_layer(layer: Any, x: Any, kwargs: dict, remat: bool) -> Any:
+    if not remat:
+        return layer(x, **kwargs)
+    arrays, rebuild = _split(layer)
+    return jax.checkpoint(lambda a, x: rebuild(a)(x, **kwargs))(arrays, x)
+
+
+def check_carry(piece: Piece, x: Any, out: Any) -> None:
+    def types(t):
+        return jtu.tree_structure(t), [
+            (tuple(jnp.shape(v)), jnp.result_type(v)) for v in jtu.tree_leaves(t)
+        ]
+
+    if types(x) != types(out):
+        raise ShapeChange(piece)
+
+
+def apply_pytree(
+    pieces: Sequence[Any],
+    plan_: tuple[Piece, ...],
+    x: Any,
+    kwargs: dict,
+    remat: bool,
+    unroll: int | bool,
+) -> Any:
+    """Apply a plain or Equinox Stack's pieces to ``x``."""
+    for piece, data in zip(plan_, pieces, strict=True):
+        _, period, repeats = piece
+        if repeats == 1:
+            x = call_pytree_layer(data, x, kwargs, remat)
+            continue
+        arrays, rebuild = _split(data)
+
+        def body(x, inp, piece=piece, rebuild=rebuild):
+            arrays, kw = inp
+            for layer in rebuild(arrays):
+                out = call_pytree_layer(layer, x, kw, remat)
+                x = out
+            return x, None
+
+        def block(x, inp, piece=piece, rebuild=rebuild):
+            out, _ = body(x, inp)
+            check_carry(piece, x, out)
+            return out, None
+
+        try:
+            with jax.named_scope(f"scanax.Stack.{span(piece)}"):
+                x, _ = scan(
+                    block,
+                    x,
+                    (arrays, kwargs),
+                    length=repeats,
+                    unroll=unroll,
+                    in_axes=(0, None),
+                )
+        except ShapeChange:
+            # The layers change x's shape: no scan carry can hold it; loop instead.
+            for j in range(repeats):
+                x, _ = body(x, (pytree_view(arrays, j), kwargs))
+    return x
+
+
+# ---------------------------------------------------------------------------- public
+
+
+def _has_nnx(layers: Sequence[Any]) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and any(nnx.graph.is_graph_node(x) for x in layers)
+
+
+def _has_eqx(layers: Sequence[Any]) -> bool:
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and any(isinstance(x, eqx.Module) for x in layers)
+
+
+def check_layers(layers: Any) -> list[Any]:
+    if not isinstance(layers, (list, tuple)):
+        raise err_not_sequence(layers)
+    if not layers:
+        raise err_empty()
+    for i, layer in enumerate(layers):
+        if not callable(layer):
+            raise err_not_callable(i, layer)
+    return list(layers)
+
+
+class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
+    """A sequence of layers applied in order; runs of identical layers are scanned.
+
+    Conceptually equivalent to::
+
+        class Stack:
+            def __init__(self, layers):
+                self.layers = list(layers)
+
+            def __call__(self, x, **kwargs):
+                for layer in self.layers:
+                    x = layer(x, **kwargs)
+                return x
+
+    Consecutive layers with identical structure (pytree structure, static fields,
+    leaf shapes and dtypes) are stored stacked, once, at construction, and applied
+    by one ``scanax.scan``; so are repeating periods (``[attn, mlp] * 12`` is one
+    scan over 12 two-layer blocks). Other layers are called directly. Compile time
+    then grows with the number of *distinct* layers, not the depth.
+
+    ``Stack(layers)`` is an ``nnx.Module`` when the layers are Flax NNX modules (it
+    nests in NNX models and trains with ``nnx.Optimizer``), an ``eqx.Module`` when
+    they are Equinox modules (``eqx.filter_grad``, optax), and a registered pytree
+    otherwise. Each is an instance of ``scanax.Stack``.
+
+    Arguments:
+        layers: a list or tuple of callables ``layer(x, **kwargs) -> x``.
+        remat: wrap each layer in ``jax.checkpoint`` (recompute its activations in
+            the backward pass instead of storing them).
+        unroll: as in ``jax.lax.scan``, for every stacked run.
+
+    ``len(stack)``, ``stack[i]`` and ``list(stack)`` give the layers back, equal to
+    those given (for stacked runs, rebuilt from the stacked arrays: new objects).
+
+    ``stack(x, **kwargs)`` passes the same keyword arguments to every layer.
+
+    Raises:
+        TypeError: ``layers`` not a list or tuple, a layer that is not callable.
+        ValueError: no layers; NNX layers sharing a Variable.
+
+    Example:
+        >>> import jax.numpy as jnp, scanax
+        >>> scale = lambda x: 2.0 * x
+        >>> stack = scanax.Stack([jnp.abs] + [scale] * 4)  # abs, then one scan
+        >>> float(stack(jnp.float32(-1.5)))
+        24.0
+    """
+
+    def __new__(cls, layers: Sequence[Any] = (), **kwargs: Any) -> Any:
+        if cls is Stack:
+            layers = check_layers(layers)
+            if _has_nnx(layers):
+                from ._stack_nnx import NNXStack
+
+                Stack.register(NNXStack)
+                return NNXStack(layers, **kwargs)
+            if _has_eqx(layers):
+                from ._stack_eqx import EqxStack
+
+                Stack.register(EqxStack)
+                return EqxStack(layers, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
+    ):
+        layers = check_layers(layers)
+        self.plan = plan(signature_ids([pytree_signature(x) for x in layers]))
+        self.pieces = tuple(
+            layers[s]
+            if r == 1
+            else stack_blocks(
+                [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
+            )
+            for s, p, r in self.plan
+        )
+        self.remat = remat
+        self.unroll = unroll
+        self.n = len(layers)
+
+    def __call__(self, x: Any, **kwargs: Any) -> Any:
+        with jax.named_scope("scanax.Stack"):
+            return apply_pytree(
+                self.pieces, self.plan, x, kwargs, self.remat, self.unroll
+            )
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        k, j, m = locate(self.plan, self.n, i)
+        if self.plan[k][2] == 1:
+            return self.pieces[k]
+        return pytree_view(self.pieces[k], j)[m]
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+    def __repr__(self) -> str:
+        return f"Stack({describe_plan(self.plan, list(self))})"
+
+    def tree_flatten_with_keys(self):
+        return (
+            [(jtu.GetAttrKey("pieces"), self.pieces)],
+            (self.plan, self.remat, self.unroll, self.n),
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.plan, obj.remat, obj.unroll, obj.n = aux
+        (obj.pieces,) = children
+        return obj
+
+
+jtu.register_pytree_with_keys_class(Stack)
+
+
+def describe_plan(plan_: tuple[Piece, ...], layers: list[Any]) -> str:
+    """``Linear, 6 × [Block], Linear``: how a Stack applies its layers."""
+    parts = []
+    for s, p, r in plan_:
+        names = ", ".join(_layer_name(x) for x in layers[s : s + p])
+        parts.append(names if r == 1 else f"{r} × [{names}]")
+    return ", ".join(parts)
+
+
+def _layer_name(layer: Any) -> str:
+    return getattr(layer, "__name__", None) or type(layer).__name__

@@ -1,0 +1,62 @@
+"""Equinox adapter for ``scanax.Stack``: the only module of it that imports Equinox."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from . import _stack
+
+
+class EqxStack(eqx.Module):
+    """``scanax.Stack`` over Equinox layers (see ``scanax.Stack``): an ``eqx.Module``.
+
+    Stacked runs are fields holding arrays with a leading ``repeats`` axis, so
+    ``eqx.filter_grad``, ``eqx.partition`` and optax see one array per parameter.
+    """
+
+    pieces: tuple
+    plan: tuple = eqx.field(static=True)
+    remat: bool = eqx.field(static=True)
+    unroll: int | bool = eqx.field(static=True)
+    n: int = eqx.field(static=True)
+
+    def __init__(
+        self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
+    ):
+        layers = _stack.check_layers(layers)
+        self.plan = _stack.plan(
+            _stack.signature_ids([_stack.pytree_signature(x) for x in layers])
+        )
+        self.pieces = tuple(
+            layers[s]
+            if r == 1
+            else _stack.stack_blocks(
+                [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
+            )
+            for s, p, r in self.plan
+        )
+        self.remat = remat
+        self.unroll = unroll
+        self.n = len(layers)
+
+    def __call__(self, x: Any, **kwargs: Any) -> Any:
+        with jax.named_scope("scanax.Stack"):
+            return _stack.apply_pytree(
+                self.pieces, self.plan, x, kwargs, self.remat, self.unroll
+            )
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        k, j, m = _stack.locate(self.plan, self.n, i)
+        if self.plan[k][2] == 1:
+            return self.pieces[k]
+        return _stack.pytree_view(self.pieces[k], j)[m]
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))

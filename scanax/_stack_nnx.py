@@ -1,0 +1,188 @@
+"""Flax NNX adapter for ``scanax.Stack``: the only module of it that imports Flax."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from flax import nnx
+
+from . import _stack
+from ._scan import scan
+
+
+def _signature(layer: Any) -> Any:
+    if not nnx.graph.is_graph_node(layer):
+        return _stack.pytree_signature(layer)
+    graphdef, state = nnx.split(layer)
+    return graphdef, [
+        ("array", tuple(x.shape), x.dtype) for x in jtu.tree_leaves(state)
+    ]
+
+
+def _check_owned(layers: list[Any]) -> None:
+    """Stacking copies each layer's Variables: none may be shared between layers."""
+    seen: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        if not nnx.graph.is_graph_node(layer):
+            if jtu.tree_leaves(layer, is_leaf=nnx.graph.is_graph_node) and any(
+                not callable(x) for x in jtu.tree_leaves(layer)
+            ):
+                raise _stack.err_mixed(
+                    next(k for k, x in enumerate(layers) if nnx.graph.is_graph_node(x)),
+                    layers[0],
+                    i,
+                    layer,
+                )
+            continue
+        for path, var in nnx.graph.iter_graph(layer):
+            if isinstance(var, nnx.Variable):
+                key = id(var)
+                if key in seen and seen[key][0] != i:
+                    j, _ = seen[key]
+                    raise _stack.err_shared(
+                        j, i, jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
+                    )
+                seen.setdefault(key, (i, ""))
+
+
+def _pure(graphdef: Any, leaves: list[Any], treedef: Any, fn) -> tuple[Any, list]:
+    """Run ``fn(module, x)`` on ``merge(graphdef, leaves)``; changed leaves come back.
+
+    Which leaves ``fn`` changes (BatchNorm statistics, RNG counts) is found while
+    tracing, by identity; parameters are not returned, so they are not copied.
+    """
+    changed: list[int] = []
+
+    def run(leaves, x):
+        module = nnx.merge(graphdef, jtu.tree_unflatten(treedef, leaves))
+        y = fn(module, x)
+        new = jtu.tree_leaves(nnx.split(module)[1])
+        changed[:] = [k for k, (a, b) in enumerate(zip(leaves, new)) if a is not b]
+        return y, [new[k] for k in changed]
+
+    return run, changed
+
+
+def _call_layer(layer: Any, x: Any, kwargs: dict, remat: bool) -> Any:
+    if not remat or not nnx.graph.is_graph_node(layer):
+        return _stack.call_pytree_layer(layer, x, kwargs, remat)
+    graphdef, state = nnx.split(layer)
+    leaves, treedef = jtu.tree_flatten(state)
+    run, changed = _pure(graphdef, leaves, treedef, lambda m, x: m(x, **kwargs))
+    y, new = jax.checkpoint(run)(leaves, x)
+    if changed:
+        _write_back(layer, leaves, treedef, changed, new)
+    return y
+
+
+def _write_back(node, leaves, treedef, changed, new) -> None:
+    leaves = list(leaves)
+    for k, v in zip(changed, new, strict=True):
+        leaves[k] = v
+    nnx.update(node, jtu.tree_unflatten(treedef, leaves))
+
+
+class NNXStack(nnx.Module):
+    """``scanax.Stack`` over Flax NNX layers (see ``scanax.Stack``): an ``nnx.Module``.
+
+    A stacked run is an ``nnx.List`` of ``period`` modules whose Variables have a
+    leading ``repeats`` axis; ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` updates
+    them like any other parameter. State the layers change while running
+    (BatchNorm statistics, RNG counts) is written back after the scan.
+    """
+
+    def __init__(
+        self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
+    ):
+        layers = _stack.check_layers(layers)
+        _check_owned(layers)
+        self.plan = _stack.plan(_stack.signature_ids([_signature(x) for x in layers]))
+        pieces = []
+        for s, p, r in self.plan:
+            if r == 1:
+                layer = layers[s]
+                pieces.append(
+                    nnx.clone(layer) if nnx.graph.is_graph_node(layer) else layer
+                )
+                continue
+            blocks = [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
+            graphdef, _ = nnx.split(blocks[0])
+            states = [nnx.split(b)[1] for b in blocks]
+            stacked = jtu.tree_map(lambda *xs: jax.numpy.stack(xs), *states)
+            pieces.append(nnx.List(list(nnx.merge(graphdef, stacked))))
+        self.pieces = nnx.List(pieces)
+        self.remat = remat
+        self.unroll = unroll
+        self.n = len(layers)
+
+    def __call__(self, x: Any, **kwargs: Any) -> Any:
+        with jax.named_scope("scanax.Stack"):
+            for piece, data in zip(self.plan, self.pieces, strict=True):
+                if piece[2] == 1:
+                    x = _call_layer(data, x, kwargs, self.remat)
+                else:
+                    x = self._run(piece, data, x, kwargs)
+            return x
+
+    def _run(self, piece: _stack.Piece, block: Any, x: Any, kwargs: dict) -> Any:
+        graphdef, state = nnx.split(block)
+        leaves, treedef = jtu.tree_flatten(state)
+        remat = self.remat
+
+        def apply(module, x, kw):
+            for layer in module:
+                x = _call_layer(layer, x, kw, remat)
+            return x
+
+        changed: list[int] = []
+
+        def body(x, inp):
+            leaves_j, kw = inp
+            run, found = _pure(
+                graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kw)
+            )
+            y, new = run(leaves_j, x)
+            changed[:] = found
+            _stack.check_carry(piece, x, y)
+            return y, new
+
+        try:
+            with jax.named_scope(f"scanax.Stack.{_stack.span(piece)}"):
+                x, new = scan(
+                    body,
+                    x,
+                    (leaves, kwargs),
+                    length=piece[2],
+                    unroll=self.unroll,
+                    in_axes=(0, None),
+                )
+        except _stack.ShapeChange:
+            ys = []
+            for j in range(piece[2]):
+                leaves_j = [a[j] for a in leaves]
+                run, found = _pure(
+                    graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kwargs)
+                )
+                x, new_j = run(leaves_j, x)
+                ys.append(new_j)
+            changed = found
+            new = [jax.numpy.stack(v) for v in zip(*ys, strict=True)] if ys else []
+        if changed:
+            _write_back(block, leaves, treedef, changed, new)
+        return x
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        k, j, m = _stack.locate(self.plan, self.n, i)
+        if self.plan[k][2] == 1:
+            return self.pieces[k]
+        graphdef, state = nnx.split(self.pieces[k])
+        return nnx.merge(graphdef, jtu.tree_map(lambda a: a[j], state))[m]
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
