@@ -19,6 +19,9 @@ X = TypeVar("X")
 Y = TypeVar("Y")
 
 _CALL = "scanax.scan"
+# Bound at import: scanax.scan must keep working where users (or JAX's own test
+# suite, in our compatibility check) replace `jax.lax.scan` by `scanax.scan`.
+_lax_scan = jax.lax.scan
 
 
 # ---------------------------------------------------------------------------- carry
@@ -307,7 +310,7 @@ def prepare(
 
 def run_lax(loop: Loop, reverse: bool, unroll: int | bool) -> tuple[Any, Any]:
     """The plain lowering: exactly one ``lax.scan``."""
-    return jax.lax.scan(
+    return _lax_scan(
         loop.body,
         loop.init,
         loop.xs,
