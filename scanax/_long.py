@@ -31,9 +31,7 @@ class Options:
         if self.progress is not None and loop.length > 0:
             reporter = _progress.Reporter(self.progress, loop.length)
         if self.remat == "sqrt" and loop.length > 0:
-            tick = reporter.tick if reporter else None
-            count = reporter.init() if reporter else None
-            carry, ys, count = _remat.run_sqrt(loop, reverse, unroll, tick, count)
+            carry, ys = _remat.run_sqrt(loop, reverse, unroll, reporter)
         else:
             if self.remat is not None and self.remat != "sqrt":
                 loop = _remat.checkpoint_body(loop, self.remat)
@@ -46,9 +44,7 @@ class Options:
             else:
                 carry, ys = run_lax(loop, reverse, unroll)
             if reporter is not None:
-                carry, count = carry
-        if reporter is not None:
-            reporter.close(count)
+                carry, _ = carry
         return carry, ys
 
 

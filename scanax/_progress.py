@@ -2,11 +2,16 @@
 
 The loop carries an internal step counter next to the user's carry. Before the
 steps ``[i, i + n)`` run, the loop calls back to the host (``jax.debug.callback``
-inside a ``lax.cond``) only if that block holds a multiple of ``every``; after the
-loop, one last callback closes the bar. The callback's only operand is the counter:
-it is unbatched under ``vmap`` (one bar for the batch), and under ``grad`` it is a
-known value in the forward loop, so the update stays inside the forward loop
-(it depends on the carry, so it cannot be hoisted out as loop-invariant).
+inside a ``lax.cond``) only if that block holds a multiple of ``every`` or is the
+last one. The callback's operands depend only on the counter: they are unbatched
+under ``vmap`` (one bar for the batch), and under ``grad`` they are known values of
+the forward loop, so the updates stay inside the forward loop (they depend on a
+carry, so they cannot be hoisted out as loop-invariant). Every report is made
+inside the loop: a report after it could run first, as XLA folds the final count
+to a constant.
+
+The callbacks are unordered (ordered effects would not run on several devices),
+so the host side tolerates reports that arrive permuted (see ``_Bar``).
 """
 
 from __future__ import annotations
@@ -56,8 +61,8 @@ def resolve(call: str, progress: Any) -> Progress | None:
     if progress is False or progress is None:
         return None
     if progress is True:
-        return Progress()
-    if isinstance(progress, Progress):
+        spec = Progress()
+    elif isinstance(progress, Progress):
         spec = progress
     elif isinstance(progress, int):
         spec = Progress(every=progress)
@@ -99,18 +104,21 @@ def default_every(length: int) -> int:
 
 
 class _Bar:
-    """Host-side state of one scan's bar. A new tqdm bar opens at step 0 of each run."""
+    """Host-side state of one scan's bar.
+
+    Callbacks without an order (``jax.debug.callback``) may arrive permuted within
+    an unrolled group of steps, so the bar moves to the largest count seen, and a
+    run ends after the number of reports it sends (``expected``), in any order.
+    """
 
     def __init__(self, spec: Progress, total: int):
         self.spec = spec
         self.total = total
+        self.expected = 0
+        self.received = 0
         self.bar: Any = None
 
-    def report(self, done: Any, closing: bool) -> None:
-        done = int(done)
-        if self.bar is not None and done == 0 and not closing:
-            self.bar.close()  # a run that did not finish (an error, or a retrace)
-            self.bar = None
+    def report(self, done: Any, last: Any) -> None:
         if self.bar is None:
             tqdm = _load_tqdm("scanax.scan")
             self.bar = tqdm(
@@ -121,24 +129,33 @@ class _Bar:
                 unit=self.spec.unit,
                 dynamic_ncols=True,
             )
+            self.received = 0
+        done = self.total if bool(last) else int(done)
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
-        if closing:
+        self.received += 1
+        if self.received >= self.expected:
             self.bar.close()
             self.bar = None
 
 
-def _host_report(bar: _Bar, done: Any, closing: bool) -> None:
+def _host_report(bar: _Bar, done: Any, last: Any) -> None:
     """Every callback lands here (tests patch this to count them)."""
-    bar.report(done, closing)
+    bar.report(done, last)
 
 
-def _dispatch(bar: _Bar, closing: bool, done: Any) -> None:
-    _host_report(bar, done, closing)
+def _dispatch(bar: _Bar, done: Any, last: Any) -> None:
+    _host_report(bar, done, last)
 
 
 class Reporter:
-    """The in-loop half of a progress bar: counter, ticks, and the closing call."""
+    """The in-loop half of a progress bar: the counter and its ticks.
+
+    Before the steps ``[count, count + n)`` run, one callback reports ``count`` if
+    those steps hold a multiple of ``every`` (so step 0 opens the bar), or if they
+    are the last ones (then the bar fills up and closes). Every report is made
+    inside the loop: none can run before the loop or be hoisted out of it.
+    """
 
     def __init__(self, spec: Progress, total: int):
         self.total = total
@@ -148,31 +165,38 @@ class Reporter:
     def init(self) -> jax.Array:
         return jnp.zeros((), jnp.int32)
 
+    def hit(self, count: Any, n: int) -> Any:
+        """Whether the steps ``[count, count + n)`` hold a multiple of ``every``."""
+        if n == 1:
+            return count % self.every == 0
+        return (count + n - 1) // self.every * self.every >= count
+
+    def plan(self, blocks: list[int]) -> None:
+        """Expect one report per block (in run order) that hits or is the last."""
+        count, reports = 0, 0
+        for n in blocks:
+            reports += bool(self.hit(count, n)) or count + n == self.total
+            count += n
+        self._bar.expected = reports
+
     def tick(self, count: jax.Array, n: int = 1) -> jax.Array:
-        """Before the steps ``[count, count + n)``: report if they hold a multiple
-        of ``every``. Returns the counter after them."""
+        """Report (maybe) before ``n`` steps; returns the counter after them."""
         with jax.named_scope("scanax.progress"):
-            if n == 1:
-                hit = count % self.every == 0
-            else:
-                hit = (count + n - 1) // self.every * self.every >= count
+            last = count + n == self.total
             jax.lax.cond(
-                hit,
-                lambda c: jax.debug.callback(
-                    ft.partial(_dispatch, self._bar, False), c
-                ),
-                lambda c: None,
+                self.hit(count, n) | last,
+                lambda c, e: jax.debug.callback(ft.partial(_dispatch, self._bar), c, e),
+                lambda c, e: None,
                 count,
+                last,
             )
             return count + n
-
-    def close(self, count: jax.Array) -> None:
-        with jax.named_scope("scanax.progress"):
-            jax.debug.callback(ft.partial(_dispatch, self._bar, True), count)
 
     def wrap(self, loop: Loop) -> Loop:
         """The loop with ``(carry, counter)`` as carry, ticking once per step."""
         body = loop.body
+        t = loop.length
+        self._bar.expected = -(-t // self.every) + ((t - 1) % self.every != 0)
 
         def counted(state, x):
             carry, count = state

@@ -14,7 +14,6 @@ in memory, for one extra forward pass.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -62,14 +61,13 @@ def run_sqrt(
     loop: Loop,
     reverse: bool,
     unroll: int | bool,
-    tick: Callable[[Any, int], Any] | None = None,
-    count: Any = None,
-) -> tuple[Any, Any, Any]:
-    """Nested √T checkpointing. Returns ``(carry, ys, count)``.
+    reporter: Any = None,
+) -> tuple[Any, Any]:
+    """Nested √T checkpointing. Returns ``(carry, ys)``.
 
-    ``tick(count, n)`` (the progress bar's) runs in the outer loop, before each
-    chunk of ``n`` steps, outside the checkpointed region, so that recomputing a
-    chunk in the backward pass does not report again.
+    A progress ``reporter`` ticks in the outer loop, before each chunk, outside
+    the checkpointed region, so that recomputing a chunk in the backward pass does
+    not report again.
     """
     n = loop.length
     c = chunk_size(n)
@@ -77,6 +75,11 @@ def run_sqrt(
     head = jtu.tree_map(lambda a: a[: outer * c], loop.xs)
     tail = jtu.tree_map(lambda a: a[outer * c :], loop.xs)
     chunks = jtu.tree_map(lambda a: a.reshape(outer, c, *a.shape[1:]), head)
+    if reporter is not None:
+        blocks = [c] * outer
+        if rest:
+            blocks = [rest, *blocks] if reverse else [*blocks, rest]
+        reporter.plan(blocks)
 
     def run_chunk(carry, xs, steps):
         return jax.lax.scan(
@@ -85,8 +88,8 @@ def run_sqrt(
 
     def segment(state, xs, steps):
         carry, count = state
-        if tick is not None:
-            count = tick(count, steps)
+        if reporter is not None:
+            count = reporter.tick(count, steps)
         inner = jax.checkpoint(
             lambda c_, x_: run_chunk(c_, x_, steps), prevent_cse=False
         )
@@ -101,7 +104,7 @@ def run_sqrt(
         return state, ys
 
     with jax.named_scope("scanax.remat_sqrt"):
-        state = (loop.init, count)
+        state = (loop.init, reporter.init() if reporter is not None else None)
         if rest and reverse:
             state, ys_tail = segment(state, tail, rest)
         state, ys = run_head(state)
@@ -109,5 +112,4 @@ def run_sqrt(
             state, ys_tail = segment(state, tail, rest)
         if rest:
             ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
-    carry, count = state
-    return carry, ys, count
+    return state[0], ys
