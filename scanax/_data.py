@@ -1,4 +1,4 @@
-"""Where ``scanax.fit`` gets its batches: arrays on device, or an iterable of host batches.
+"""Where ``scanax.fit`` gets its batches: arrays on device, or host batches.
 
 Array data is sampled on device: step ``t`` of training uses batch ``t % per_epoch``
 of epoch ``t // per_epoch``, whose order is ``jr.permutation(jr.fold_in(key, epoch),
@@ -47,8 +47,10 @@ class ArraySource:
         ]
         if any(n is None for _, n, _ in rows) or len({n for _, n, _ in rows}) > 1:
             body = _errors.listing(
-                [(f"data{p}", f"{t}: {'no leading axis' if n is None else n}")
-                 for p, n, t in rows]
+                [
+                    (f"data{p}", f"{t}: {'no leading axis' if n is None else n}")
+                    for p, n, t in rows
+                ]
             )
             raise ValueError(
                 f"{_CALL}: the arrays in `data` must share their leading (example) "
@@ -135,15 +137,17 @@ class IterSource:
         if not batches:
             return None
         self.consumed += len(batches)
-        columns = [self._leaves(b, self.consumed - len(batches) + k)
-                   for k, b in enumerate(batches)]
+        columns = [
+            self._leaves(b, self.consumed - len(batches) + k)
+            for k, b in enumerate(batches)
+        ]
         stacked = []
         for j, (shape, dtype) in enumerate(self.types):
             col = np.empty((length, *shape), dtype)
             for k, leaves in enumerate(columns):
                 col[k] = leaves[j]
             if len(batches) < length:
-                col[len(batches):] = 0
+                col[len(batches) :] = 0
             stacked.append(col)
         return jtu.tree_unflatten(self.treedef, stacked), len(batches)
 
@@ -162,8 +166,11 @@ class IterSource:
                 "structure."
             )
         rows = [
-            (f"batch{p}", f"{_errors.short_type(x)}, first batch had "
-             f"{np.dtype(d).name}[{', '.join(map(str, s))}]")
+            (
+                f"batch{p}",
+                f"{_errors.short_type(x)}, first batch had "
+                f"{np.dtype(d).name}[{', '.join(map(str, s))}]",
+            )
             for p, x, (s, d) in zip(self.paths, leaves, self.types)
             if x.shape != s or x.dtype != d
         ]

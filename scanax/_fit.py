@@ -1,4 +1,4 @@
-"""``scanax.fit``: many optimizer steps fused into one compiled ``lax.scan`` per call."""
+"""``scanax.fit``: many optimizer steps fused into one compiled ``lax.scan``."""
 
 from __future__ import annotations
 
@@ -161,14 +161,18 @@ def _build_chunk(step: Callable, source: Any, length: int) -> Callable:
 
     def guarded(state, batch):
         """One step, not applied when its loss or gradients are not finite."""
+        # The arrays, not the containers: an NNX step mutates the Variables it
+        # merged, which may be the ones in ``state``.
+        old = jtu.tree_leaves(state)
         new, loss, metrics, grads = step(state, batch)
         loss_ok = jnp.isfinite(loss)
         grads_ok = jnp.array(True)
         for g in jtu.tree_leaves(grads):
             grads_ok = grads_ok & jnp.all(jnp.isfinite(g))
         ok = loss_ok & grads_ok
-        new = jtu.tree_map(lambda a, b: jnp.where(ok, a, b), new, state)
-        return new, (loss, metrics, loss_ok, grads_ok)
+        leaves, treedef = jtu.tree_flatten(new)
+        kept = [jnp.where(ok, a, b) for a, b in zip(leaves, old)]
+        return jtu.tree_unflatten(treedef, kept), (loss, metrics, loss_ok, grads_ok)
 
     def chunk(state, stopped, start, end, data, key, xs):
         with jax.named_scope("scanax.fit"):
@@ -338,4 +342,3 @@ def _progress_bar(total: int) -> Any:
             "install tqdm` (or `scanax[progress]`), or pass progress=False."
         ) from err
     return tqdm(total=total, unit="step", desc=_CALL, dynamic_ncols=True)
-

@@ -23,7 +23,7 @@ from ._axes import is_array
 _CALL = "scanax.fit"
 
 SUPPORTED = (
-    "  (nnx.Module, nnx.Optimizer)          e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)\n"
+    "  (nnx.Module, nnx.Optimizer)   e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)\n"
     "  (Equinox module or pytree of arrays, optax.GradientTransformation)\n"
     "  (flax.training.train_state.TrainState, None)   its own `tx` is used"
 )
@@ -152,9 +152,7 @@ class OptaxAdapter:
             def objective(p):
                 return split_loss(_CALL, loss_fn(self._model(p, others), batch))
 
-            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
-                params
-            )
+            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
             updates, opt_state = tx.update(
                 self._filtered(grads), state["opt_state"], self._filtered(params)
             )

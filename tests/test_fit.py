@@ -1,0 +1,631 @@
+"""scanax.fit against Python loops of the same optimizer steps on the same batches."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import scanax
+
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+eqx = pytest.importorskip("equinox")
+train_state = pytest.importorskip("flax.training.train_state")
+
+N, BS, STEPS = 48, 8, 23  # 6 batches per epoch: 23 steps cross 3 epoch boundaries
+X = jr.normal(jr.key(0), (N, 3))
+Y = jnp.sin(X @ jnp.array([[1.0], [-2.0], [0.5]]))
+KEY = jr.key(7)
+TX = optax.adam(1e-2)  # one transformation object: same tx, same compiled chunk
+
+
+def batch_at(t, key=KEY, n=N, bs=BS):
+    """The batch ``fit`` uses at step t (documented order)."""
+    per_epoch = n // bs
+    start = (t % per_epoch) * bs
+    if key is None:
+        idx = jnp.arange(start, start + bs)
+    else:
+        perm = jr.permutation(jr.fold_in(key, t // per_epoch), n)
+        idx = perm[start : start + bs]
+    return X[idx], Y[idx]
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(3, 8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def nnx_loss(model, batch):
+    x, y = batch
+    err = model(x) - y
+    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+
+def nnx_pair(seed=0):
+    model = MLP(nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+
+@nnx.jit
+def nnx_step(model, optimizer, batch):
+    (loss, _), grads = nnx.value_and_grad(nnx_loss, has_aux=True)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def leaves_equal(a, b):
+    la, lb = jtu.tree_leaves(a), jtu.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jr.key_data(x), jr.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def leaves_close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jtu.tree_leaves(a), jtu.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jr.key_data(x), jr.key_data(y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+_FIT_RUNS = {}
+
+
+def fit_once(kind, steps_per_call):
+    """fit of one model kind on the shared task, memoized across tests."""
+    if (kind, steps_per_call) not in _FIT_RUNS:
+        model, opt = {
+            "nnx": nnx_pair,
+            "eqx": lambda: (eqx_model(), TX),
+            "ts": lambda: (ts_make(), None),
+        }[kind]()
+        loss = {"nnx": nnx_loss, "eqx": eqx_loss, "ts": ts_loss}[kind]
+        result = fit_quiet(
+            model,
+            opt,
+            loss,
+            (X, Y),
+            steps=STEPS,
+            batch_size=BS,
+            key=KEY,
+            steps_per_call=steps_per_call,
+        )
+        if kind == "nnx":
+            state = (nnx.state(model), nnx.state(opt))
+        elif kind == "eqx":
+            state = (eqx.filter(result.model, eqx.is_array), result.optimizer)
+        else:
+            state = result.model
+        _FIT_RUNS[kind, steps_per_call] = (result, state)
+    return _FIT_RUNS[kind, steps_per_call]
+
+
+def fit_quiet(*args, **kwargs):
+    return scanax.fit(*args, progress=False, **kwargs)
+
+
+# ---------------------------------------------------------------------------- NNX
+
+
+@pytest.mark.parametrize("kind", ["nnx", "eqx", "ts"])
+@pytest.mark.parametrize("steps_per_call", [7, 100])
+def test_independent_of_steps_per_call(kind, steps_per_call):
+    """Bit-identical: step t's batch and RNG depend on t only, not on the chunking."""
+    one, state_one = fit_once(kind, 1)
+    many, state_many = fit_once(kind, steps_per_call)
+    np.testing.assert_array_equal(many.history["loss"], one.history["loss"])
+    leaves_equal(state_many, state_one)
+
+
+# A loop of separately jitted steps is a different XLA program than the same step
+# inside scan + cond: XLA may fuse (and so round) differently, by about 1 ulp per
+# step, so fit is compared with the loop to a tight tolerance, and with itself
+# (other steps_per_call) exactly.
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 7, 100])
+def test_nnx_equals_python_loop(steps_per_call):
+    result, (model_state, opt_state) = fit_once("nnx", steps_per_call)
+    assert result.steps == STEPS
+    ref_model, ref_opt = nnx_pair()
+    losses = [nnx_step(ref_model, ref_opt, batch_at(t)) for t in range(STEPS)]
+    np.testing.assert_allclose(result.history["loss"], np.array(losses), rtol=1e-5)
+    leaves_close(model_state, nnx.state(ref_model))
+    leaves_close(opt_state, nnx.state(ref_opt))
+    assert result.history["mae"].shape == (STEPS,)
+
+
+def test_nnx_objects_updated_in_place():
+    model, opt = nnx_pair()
+    before = np.asarray(model.l1.kernel[...])
+    result = fit_quiet(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    assert result.model is model and result.optimizer is opt
+    assert int(opt.step[...]) == STEPS
+    _, state = fit_once("nnx", 7)
+    leaves_equal(nnx.state(model), state[0])
+    assert not np.array_equal(before, model.l1.kernel[...])
+
+
+def test_nnx_dropout_rng_and_batchnorm_state_advance():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.out = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(self.bn(self.lin(x))))
+
+    def make():
+        model = Net(nnx.Rngs(0, dropout=1))
+        return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    model, opt = make()
+    fit_quiet(model, opt, nnx_loss, (X, Y), steps=9, batch_size=BS, steps_per_call=7)
+    ref_model, ref_opt = make()
+    for t in range(9):
+        nnx_step(ref_model, ref_opt, batch_at(t, key=None))
+    leaves_close(nnx.state(model), nnx.state(ref_model))
+    assert int(model.drop.rngs.count[...]) == 9  # the RNG stream advanced
+
+
+def test_learning_happens_on_regression():
+    model, opt = nnx_pair()
+    result = fit_quiet(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=400,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    h = result.history["loss"]
+    assert h.shape == (400,)
+    assert h[-50:].mean() < 0.2 * h[:10].mean()
+    full = float(nnx_loss(model, (X, Y))[0])
+    assert full < 0.3 * float(jnp.mean(Y**2))
+
+
+def test_metrics_in_history():
+    model, opt = nnx_pair()
+    ref_model, _ = nnx_pair()
+    result = fit_quiet(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    assert set(result.history) == {"loss", "mae"}
+    assert result.history["mae"].dtype == np.float32
+    # The first step's metrics are computed on the initial model.
+    _, metrics = nnx_loss(ref_model, batch_at(0))
+    np.testing.assert_allclose(result.history["mae"][0], metrics["mae"], rtol=1e-6)
+
+
+def test_second_call_does_not_compile():
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    model, opt = nnx_pair()
+    fit_quiet(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    model, opt = nnx_pair(seed=3)  # new objects, same structure, new values
+    x2, key2 = X + 1, jr.key(9)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fit_quiet(
+            model,
+            opt,
+            nnx_loss,
+            (x2, Y),
+            steps=STEPS,
+            batch_size=BS,
+            key=key2,
+            steps_per_call=7,
+        )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
+def test_progress_bar(capsys):
+    model, opt = nnx_pair()
+    scanax.fit(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    err = capsys.readouterr().err
+    assert "23/23" in err and "step/s" in err and "loss=" in err
+
+
+def test_progress_false_is_silent(capsys):
+    model, opt = nnx_pair()
+    fit_quiet(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_progress_without_tqdm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    model, opt = nnx_pair()
+    with pytest.raises(ImportError, match=r"scanax.fit: progress=True needs tqdm"):
+        scanax.fit(model, opt, nnx_loss, (X, Y), steps=3, batch_size=BS)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def test_iterable_data_equals_array_data_order():
+    batches = [batch_at(t) for t in range(STEPS)]
+    model, opt = nnx_pair()
+    result = fit_quiet(
+        model, opt, nnx_loss, iter(batches), steps=STEPS, steps_per_call=7
+    )
+    ref_model, ref_opt = nnx_pair()
+    losses = [nnx_step(ref_model, ref_opt, b) for b in batches]
+    assert result.steps == STEPS
+    np.testing.assert_allclose(result.history["loss"], np.array(losses), rtol=1e-5)
+    leaves_close(nnx.state(model), nnx.state(ref_model))
+
+
+@pytest.mark.parametrize("available", [3, 10])
+def test_iterator_ends_early(available):
+    def gen():
+        for t in range(available):
+            yield tuple(np.asarray(a) for a in batch_at(t))
+
+    model, opt = nnx_pair()
+    result = fit_quiet(model, opt, nnx_loss, gen(), steps=STEPS, steps_per_call=7)
+    assert result.steps == available
+    assert result.history["loss"].shape == (available,)
+    ref_model, ref_opt = nnx_pair()
+    for t in range(available):
+        nnx_step(ref_model, ref_opt, batch_at(t))
+    leaves_close(nnx.state(model), nnx.state(ref_model))
+
+
+def test_unshuffled_array_data_in_order():
+    model, opt = nnx_pair()
+    fit_quiet(model, opt, nnx_loss, (X, Y), steps=8, batch_size=BS, steps_per_call=7)
+    ref_model, ref_opt = nnx_pair()
+    for t in range(8):
+        nnx_step(ref_model, ref_opt, batch_at(t, key=None))
+    leaves_close(nnx.state(model), nnx.state(ref_model))
+
+
+# ---------------------------------------------------------------------------- NaN
+
+
+@pytest.mark.parametrize("bad_step", [0, 9])
+def test_nan_loss_stops_and_keeps_last_good_state(bad_step):
+    batches = [batch_at(t) for t in range(STEPS)]
+    x, y = batches[bad_step]
+    batches[bad_step] = (x, y.at[0].set(jnp.nan))
+    model, opt = nnx_pair()
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"scanax.fit: step {bad_step} gave a non-finite loss \(nan\).*"
+        rf"state after {bad_step} good steps",
+    ):
+        result = fit_quiet(model, opt, nnx_loss, batches, steps=STEPS, steps_per_call=7)
+    assert result.steps == bad_step
+    assert result.history["loss"].shape == (bad_step,)
+    # Exactly the state of a run that stopped before the bad batch.
+    ref_model, ref_opt = nnx_pair()
+    if bad_step:
+        fit_quiet(
+            ref_model,
+            ref_opt,
+            nnx_loss,
+            batches[:bad_step],
+            steps=STEPS,
+            steps_per_call=7,
+        )
+    leaves_equal(nnx.state(model), nnx.state(ref_model))
+    leaves_equal(nnx.state(opt), nnx.state(ref_opt))
+
+
+@jax.custom_jvp
+def poison(b, bad):
+    """0 in value; a NaN gradient for ``b`` where ``bad``."""
+    return jnp.zeros((), b.dtype)
+
+
+@poison.defjvp
+def _poison_jvp(primals, tangents):
+    b, bad = primals
+    return poison(b, bad), jnp.where(bad, jnp.nan, 0.0) * jnp.sum(tangents[0])
+
+
+def test_nonfinite_gradients_stop():
+    def loss_fn(model, batch):
+        x, y = batch
+        penalty = poison(model.l2.bias[...], y[0, 0] == 0)
+        return jnp.mean((model(x) - y) ** 2) + penalty
+
+    batches = [batch_at(t) for t in range(6)]
+    batches[4] = (batches[4][0], batches[4][1].at[0, 0].set(0.0))
+    model, opt = nnx_pair()
+    with pytest.warns(RuntimeWarning, match=r"step 4 gave non-finite gradients"):
+        result = fit_quiet(model, opt, loss_fn, batches, steps=6, steps_per_call=3)
+    assert result.steps == 4
+
+
+# ---------------------------------------------------------------------------- Equinox
+
+
+def eqx_loss(model, batch):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def eqx_model():
+    return eqx.nn.MLP(3, 1, 8, 1, key=jr.key(0))
+
+
+@eqx.filter_jit
+def eqx_step(model, opt_state, batch):
+    loss, grads = eqx.filter_value_and_grad(eqx_loss)(model, batch)
+    updates, opt_state = TX.update(
+        grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+    )
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 7, 100])
+def test_equinox_equals_python_loop(steps_per_call):
+    result, (params, opt_state_fit) = fit_once("eqx", steps_per_call)
+    model = eqx_model()
+    opt_state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+    losses = []
+    for t in range(STEPS):
+        model, opt_state, loss = eqx_step(model, opt_state, batch_at(t))
+        losses.append(loss)
+    assert type(result.model) is type(model)
+    np.testing.assert_allclose(result.history["loss"], np.array(losses), rtol=1e-5)
+    leaves_close(params, eqx.filter(model, eqx.is_array))
+    leaves_close(opt_state_fit, opt_state)
+    assert result.model.activation is model.activation  # static leaves kept
+
+
+def test_plain_pytree_params():
+    params = {"w": jnp.zeros((3, 1)), "b": jnp.zeros((1,)), "n": jnp.array(3)}
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    result = fit_quiet(params, optax.sgd(0.1), loss_fn, (X, Y), steps=5, batch_size=BS)
+    p = dict(params)
+    for t in range(5):
+        g = jax.grad(
+            lambda w, b: loss_fn({"w": w, "b": b}, batch_at(t, key=None)),
+            argnums=(0, 1),
+        )(p["w"], p["b"])
+        g = {"w": g[0], "b": g[1]}
+        p = {**p, "w": p["w"] - 0.1 * g["w"], "b": p["b"] - 0.1 * g["b"]}
+    np.testing.assert_allclose(result.model["w"], p["w"], rtol=1e-6)
+    assert result.model["n"] is not None and int(result.model["n"]) == 3
+
+
+# ---------------------------------------------------------------------------- TrainState
+
+
+def ts_make():
+    params = {
+        "w": jr.normal(jr.key(1), (3, 1)) * 0.1,
+        "b": jnp.zeros((1,)),
+    }
+    return train_state.TrainState.create(apply_fn=ts_apply, params=params, tx=TX)
+
+
+def ts_apply(params, x):
+    return x @ params["w"] + params["b"]
+
+
+def ts_loss(state, batch):
+    x, y = batch
+    return jnp.mean((state.apply_fn(state.params, x) - y) ** 2)
+
+
+@jax.jit
+def ts_step(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: ts_loss(state.replace(params=p), batch))(
+        state.params
+    )
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 7, 100])
+def test_trainstate_equals_python_loop(steps_per_call):
+    result, _ = fit_once("ts", steps_per_call)
+    state, losses = ts_make(), []
+    for t in range(STEPS):
+        state, loss = ts_step(state, batch_at(t))
+        losses.append(loss)
+    assert result.optimizer is None
+    assert int(result.model.step) == STEPS
+    np.testing.assert_allclose(result.history["loss"], np.array(losses), rtol=1e-5)
+    leaves_close(result.model, state)
+
+
+# ---------------------------------------------------------------------------- low level
+
+
+def test_seed_carry_form_with_scanax_scan():
+    """The seed's question: (model, optimizer) as the carry of scanax.scan."""
+
+    def train_step(carry, batch):
+        model, optimizer = carry
+        loss, grads = nnx.value_and_grad(lambda m: nnx_loss(m, batch)[0])(model)
+        optimizer.update(model, grads)
+        return (model, optimizer), loss
+
+    batches = jtu.tree_map(lambda *b: jnp.stack(b), *[batch_at(t) for t in range(6)])
+    model, opt = nnx_pair()
+    (m2, o2), losses = scanax.scan(train_step, (model, opt), batches)
+    assert m2 is model and o2 is opt
+    ref_model, ref_opt = nnx_pair()
+    ref = [nnx_step(ref_model, ref_opt, batch_at(t)) for t in range(6)]
+    np.testing.assert_allclose(losses, np.array(ref), rtol=1e-6)
+    for a, b in zip(
+        jtu.tree_leaves(nnx.state(model)), jtu.tree_leaves(nnx.state(ref_model))
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_error_unsupported_pair():
+    model, _ = nnx_pair()
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.fit: unsupported \(model, optimizer\) pair \(MLP, "
+        r"GradientTransformationExtraArgs\).*\(nnx.Module, nnx.Optimizer\).*"
+        r"Fix: pass nnx.Optimizer\(model, tx, wrt=nnx.Param\)",
+    ):
+        fit_quiet(model, TX, nnx_loss, (X, Y), steps=1, batch_size=BS)
+    with pytest.raises(TypeError, match=r"unsupported .* pair \(dict, str\)"):
+        fit_quiet({"w": X}, "adam", nnx_loss, (X, Y), steps=1, batch_size=BS)
+    with pytest.raises(
+        TypeError, match=r"(?s)carries its own optimizer.*optimizer=None"
+    ):
+        fit_quiet(ts_make(), TX, ts_loss, (X, Y), steps=1, batch_size=BS)
+
+
+def test_error_non_scalar_loss():
+    model, opt = nnx_pair()
+    with pytest.raises(
+        TypeError,
+        match=r"scanax.fit: `loss_fn` must return a scalar floating-point loss, got "
+        r"float32\[8, 1\].\nFix: reduce it",
+    ):
+        fit_quiet(
+            model,
+            opt,
+            lambda m, b: (m(b[0]) - b[1]) ** 2,
+            (X, Y),
+            steps=2,
+            batch_size=BS,
+        )
+
+
+def test_error_different_leading_sizes():
+    model, opt = nnx_pair()
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)scanax.fit: the arrays in `data` must share their leading.*"
+        r"data\[0\]\s+float32\[48, 3\]: 48.*data\[1\]\s+float32\[40, 1\]: 40",
+    ):
+        fit_quiet(model, opt, nnx_loss, (X, Y[:40]), steps=2, batch_size=BS)
+
+
+def test_error_batch_size_too_large():
+    model, opt = nnx_pair()
+    with pytest.raises(
+        ValueError, match=r"batch_size=64 is larger than the data \(48 examples"
+    ):
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=64)
+
+
+@pytest.mark.parametrize(
+    "steps, err, msg",
+    [
+        (0, ValueError, r"`steps` must be a positive int, got 0"),
+        (-3, ValueError, r"`steps` must be a positive int, got -3"),
+        (2.5, TypeError, r"`steps` must be a positive int, got float 2.5"),
+        (True, TypeError, r"`steps` must be a positive int, got bool True"),
+        (None, TypeError, r"`steps` must be a positive int, got NoneType"),
+    ],
+)
+def test_error_steps(steps, err, msg):
+    model, opt = nnx_pair()
+    with pytest.raises(err, match="scanax.fit: " + msg):
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=steps, batch_size=BS)
+
+
+def test_error_missing_batch_size():
+    model, opt = nnx_pair()
+    with pytest.raises(
+        TypeError,
+        match=r"scanax.fit: `data` is a pytree of arrays \(48 examples\) but "
+        r"`batch_size` is None",
+    ):
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2)
+
+
+def test_error_inconsistent_batches():
+    batches = [batch_at(0), (X[:4], Y[:4])]
+    model, opt = nnx_pair()
+    with pytest.raises(
+        TypeError, match=r"(?s)batch 1 of `data` differs.*batch\[0\]\s+float32\[4, 3\]"
+    ):
+        fit_quiet(model, opt, nnx_loss, batches, steps=2, steps_per_call=2)
+
+
+def test_error_bad_metrics():
+    model, opt = nnx_pair()
+    with pytest.raises(TypeError, match=r"`loss_fn` returned a tuple of 3"):
+        fit_quiet(
+            model,
+            opt,
+            lambda m, b: (nnx_loss(m, b)[0], 1, 2),
+            (X, Y),
+            steps=2,
+            batch_size=BS,
+        )
