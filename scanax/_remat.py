@@ -72,44 +72,50 @@ def run_sqrt(
     n = loop.length
     c = chunk_size(n)
     outer, rest = divmod(n, c)
-    head = jtu.tree_map(lambda a: a[: outer * c], loop.xs)
-    tail = jtu.tree_map(lambda a: a[outer * c :], loop.xs)
-    chunks = jtu.tree_map(lambda a: a.reshape(outer, c, *a.shape[1:]), head)
     if reporter is not None:
         blocks = [c] * outer
         if rest:
             blocks = [rest, *blocks] if reverse else [*blocks, rest]
         reporter.plan(blocks)
 
-    def run_chunk(carry, xs, steps):
+    def run_chunk(carry, xs, start, steps):
+        # Slicing inside the loop (not slicing xs to whole chunks up front) keeps
+        # O(T) copies of xs out of the program when c does not divide T.
+        xs = jtu.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, steps), xs)
         return jax.lax.scan(
             loop.body, carry, xs, length=steps, reverse=reverse, unroll=unroll
         )
 
-    def segment(state, xs, steps):
+    def segment(state, start, steps):
         carry, count = state
         if reporter is not None:
             count = reporter.tick(count, steps)
         inner = jax.checkpoint(
-            lambda c_, x_: run_chunk(c_, x_, steps), prevent_cse=False
+            lambda c_, x_, s_: run_chunk(c_, x_, s_, steps), prevent_cse=False
         )
-        carry, ys = inner(carry, xs)
+        carry, ys = inner(carry, loop.xs, start)
         return (carry, count), ys
 
     def run_head(state):
+        starts = jnp.arange(outer, dtype=jnp.int32) * c
         state, ys = jax.lax.scan(
-            lambda s, x: segment(s, x, c), state, chunks, length=outer, reverse=reverse
+            lambda s, start: segment(s, start, c),
+            state,
+            starts,
+            length=outer,
+            reverse=reverse,
         )
         ys = jtu.tree_map(lambda a: a.reshape(outer * c, *a.shape[2:]), ys)
         return state, ys
 
     with jax.named_scope("scanax.remat_sqrt"):
         state = (loop.init, reporter.init() if reporter is not None else None)
+        tail_start = jnp.int32(outer * c)
         if rest and reverse:
-            state, ys_tail = segment(state, tail, rest)
+            state, ys_tail = segment(state, tail_start, rest)
         state, ys = run_head(state)
         if rest and not reverse:
-            state, ys_tail = segment(state, tail, rest)
+            state, ys_tail = segment(state, tail_start, rest)
         if rest:
             ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
     return state[0], ys

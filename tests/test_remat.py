@@ -1,0 +1,148 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scanax
+from scanax._remat import chunk_size
+
+
+def step(c, x):
+    h, w = c
+    a, b = x
+    h = jnp.tanh(h @ w + a * b)
+    return (h, w), (jnp.sum(h**2), h[0])
+
+
+def inputs(n):
+    h = jnp.linspace(-1.0, 1.0, 3)
+    w = jnp.eye(3) * 0.9 + 0.05
+    a = jnp.sin(jnp.arange(n * 3, dtype=jnp.float32)).reshape(n, 3)
+    b = jnp.float32(0.5)
+    return (h, w), (a, b)
+
+
+def run(scan, init, xs, **kw):
+    carry, ys = scan(step, init, xs, **kw)
+    return jnp.sum(carry[0]) + jnp.sum(ys[0]) + jnp.sum(ys[1] ** 2)
+
+
+def plain(init, xs, reverse=False, unroll=1):
+    a, b = xs
+    return run(
+        lambda f, c, a: jax.lax.scan(lambda c, a: f(c, (a, b)), c, a, reverse=reverse),
+        init,
+        a,
+    )
+
+
+def ours(init, xs, remat, reverse=False, unroll=1):
+    return run(
+        scanax.scan,
+        init,
+        xs,
+        in_axes=(0, None),
+        remat=remat,
+        reverse=reverse,
+        unroll=unroll,
+    )
+
+
+def close(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-6)
+
+
+REMATS = {
+    "true": True,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "sqrt": "sqrt",
+}
+
+
+@pytest.mark.parametrize("remat", list(REMATS))
+@pytest.mark.parametrize("n", [1, 9, 13])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_values_and_gradients(remat, n, reverse):
+    init, xs = inputs(n)
+    unroll = 2 if n == 13 else 1
+    want = jax.value_and_grad(plain, argnums=(0, 1))(init, xs, reverse)
+    got = jax.value_and_grad(ours, argnums=(0, 1))(
+        init, xs, REMATS[remat], reverse, unroll
+    )
+    close(got, want)
+
+
+@pytest.mark.parametrize("remat", ["true", "sqrt"])
+def test_forward_mode(remat):
+    init, xs = inputs(10)
+    tangents = jax.tree.map(jnp.ones_like, (init, xs))
+    want = jax.jvp(lambda i, x: plain(i, x), (init, xs), tangents)
+    got = jax.jvp(lambda i, x: ours(i, x, REMATS[remat]), (init, xs), tangents)
+    close(got, want)
+
+
+@pytest.mark.parametrize("remat", [True, "sqrt"])
+def test_outputs_under_jit_and_vmap(remat):
+    init, (a, b) = inputs(11)
+    want = jax.vmap(lambda a: jax.lax.scan(lambda c, a: step(c, (a, b)), init, a))(
+        jnp.stack([a, 2 * a])
+    )
+    got = jax.jit(
+        jax.vmap(
+            lambda a: scanax.scan(step, init, (a, b), in_axes=(0, None), remat=remat)
+        )
+    )(jnp.stack([a, 2 * a]))
+    close(got, want)
+
+
+def test_length_zero_and_no_outputs():
+    carry, ys = scanax.scan(lambda c, x: (c + 1, None), 0.0, length=0, remat="sqrt")
+    assert float(carry) == 0.0 and ys is None
+    carry, ys = scanax.scan(lambda c, x: (c + x, None), 0.0, jnp.ones(7), remat="sqrt")
+    assert float(carry) == 7.0 and ys is None
+
+
+@pytest.mark.parametrize("n, c", [(1, 1), (2, 2), (4, 2), (5, 3), (9, 3), (10, 4)])
+def test_chunk_size(n, c):
+    assert chunk_size(n) == c
+
+
+def test_sqrt_is_nested_scans():
+    init, xs = inputs(16)
+    jaxpr = jax.make_jaxpr(lambda i, x: ours(i, x, "sqrt"))(init, xs)
+    outer = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(outer) == 1 and outer[0].params["length"] == 4
+
+
+def test_sqrt_cuts_gradient_memory():
+    d, n = 16, 1000
+
+    def loss(h, a, remat):
+        def body(h, a):
+            h = jnp.tanh(h * 0.9 + a)
+            return h, jnp.sum(h)
+
+        h, ys = scanax.scan(body, h, a, remat=remat)
+        return jnp.sum(h) + jnp.sum(ys)
+
+    def temp(remat):
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+        compiled = grad.lower(jnp.ones(d), jnp.ones((n, d)), remat).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plain_bytes, sqrt_bytes = temp(False), temp("sqrt")
+    assert sqrt_bytes <= 0.3 * plain_bytes, (sqrt_bytes, plain_bytes)
+
+
+@pytest.mark.parametrize(
+    "bad, err, match",
+    [
+        ("half", ValueError, r'scanax.scan: `remat` must be False, True, "sqrt" or a'),
+        (3, TypeError, r"scanax.scan: `remat` must be .* got int 3"),
+    ],
+)
+def test_bad_remat(bad, err, match):
+    with pytest.raises(err, match=match):
+        scanax.scan(lambda c, x: (c, None), 0.0, length=3, remat=bad)
