@@ -157,6 +157,9 @@ def run_until(
     """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``."""
     converted, consts = jax.closure_convert(step, init, _x_example(xs))
     y_shape = jax.eval_shape(converted, init, _x_example(xs), *consts)[1]
+    if length == 0:
+        ys = jtu.tree_map(lambda s: jnp.zeros((0, *s.shape), s.dtype), y_shape)
+        return init, ys, jnp.zeros((), jnp.int32)
     fn = _early_exit(converted, y_shape, length, reverse, unroll)
     return fn(init, xs, tuple(consts))
 
