@@ -1,0 +1,162 @@
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scanax
+
+
+def step(c, x):
+    c = 0.8 * c + jnp.sin(x)
+    return c, {"h": c, "s": jnp.sum(c), "i": jnp.int32(1)}
+
+
+def inputs(n):
+    return jnp.zeros(2), jnp.arange(2 * n, dtype=jnp.float32).reshape(n, 2)
+
+
+def close(a, b):
+    a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(a_leaves) == len(b_leaves)
+    for u, v in zip(a_leaves, b_leaves, strict=True):
+        assert jnp.shape(u) == jnp.shape(v) and jnp.result_type(u) == jnp.result_type(v)
+        np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-5)
+
+
+def full(n, reverse):
+    init, xs = inputs(n)
+    return jax.lax.scan(step, init, xs, reverse=reverse)
+
+
+@pytest.mark.parametrize("n", [0, 1, 6, 10])
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_keep_every_is_slicing(n, k, reverse):
+    carry, ys = full(n, reverse)
+    init, xs = inputs(n)
+    got = scanax.scan(step, init, xs, reverse=reverse, keep_every=k)
+    close(got, (carry, jax.tree.map(lambda a: a[k - 1 :: k], ys)))
+
+
+def run_order(ys, reverse):
+    """The per-step outputs in the order the steps run."""
+    return jax.tree.map(lambda a: a[::-1] if reverse else a, ys)
+
+
+REDUCERS = {
+    "last": lambda ys: jax.tree.map(lambda a: a[-1], ys),
+    "sum": lambda ys: jax.tree.map(lambda a: jnp.sum(a, axis=0), ys),
+    "mean": lambda ys: jax.tree.map(lambda a: jnp.mean(a, axis=0), ys),
+    "max": lambda ys: jax.tree.map(lambda a: jnp.max(a, axis=0), ys),
+    "fold": lambda ys: jax.tree.map(
+        lambda a: ft.reduce(lambda u, v: (u * 0.5 + v).astype(v.dtype), list(a)), ys
+    ),
+}
+KEEPS = {
+    "last": "last",
+    "sum": "sum",
+    "mean": "mean",
+    "max": jnp.maximum,
+    "fold": lambda acc, y: (acc * 0.5 + y).astype(y.dtype),
+}
+
+
+@pytest.mark.parametrize("keep", list(KEEPS))
+@pytest.mark.parametrize("n, k", [(1, 1), (7, 1), (10, 3)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reductions_equal_reducing_full_outputs(keep, n, k, reverse):
+    carry, ys = full(n, reverse)
+    kept = run_order(jax.tree.map(lambda a: a[k - 1 :: k], ys), reverse)
+    init, xs = inputs(n)
+    got = scanax.scan(step, init, xs, reverse=reverse, keep_every=k, keep=KEEPS[keep])
+    close(got, (carry, REDUCERS[keep](kept)))
+
+
+@pytest.mark.parametrize("keep", ["all", "mean", "last"])
+def test_gradients(keep):
+    init, xs = inputs(9)
+    reduce = {"all": lambda ys: ys[2::3], "mean": ft.partial(jnp.mean, axis=0)}
+    reduce["last"] = lambda ys: ys[-1]
+
+    def want(init, xs):
+        carry, ys = jax.lax.scan(step, init, xs)
+        return jnp.sum(carry) + jnp.sum(reduce[keep](ys["h"]))
+
+    def got(init, xs):
+        k = 3 if keep == "all" else 1
+        carry, ys = scanax.scan(step, init, xs, keep_every=k, keep=keep)
+        return jnp.sum(carry) + jnp.sum(ys["h"])
+
+    close(jax.grad(got, (0, 1))(init, xs), jax.grad(want, (0, 1))(init, xs))
+
+
+def test_jit_vmap_progress_and_remat(monkeypatch):
+    from scanax import _progress
+
+    seen = []
+    monkeypatch.setattr(_progress, "_host_report", lambda *a: seen.append(a))
+    init, xs = inputs(10)
+    batch = jnp.stack([xs, 2 * xs])
+    want = jax.vmap(lambda x: jax.lax.scan(step, init, x))(batch)
+    want = (want[0], jax.tree.map(lambda a: a[:, 1::2], want[1]))
+    got = jax.jit(
+        jax.vmap(
+            lambda x: scanax.scan(step, init, x, keep_every=2, progress=5, remat=True)
+        )
+    )(batch)
+    close(got, want)
+    assert len(seen) == 3  # steps 0 and 5, and the last one: once for the batch
+
+
+def test_no_outputs():
+    carry, ys = scanax.scan(lambda c, x: (c + x, None), 0.0, jnp.ones(7), keep_every=3)
+    assert float(carry) == 7.0 and ys is None
+
+
+def test_memory_does_not_grow_with_length():
+    def temp(n, keep):
+        fn = jax.jit(lambda x: scanax.scan(step, jnp.zeros(2), x, keep=keep))
+        x = jax.ShapeDtypeStruct((n, 2), jnp.float32)
+        return fn.lower(x).compile().memory_analysis().output_size_in_bytes
+
+    assert temp(100, "mean") == temp(1000, "mean") < temp(100, "all")
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (
+            dict(keep_every=0),
+            ValueError,
+            r"scanax.scan: `keep_every` must be a positive",
+        ),
+        (
+            dict(keep_every=2.0),
+            TypeError,
+            r"scanax.scan: `keep_every` must be a positive",
+        ),
+        (dict(keep="median"), ValueError, r'scanax.scan: `keep` must be "all", "last"'),
+        (dict(keep="last", length=0), ValueError, r"keep='last' needs at least one"),
+        (
+            dict(keep="mean", keep_every=4),
+            ValueError,
+            r"keep='mean' needs at least one kept output, but the scan has 3 steps",
+        ),
+        (
+            dict(keep="sum", remat="sqrt"),
+            ValueError,
+            r'remat="sqrt" cannot be combined',
+        ),
+        (
+            dict(keep=lambda a, y: jnp.stack([a, y])),
+            TypeError,
+            r"the `keep` function must return an accumulator of the same shape",
+        ),
+    ],
+)
+def test_bad_thinning(kw, err, match):
+    kw.setdefault("length", 3)
+    with pytest.raises(err, match=match):
+        scanax.scan(lambda c, x: (c + 1.0, c), 0.0, **kw)
