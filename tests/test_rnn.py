@@ -1,0 +1,421 @@
+"""scanax.rnn / scanax.birnn against plain Python loops over time and layers."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import scanax
+
+eqx = pytest.importorskip("equinox")
+nnx = pytest.importorskip("flax.nnx")
+
+T, B, D = 4, 3, 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def close(a, b, **kw):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **(kw or TOL))
+
+
+# ---------------------------------------------------------------------------- cells
+
+
+class Rnn(eqx.Module):
+    """The seed's cell, `cell(h, x) -> h`, with an input width of its own."""
+
+    dim: int = eqx.field(static=True)
+    w_x: jax.Array
+    w_h: jax.Array
+    b: jax.Array
+
+    def __init__(self, d_in, dim, key):
+        k1, k2 = jr.split(key)
+        self.dim = dim
+        self.w_x = jr.normal(k1, (d_in, dim)) * 0.5
+        self.w_h = jr.normal(k2, (dim, dim)) * 0.5
+        self.b = jnp.full((dim,), 0.1)
+
+    def __call__(self, h, x):
+        return jnp.tanh(x @ self.w_x + h @ self.w_h + self.b)
+
+
+def seed_cells():
+    k = jr.split(jr.key(0), 3)
+    return (Rnn(D, 4, k[0]), Rnn(4, 3, k[1]), Rnn(3, 5, k[2]))
+
+
+def eqx_cells():
+    k = jr.split(jr.key(1), 2)
+    return (eqx.nn.GRUCell(D, 4, key=k[0]), eqx.nn.LSTMCell(4, 3, key=k[1]))
+
+
+def nnx_cells(optimized=False):
+    lstm = nnx.OptimizedLSTMCell if optimized else nnx.LSTMCell
+    return (
+        nnx.GRUCell(D, 4, rngs=nnx.Rngs(0)),
+        lstm(4, 3, rngs=nnx.Rngs(1)),
+        nnx.SimpleCell(3, 5, rngs=nnx.Rngs(2)),
+    )
+
+
+def xs_tbd(shape=(T, B, D), seed=2):
+    return jr.normal(jr.key(seed), shape)
+
+
+# ---------------------------------------------------------------------------- references
+
+
+def ref_step(cell, state, x):
+    """Each protocol written out by hand, independent of scanax._cells."""
+    if isinstance(cell, eqx.nn.GRUCell):
+        f = lambda s, v: cell(v, s)
+        for _ in range(x.ndim - 1):
+            f = jax.vmap(f)
+        h = f(state, x)
+        return h, h
+    if isinstance(cell, eqx.nn.LSTMCell):
+        f = lambda s, v: cell(v, s)
+        for _ in range(x.ndim - 1):
+            f = jax.vmap(f)
+        hc = f(state, x)
+        return hc, hc[0]
+    if isinstance(cell, nnx.Module):
+        return cell(state, x)
+    h = cell(state, x)
+    return h, h
+
+
+def ref_init(cell, batch):
+    if isinstance(cell, eqx.nn.GRUCell):
+        return jnp.zeros((*batch, cell.hidden_size))
+    if isinstance(cell, eqx.nn.LSTMCell):
+        z = jnp.zeros((*batch, cell.hidden_size))
+        return (z, z)
+    if isinstance(cell, nnx.Module):
+        return cell.initialize_carry((*batch, cell.in_features), rngs=nnx.Rngs(0))
+    return jnp.zeros((*batch, cell.dim))
+
+
+def ref_rnn(cells, xs, init=None, reverse=False):
+    """Plain loops over time and layers; xs is time-major."""
+    states = (
+        list(init) if init is not None else [ref_init(c, xs.shape[1:-1]) for c in cells]
+    )
+    ys = [None] * xs.shape[0]
+    steps = range(xs.shape[0])
+    for t in reversed(steps) if reverse else steps:
+        x = xs[t]
+        for i, cell in enumerate(cells):
+            states[i], x = ref_step(cell, states[i], x)
+        ys[t] = x
+    if not ys:
+        return tuple(states), jnp.zeros((0, *xs.shape[1:-1], cells[-1].dim))
+    return tuple(states), jnp.stack(ys)
+
+
+def ref_rnn_lengths(cells, xs, lengths, reverse=False):
+    """Each sequence run alone over its own valid steps; zeros past its length."""
+    finals, ys = [], []
+    for b in range(xs.shape[1]):
+        n = int(np.asarray(lengths)[b])
+        st, y = ref_rnn(cells, xs[:n, b : b + 1], reverse=reverse)
+        finals.append(st)
+        pad = jnp.zeros((xs.shape[0] - n, *y.shape[1:]))
+        ys.append(jnp.concatenate([y, pad]))
+    finals = jax.tree.map(lambda *a: jnp.concatenate(a), *finals)
+    return finals, jnp.concatenate(ys, axis=1)
+
+
+def loss_of(out):
+    finals, ys = out
+    return jnp.sum(ys**2) + sum(jnp.sum(jnp.sin(h)) for h in jax.tree.leaves(finals))
+
+
+# ---------------------------------------------------------------------------- values + grads
+
+
+def value_and_grad(fn):
+    """jit(value_and_grad) of a function returning (final_states, ys), w.r.t. arg 0.
+
+    One compile per implementation gives values and gradients together.
+    """
+
+    def f(params, *args):
+        out = fn(params, *args)
+        return loss_of(out), out
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+
+def eqx_value_and_grad(fn):
+    def f(params, static, *args):
+        return fn(eqx.combine(params, static), *args)
+
+    vg = value_and_grad(f)
+    return lambda cells, *args: vg(*eqx.partition(cells, eqx.is_array), *args)
+
+
+@pytest.mark.parametrize("make", [seed_cells, eqx_cells], ids=["seed", "eqx"])
+def test_equinox_cells_match_loops(make):
+    cells, xs = make(), xs_tbd()
+    ours = eqx_value_and_grad(lambda c, x: scanax.rnn(c, x))(cells, xs)
+    close(ours, eqx_value_and_grad(ref_rnn)(cells, xs))
+    # order="layer" gives the same values and gradients
+    close(
+        eqx_value_and_grad(lambda c, x: scanax.rnn(c, x, order="layer"))(cells, xs),
+        ours,
+    )
+
+
+def test_unbatched_composes_with_vmap():
+    cells, xs = eqx_cells(), xs_tbd()
+    one = lambda x: scanax.rnn(cells, x)  # x: [T, D]
+    batched = jax.jit(jax.vmap(one, in_axes=1, out_axes=(0, 1)))(xs)
+    close(batched, jax.jit(lambda x: scanax.rnn(cells, x))(xs))
+    close(batched, jax.jit(jax.vmap(lambda x: ref_rnn(cells, x), 1, (0, 1)))(xs))
+
+
+def nnx_chain(cells, xs, time_major, reverse=False, seq_lengths=None):
+    """Chained nnx.RNN, one per layer: the NNX reference."""
+    carries = []
+    for cell in cells:
+        rnn = nnx.RNN(cell, time_major=time_major, return_carry=True)
+        carry, xs = rnn(xs, reverse=reverse, keep_order=True, seq_lengths=seq_lengths)
+        carries.append(carry)
+    return tuple(carries), xs
+
+
+def nnx_jit(fn, cells):
+    """jit of fn(cells, *args), the cells passed in as NNX state (not closed over)."""
+    graphdef, state = nnx.split(cells)
+    f = jax.jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
+    return lambda *args: f(state, *args)
+
+
+def nnx_value_and_grad(fn, cells):
+    graphdef, state = nnx.split(cells)
+    vg = value_and_grad(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
+    return lambda *args: vg(state, *args)
+
+
+@pytest.mark.parametrize(
+    "time_axis, optimized", [(0, False), (1, True)], ids=["time-major", "batch-major"]
+)
+def test_nnx_cells_match_chained_nnx_rnn(time_axis, optimized):
+    cells = nnx_cells(optimized)
+    xs = xs_tbd() if time_axis == 0 else xs_tbd((B, T, D))
+    ours = nnx_value_and_grad(lambda c, x: scanax.rnn(c, x, time_axis=time_axis), cells)
+    ref = nnx_value_and_grad(lambda c, x: nnx_chain(c, x, time_axis == 0), cells)
+    close(ours(xs), ref(xs))
+
+
+def test_nnx_cells_direct_objects_and_init():
+    cells, xs = nnx_cells(), xs_tbd()
+    init = tuple(jax.tree.map(lambda z: z + 0.3, ref_init(c, (B,))) for c in cells)
+    f = nnx_jit(lambda c, x, i: (scanax.rnn(list(c), x, i), ref_rnn(c, x, i)), cells)
+    close(*f(xs, init))
+
+
+def test_orders_identical_with_lengths():
+    cells, xs = nnx_cells(), xs_tbd()
+    lengths = jnp.array([4, 2, 0])
+
+    def run(order):
+        return nnx_value_and_grad(
+            lambda c, x: scanax.rnn(c, x, seq_lengths=lengths, order=order), cells
+        )(xs)
+
+    close(run("time"), run("layer"), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- seq_lengths, reverse
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_seq_lengths_freeze_state_and_zero_outputs(reverse):
+    cells, xs = seed_cells(), xs_tbd()
+    lengths = jnp.array([4, 2, 0], jnp.int32)
+    ours = eqx_value_and_grad(
+        lambda c, x: scanax.rnn(c, x, seq_lengths=lengths, reverse=reverse)
+    )(cells, xs)
+    ref = eqx_value_and_grad(lambda c, x: ref_rnn_lengths(c, x, lengths, reverse))(
+        cells, xs
+    )
+    close(ours, ref)
+
+
+def test_seq_lengths_match_nnx_rnn_final_carry():
+    cells = nnx_cells()
+    xs = xs_tbd((B, T, D))
+    lengths = jnp.array([4, 2, 1])
+    f = nnx_jit(
+        lambda c, x: (
+            scanax.rnn(c, x, seq_lengths=lengths, time_axis=1),
+            nnx_chain(c, x, time_major=False, seq_lengths=lengths),
+        ),
+        cells,
+    )
+    (finals, ys), (ref_finals, ref_ys) = f(xs)
+    close(finals, ref_finals)
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+    close(ys * valid[..., None], ref_ys * valid[..., None])
+    assert not jnp.any(ys[~valid])
+
+
+def test_seq_lengths_memory_does_not_grow_with_T():
+    """The scan keeps states as a carry only: its only stacked output is ys."""
+    cells = seed_cells()
+    lengths = jnp.ones(B, int)
+    jaxpr = jax.make_jaxpr(lambda x: scanax.rnn(cells, x, seq_lengths=lengths))(
+        xs_tbd()
+    )
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    stacked = eqn.outvars[eqn.params["num_carry"] :]
+    assert [v.aval.shape for v in stacked] == [(T, B, 5)]
+
+
+def test_reverse_matches_loop_and_nnx():
+    cells, xs = nnx_cells(), xs_tbd()
+    f = nnx_jit(
+        lambda c, x: (
+            scanax.rnn(c, x, reverse=True),
+            ref_rnn(c, x, reverse=True),
+            nnx_chain(c, x, time_major=True, reverse=True),
+        ),
+        cells,
+    )
+    ours, ref, ref_nnx = f(xs)
+    close(ours, ref)
+    close(ours, ref_nnx)
+
+
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_birnn_matches_nnx_bidirectional(with_lengths):
+    fwd = nnx.GRUCell(D, 4, rngs=nnx.Rngs(0))
+    bwd = nnx.LSTMCell(D, 3, rngs=nnx.Rngs(1))
+    xs = xs_tbd((B, T, D))
+    lengths = jnp.array([4, 3, 1]) if with_lengths else None
+
+    def f(cells, x):
+        fwd, bwd = cells
+        bi = nnx.Bidirectional(nnx.RNN(fwd), nnx.RNN(bwd), return_carry=True)
+        ours = scanax.birnn(fwd, bwd, x, seq_lengths=lengths, time_axis=1)
+        return ours, bi(x, seq_lengths=lengths)
+
+    ((sf, sb), ys), ((cf, cb), ref_ys) = nnx_jit(f, (fwd, bwd))(xs)
+    close((sf, sb), ((cf,), (cb,)))
+    if with_lengths:  # nnx leaves values past the length; scanax zeros them
+        valid = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]
+        close(ys * valid, ref_ys * valid)
+    else:
+        close(ys, ref_ys)
+
+
+def test_zero_length_sequence():
+    cells = seed_cells()
+    finals, ys = scanax.rnn(cells, jnp.zeros((0, B, D)))
+    assert ys.shape == (0, B, 5)
+    close(finals, tuple(ref_init(c, (B,)) for c in cells))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_error_width_mismatch_names_layer_and_widths():
+    cells = (
+        nnx.GRUCell(D, 4, rngs=nnx.Rngs(0)),
+        nnx.SimpleCell(3, 5, rngs=nnx.Rngs(1)),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^scanax\.rnn: cells\[1\] \(SimpleCell\) expects inputs of width 3, but "
+        r"the output of cells\[0\] \(GRUCell\) has width 4",
+    ):
+        scanax.rnn(cells, xs_tbd())
+    with pytest.raises(
+        ValueError, match=r"cells\[0\].*width 7, but xs float32\[4, 3, 2\]"
+    ):
+        scanax.rnn(eqx.nn.GRUCell(7, 4, key=jr.key(0)), xs_tbd())
+
+
+def test_error_generic_cell_fails_on_width():
+    k = jr.split(jr.key(0), 2)
+    with pytest.raises(
+        ValueError,
+        match=r"cells\[1\] \(Rnn\) failed on an input float32\[3, 4\] \(width 4",
+    ) as info:
+        scanax.rnn((Rnn(D, 4, k[0]), Rnn(3, 5, k[1])), xs_tbd())
+    assert info.value.__cause__ is not None
+
+
+def test_error_init_count_and_type_and_shapes():
+    cells, xs = seed_cells(), xs_tbd()
+    with pytest.raises(ValueError, match=r"`init` has 2 states for 3 cells"):
+        scanax.rnn(cells, xs, init=(jnp.zeros((B, 4)), jnp.zeros((B, 3))))
+    with pytest.raises(TypeError, match=r"`init` must be a tuple"):
+        scanax.rnn(cells, xs, init=jnp.zeros((B, 4)))
+    bad = (jnp.zeros((B, 4)), jnp.zeros((B, 4)), jnp.zeros((B, 5)))
+    with pytest.raises(
+        TypeError,
+        match=r"init\[1\] does not match the state of cells\[1\] \(Rnn\):\n"
+        r"  init\[1\]  float32\[3, 4\]\n  expected  float32\[3, 3\]",
+    ):
+        scanax.rnn(cells, xs, init=bad)
+    lstm = eqx.nn.LSTMCell(D, 3, key=jr.key(0))
+    with pytest.raises(
+        TypeError, match=r"(?s)init\[0\].*expected  \(float32\[3, 3\], float32"
+    ):
+        scanax.rnn(lstm, xs, init=(jnp.zeros((B, 3)),))
+
+
+def test_error_seq_lengths():
+    cells, xs = seed_cells(), xs_tbd()
+    with pytest.raises(
+        TypeError,
+        match=r"`seq_lengths` must be an integer array, got "
+        r"float32\[3\]",
+    ):
+        scanax.rnn(cells, xs, seq_lengths=jnp.ones(B))
+    with pytest.raises(
+        ValueError,
+        match=r"`seq_lengths` must have one entry per "
+        r"sequence, shape \(3,\).*got int32\[4\]",
+    ):
+        scanax.rnn(cells, xs, seq_lengths=jnp.ones(4, jnp.int32))
+
+
+def test_error_unknown_protocol_lists_supported():
+    xs = xs_tbd()
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax\.rnn: cannot tell how to call cells\[0\] \(int\): it is not "
+        r"callable.*Supported cell protocols:.*cell\(h, x\) -> h.*eqx\.nn\.GRUCell",
+    ):
+        scanax.rnn([3], xs)
+    with pytest.raises(
+        TypeError, match=r"returned \(float32\[3, 2\], float32\[3, 2\], "
+    ):
+        scanax.rnn([lambda h, x: (h, h, x)], xs, init=(jnp.zeros((B, D)),))
+
+
+def test_error_no_state_width_and_misc():
+    xs = xs_tbd()
+    with pytest.raises(ValueError, match=r"cannot tell the state shape of cells\[0\]"):
+        scanax.rnn(lambda h, x: h + x, xs)
+    with pytest.raises(ValueError, match=r"time_axis=2 is not a valid time axis"):
+        scanax.rnn(seed_cells(), xs, time_axis=2)
+    with pytest.raises(ValueError, match=r"`order` must be one of"):
+        scanax.rnn(seed_cells(), xs, order="diagonal")
+    with pytest.raises(ValueError, match=r"`cells` is empty"):
+        scanax.rnn([], xs)
+    with pytest.raises(TypeError, match=r"`xs` must be an array"):
+        scanax.rnn(seed_cells(), [1.0, 2.0])
+    with pytest.raises(
+        TypeError, match=r"scanax\.birnn: `init` must be None or a pair"
+    ):
+        scanax.birnn(seed_cells(), seed_cells(), xs, init=(None,))
