@@ -42,6 +42,13 @@ def not_callable(call: str, f: Any) -> TypeError:
 
 
 def bad_length(call: str, length: Any) -> Exception:
+    if isinstance(length, jax.core.Tracer):
+        return TypeError(
+            f"{call}: `length` must be a concrete Python int, but it is a traced "
+            f"value ({short_type(length)}), e.g. an argument of a jitted function.\n"
+            "Fix: make it static (`jax.jit(..., static_argnums=...)`) or pass a "
+            "Python int; the number of iterations must be known at compile time."
+        )
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
         return TypeError(
             f"{call}: `length` must be a non-negative Python int or None, got "

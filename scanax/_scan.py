@@ -111,7 +111,10 @@ class _CarryCodec:
             self._named_dynamic(dynamic_in), self._named_dynamic(dynamic_out)
         ):
             ta, tb = jax.typeof(a), jax.typeof(b)
-            if ta.shape != tb.shape or ta.dtype != tb.dtype:
+            # A weakly typed init leaf (a Python number) may change dtype: lax.scan
+            # promotes it and traces again, exactly as without scanax.
+            dtype_ok = ta.dtype == tb.dtype or ta.weak_type
+            if ta.shape != tb.shape or not dtype_ok:
                 rows.append((path, _errors.short_type(ta), _errors.short_type(tb)))
                 if ta.shape != tb.shape:
                     hints.append(

@@ -543,11 +543,22 @@ def test_error_carry_changes(new, msg):
         scanax.scan(lambda c, x: (new(c), None), init, jnp.ones(2))
 
 
-def test_weak_type_change_is_allowed_like_lax_scan():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.int16])
+def test_weak_type_change_is_allowed_like_lax_scan(dtype):
     f = lambda c, x: (c + x, None)
-    got = scanax.scan(f, 0.0, jnp.arange(3.0))
-    want = jax.lax.scan(f, 0.0, jnp.arange(3.0))
+    xs = jnp.arange(3).astype(dtype)
+    got = scanax.scan(f, 0, xs)
+    want = jax.lax.scan(f, 0, xs)
     close(got, want)
+    assert got[0].dtype == want[0].dtype == dtype
+
+
+def test_error_traced_length():
+    run = jax.jit(lambda n, x: scanax.scan(lambda c, z: (c, z), x, (), n))
+    with pytest.raises(
+        TypeError, match=r"(?s)`length` must be a concrete Python int.*static_argnums"
+    ):
+        run(3, 1.0)
 
 
 def test_error_output_leaf_not_array():
