@@ -1,9 +1,10 @@
-"""``scanax.fit``: many optimizer steps fused into one compiled ``lax.scan``."""
+"""``scanax.fit``: many optimizer steps fused into one compiled loop per call."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,10 +16,12 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _data, _errors, _models
-from ._scan import scan
 
 _CALL = "scanax.fit"
-_DEFAULT_STEPS_PER_CALL = 100
+# Default steps_per_call: compiled lengths, and the wall time that the automatic
+# schedule aims each call at (array data: calls grow from 8 steps to this).
+_MAX_STEPS_PER_CALL = {"array": 1000, "iter": 100}
+_SECONDS_PER_CALL = 0.25
 _CACHE_SIZE = 32
 
 # Compiled chunk functions, keyed on (loss_fn, model structure, data layout, length):
@@ -62,7 +65,7 @@ def fit(
     mesh: Any = None,
 ) -> FitResult:
     """Train ``model`` for ``steps`` optimizer steps, ``steps_per_call`` of them fused
-    into each compiled ``lax.scan``.
+    into each compiled loop (one ``lax.while_loop`` per call).
 
     Conceptually equivalent to (NNX shown; the other kinds do the same with their
     own update)::
@@ -126,29 +129,46 @@ def fit(
     adapter = _models.adapt(model, optimizer)
     source = _data.make_source(data, batch_size, key)
     if steps_per_call is None:
-        length = min(steps, _DEFAULT_STEPS_PER_CALL)
+        length = min(steps, _MAX_STEPS_PER_CALL[source.kind])
     else:
         length = min(steps, _data.positive_int("steps_per_call", steps_per_call))
     run = _Run(adapter, source, loss_fn, steps, length, progress)
+    run.auto = steps_per_call is None and source.kind == "array"
     return run.go()
 
 
 # ---------------------------------------------------------------------------- compile
 
 
-def _chunk_function(adapter: Any, source: Any, loss_fn: Callable, length: int):
-    """The jitted ``chunk(state, stopped, start, end, data, key, xs)``, cached."""
+class _Key:
+    """A cache key hashed once (hashing an NNX GraphDef takes about a millisecond)."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Key) and self.parts == other.parts
+
+
+def _chunk_function(
+    adapter: Any, source: Any, loss_fn: Callable, length: int, treedef: Any
+):
+    """The jitted ``chunk(leaves, stopped, start, end, data, key, xs)``, cached."""
     cache_key = None
     if adapter.static is not None:
         try:
-            cache_key = (loss_fn, adapter.static, source.static, length)
-            hash(cache_key)
+            cache_key = _Key((loss_fn, adapter.static, treedef, source.static, length))
         except TypeError:
             cache_key = None
     if cache_key is not None and cache_key in _CHUNKS:
         _CHUNKS.move_to_end(cache_key)
         return _CHUNKS[cache_key]
-    fn = jax.jit(_build_chunk(adapter.make_step(loss_fn), source, length))
+    step = adapter.make_step(loss_fn)
+    fn = jax.jit(_build_chunk(step, source, length, treedef))
     if cache_key is not None:
         _CHUNKS[cache_key] = fn
         while len(_CHUNKS) > _CACHE_SIZE:
@@ -156,66 +176,83 @@ def _chunk_function(adapter: Any, source: Any, loss_fn: Callable, length: int):
     return fn
 
 
-def _build_chunk(step: Callable, source: Any, length: int) -> Callable:
+def _build_chunk(step: Callable, source: Any, length: int, treedef: Any) -> Callable:
+    """``chunk(leaves, stopped, start, count, data, key, xs)``: up to ``count`` steps
+    from global step ``start``, ending early at a non-finite step.
+
+    A ``lax.while_loop`` rather than a scan: the number of steps per call varies
+    (the automatic schedule, the last call, a NaN) without recompiling, and steps
+    that do not run cost nothing. Per-step outputs go to ``length``-long buffers.
+    """
     on_device = source.kind == "array"
 
-    def guarded(state, batch):
-        """One step, not applied when its loss or gradients are not finite."""
-        # The arrays, not the containers: an NNX step mutates the Variables it
-        # merged, which may be the ones in ``state``.
-        old = jtu.tree_leaves(state)
-        new, loss, metrics, grads = step(state, batch)
+    def guarded(leaves, batch):
+        """One step, not applied when its loss or gradients are not finite.
+
+        Takes and returns flat leaves: the step gets containers of its own (an NNX
+        step mutates the Variables it merges).
+        """
+        new, loss, metrics, grads = step(jtu.tree_unflatten(treedef, leaves), batch)
         loss_ok = jnp.isfinite(loss)
         grads_ok = jnp.array(True)
         for g in jtu.tree_leaves(grads):
             grads_ok = grads_ok & jnp.all(jnp.isfinite(g))
         ok = loss_ok & grads_ok
-        leaves, treedef = jtu.tree_flatten(new)
-        kept = [jnp.where(ok, a, b) for a, b in zip(leaves, old)]
-        return jtu.tree_unflatten(treedef, kept), (loss, metrics, loss_ok, grads_ok)
-
-    def chunk(state, stopped, start, end, data, key, xs):
-        with jax.named_scope("scanax.fit"):
-            ts = start + jnp.arange(length, dtype=jnp.int32)
-            perm = source.permutation(key, start) if on_device else None
-
-            def body(carry, x):
-                state, stopped, perm = carry
-                if on_device:
-                    t = x
-                    perm = source.next_permutation(key, t, perm)
-                    batch = source.batch(data, perm, t)
-                else:
-                    t, batch = x
-                active = (t < end) & ~stopped
-                _, out_type = jax.eval_shape(guarded, state, batch)
-                state, (loss, metrics, loss_ok, grads_ok) = jax.lax.cond(
-                    active,
-                    lambda s: guarded(s, batch),
-                    lambda s: (s, _zeros(out_type)),
-                    state,
-                )
-                ok = loss_ok & grads_ok
-                stopped = stopped | (active & ~ok)
-                ys = {
-                    "loss": loss,
-                    "metrics": metrics,
-                    "applied": active & ok,
-                    "loss_ok": loss_ok,
-                    "grads_ok": grads_ok,
-                }
-                return (state, stopped, perm), ys
-
-            (state, stopped, _), ys = scan(
-                body, (state, stopped, perm), ts if on_device else (ts, xs)
+        new_leaves = jtu.tree_leaves(new)
+        if len(new_leaves) != len(leaves):
+            raise TypeError(
+                f"{_CALL}: the training step changed the state's structure "
+                f"({len(leaves)} arrays before, {len(new_leaves)} after).\nFix: do not "
+                "add or remove Variables or attributes in `loss_fn`."
             )
-            return state, stopped, ys
+        kept = [jnp.where(ok, a, b) for a, b in zip(new_leaves, leaves)]
+        return kept, {"loss": loss, "metrics": metrics}, loss_ok, grads_ok
+
+    def batch_at(data, key, xs, perm, t, i):
+        if on_device:
+            return source.batch(data, perm, t)
+        return jtu.tree_map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
+        )
+
+    def chunk(leaves, stopped, start, count, data, key, xs):
+        with jax.named_scope("scanax.fit"):
+            perm = source.permutation(key, start) if on_device else None
+            first = batch_at(data, key, xs, perm, start, 0)
+            out_type = jax.eval_shape(guarded, leaves, first)[1]
+            # (loss_ok, grads_ok) of the last step run: the bad one, if any.
+            flags = (jnp.array(True), jnp.array(True))
+            bufs = jtu.tree_map(
+                lambda s: jnp.zeros((length, *s.shape), s.dtype), out_type
+            )
+
+            def cond(carry):
+                i, _, stopped, _, _, _ = carry
+                return (i < count) & ~stopped
+
+            def body(carry):
+                i, leaves, _, perm, bufs, _ = carry
+                t = start + i
+                if on_device:
+                    perm = source.next_permutation(key, t, perm)
+                leaves, out, loss_ok, grads_ok = guarded(
+                    leaves, batch_at(data, key, xs, perm, t, i)
+                )
+                bufs = jtu.tree_map(
+                    lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
+                    bufs,
+                    out,
+                )
+                stop = ~(loss_ok & grads_ok)
+                return i + 1, leaves, stop, perm, bufs, (loss_ok, grads_ok)
+
+            i, leaves, stopped_out, _, bufs, flags = jax.lax.while_loop(
+                cond, body, (jnp.int32(0), leaves, stopped, perm, bufs, flags)
+            )
+            applied = jnp.where(stopped_out & ~stopped, i - 1, i)
+            return leaves, stopped_out, (applied, *flags), bufs
 
     return chunk
-
-
-def _zeros(tree: Any) -> Any:
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
 def _strong(tree: Any) -> Any:
@@ -239,8 +276,11 @@ class _Run:
             steps,
             length,
         )
-        self.fn = _chunk_function(adapter, source, loss_fn, length)
-        self.state = _strong(adapter.state)
+        self.leaves, self.treedef = jtu.tree_flatten(_strong(adapter.state))
+        self.fn = _chunk_function(adapter, source, loss_fn, length, self.treedef)
+        self.auto = False  # grow steps per call towards _SECONDS_PER_CALL
+        self.per_call = length
+        self.last_collect = None
         self.stopped = jnp.array(False)
         self.done = 0  # steps applied
         self.history: dict[str, list[np.ndarray]] = {"loss": []}
@@ -256,8 +296,10 @@ class _Run:
         """``(start, end, xs)`` for each call; host batches are put on device here,
         which for the next chunk overlaps the previous chunk's training."""
         start = 0
+        if self.auto:
+            self.per_call = min(self.length, 8)
         while start < self.steps and not self.halted:
-            want = min(self.length, self.steps - start)
+            want = min(self.per_call, self.steps - start)
             if self.source.kind == "array":
                 yield start, start + want, None
                 start += want
@@ -276,11 +318,11 @@ class _Run:
             nxt = next(chunks, None)
             while nxt is not None:
                 start, end, xs = nxt
-                self.state, self.stopped, ys = self.fn(
-                    self.state,
+                self.leaves, self.stopped, applied, ys = self.fn(
+                    self.leaves,
                     self.stopped,
                     np.int32(start),
-                    np.int32(end),
+                    np.int32(end - start),
                     self.data,
                     self.key,
                     xs,
@@ -288,7 +330,7 @@ class _Run:
                 nxt = next(chunks, None)  # prefetch while this chunk trains
                 if pending is not None:
                     self._collect(*pending)
-                pending = (start, end, ys)
+                pending = (start, end, applied, ys)
                 if self.halted:
                     break
             if pending is not None:
@@ -296,17 +338,19 @@ class _Run:
         finally:
             if self.bar is not None:
                 self.bar.close()
-        model, optimizer = self.adapter.finish(self.state)
+        state = jtu.tree_unflatten(self.treedef, self.leaves)
+        model, optimizer = self.adapter.finish(state)
         history = {
             k: np.concatenate(v) if v else np.zeros((0,), np.float32)
             for k, v in self.history.items()
         }
         return FitResult(model, optimizer, history, self.done)
 
-    def _collect(self, start: int, end: int, ys: Any) -> None:
+    def _collect(self, start: int, end: int, applied: Any, ys: Any) -> None:
+        count, loss_ok, grads_ok = (int(a) for a in applied)
         ys = jax.device_get(ys)
-        applied = ys["applied"]
-        count = int(applied.sum())
+        if self.auto:
+            self._schedule(end - start)
         self.history["loss"].append(ys["loss"][:count])
         for name, value in ys["metrics"].items():
             self.history.setdefault(name, []).append(np.asarray(value)[:count])
@@ -317,7 +361,15 @@ class _Run:
         if not self.halted and start + count < end:
             self.halted = True
             i = count
-            self._warn(start + i, ys["loss"][i], ys["loss_ok"][i], ys["grads_ok"][i])
+            self._warn(start + i, ys["loss"][i], loss_ok, grads_ok)
+
+    def _schedule(self, steps: int) -> None:
+        """Size the next calls from the last one's time (the first compiles)."""
+        now = time.perf_counter()
+        if self.last_collect is not None:
+            per_step = max(now - self.last_collect, 1e-9) / steps
+            self.per_call = max(1, min(self.length, int(_SECONDS_PER_CALL / per_step)))
+        self.last_collect = now
 
     def _warn(self, t: int, loss: Any, loss_ok: Any, grads_ok: Any) -> None:
         what = []
