@@ -31,6 +31,8 @@ _CALL = "scanax.fit"
 
 def is_array_data(data: Any) -> bool:
     """True when ``data`` is a (non-empty) pytree of arrays rather than an iterable."""
+    if isinstance(data, Iterator):
+        return False
     leaves = jtu.tree_leaves(data)
     return bool(leaves) and all(is_array(x) for x in leaves)
 
