@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from ._scan import Loop
 
-_DEFAULT_UPDATES = 50
+_DEFAULT_UPDATES = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Progress:
 
     Arguments:
         every: update the bar every ``every`` steps (a positive int). ``None``
-            (default): about 50 updates per scan, and never every step for scans
+            (default): about 20 updates per scan, and never every step for scans
             longer than one step. Each update is one host callback (~60 µs on CPU).
         desc: the bar's label.
         leave: keep the finished bar on screen (tqdm's ``leave``).

@@ -390,7 +390,7 @@ def scan(
         progress: ``False`` (default: no bar, the same program as without the
             option), ``True``, an int ``every`` or ``scanax.Progress(...)``: a tqdm
             bar updated from inside the compiled loop every ``every`` steps
-            (default: about 50 updates). Works under ``jit``, ``grad`` and
+            (default: about 20 updates). Works under ``jit``, ``grad`` and
             ``vmap`` (one bar for the batch). Needs ``tqdm``.
         remat: ``False`` (default), ``True`` or a ``jax.checkpoint_policies``
             policy to checkpoint ``f`` (reverse mode stores the carries and
@@ -415,6 +415,8 @@ def scan(
         ValueError: for bad values: disagreeing lengths, axes out of range, no
             way to tell the length, an NNX object that ``f`` changes but does not
             carry.
+        TypeError, ValueError: for an invalid ``progress``, ``remat``,
+            ``keep_every`` or ``keep`` (naming what is allowed).
 
     Example:
         >>> import jax.numpy as jnp, scanax

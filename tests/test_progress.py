@@ -139,9 +139,9 @@ def test_jit_runs_twice_reports_twice(reports):
 @pytest.mark.parametrize("length", [1, 2, 49, 1000, 10_000])
 def test_default_every(length, reports):
     scanax.scan(lambda c, _: (c + 1, None), 0, length=length, progress=True)
-    every = max(2, math.ceil(length / 50))
+    every = max(2, math.ceil(length / 20))
     assert reports == expected(length, every)
-    assert len(reports) <= 51
+    assert len(reports) <= 21
     if length > 2:
         assert len(reports) < length  # never every step
 

@@ -1,0 +1,173 @@
+"""Long scans (issue 6): the cost of ``progress=``, and ``remat="sqrt"`` under grad.
+
+* progress overhead: ``scanax.scan(..., progress=True)`` (about 20 updates) against
+  the same scan without a bar, on a 10,000-step scan with a 128×128 matmul body
+  (target ≤ 1.05) and on a cheap body; ``jax_tqdm.scan_tqdm`` (its default, 20
+  updates) measured the same way against plain ``lax.scan``, when installed.
+* ``remat="sqrt"`` against the plain scan under ``jax.grad``: compiled temp memory
+  (``memory_analysis().temp_size_in_bytes``, target ≤ 0.3 at T = 1000) and time,
+  at T ∈ {1000, 10000}.
+
+Timings are interleaved medians under ``jax.jit``. Bars draw to stderr.
+Run alone with ``python -m benchmarks.bench_long``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+
+import scanax
+
+try:
+    from benchmarks import _timing
+except ImportError:  # run as a script from inside benchmarks/
+    import _timing  # type: ignore[no-redef]
+
+
+def _time_pair(fa, fb, args, repeats):
+    ja, jb = jax.jit(fa), jax.jit(fb)
+    _timing.block(ja(*args))  # compile both outside the timing
+    _timing.block(jb(*args))
+    slowest = max(
+        _timing.timed(lambda: _timing.block(ja(*args))),
+        _timing.timed(lambda: _timing.block(jb(*args))),
+    )
+    k = max(1, round(0.05 / slowest))
+
+    def sample(fn):
+        def go():
+            for _ in range(k):
+                out = fn(*args)
+            _timing.block(out)
+
+        return go
+
+    t = _timing.interleaved({"a": sample(ja), "b": sample(jb)}, repeats=repeats)
+    return t["a"] / k, t["b"] / k
+
+
+def _progress_rows(name, body, init, n, repeats):
+    xs = jnp.arange(n)
+    spec = scanax.Progress(leave=False)
+
+    def with_bar(c):
+        return scanax.scan(body, c, xs, progress=spec)[0]
+
+    def without(c):
+        return jax.lax.scan(body, c, xs)[0]
+
+    a, b = _time_pair(with_bar, without, (init,), repeats)
+    rows = [
+        _timing.row(
+            "long: progress overhead",
+            f"{name}, {n} steps, progress=True (~20 updates)",
+            a,
+            "lax.scan, no bar",
+            b,
+            target=1.05 if "matmul" in name else None,
+        )
+    ]
+    try:
+        from jax_tqdm import scan_tqdm
+    except ImportError:
+        return rows
+    tqdm_body = scan_tqdm(n, leave=False)(body)
+
+    def with_jax_tqdm(c):
+        return jax.lax.scan(tqdm_body, c, xs)[0]
+
+    a, b = _time_pair(with_jax_tqdm, without, (init,), repeats)
+    rows.append(
+        _timing.row(
+            "long: progress overhead",
+            f"{name}, {n} steps, jax_tqdm.scan_tqdm (default, 20 updates)",
+            a,
+            "lax.scan, no bar",
+            b,
+            notes="reference point, not scanax",
+        )
+    )
+    return rows
+
+
+def _progress(quick: bool, repeats: int) -> list[dict]:
+    n = 2_000 if quick else 10_000
+    d = 128
+    w = jr.normal(jr.key(0), (d, d)) / d**0.5
+
+    def matmul(h, i):
+        return jnp.tanh(h @ w + i.astype(h.dtype) * 1e-4), None
+
+    def cheap(c, i):
+        return c + i.astype(c.dtype), None
+
+    h0 = jr.normal(jr.key(1), (d, d))
+    rows = _progress_rows(f"matmul body ({d}x{d})", matmul, h0, n, repeats)
+    rows += _progress_rows(
+        "cheap body (c + i, float32[4])", cheap, jnp.zeros(4), n, repeats
+    )
+    return rows
+
+
+def _remat(quick: bool, repeats: int) -> list[dict]:
+    rows = []
+    b, d = 8, 128
+    w = jr.normal(jr.key(2), (d, d)) / d**0.5
+    for n in (1_000,) if quick else (1_000, 10_000):
+        xs = jr.normal(jr.key(3), (n, b, d))
+        h0 = jnp.zeros((b, d))
+
+        def loss(w, h0, xs, remat):
+            def body(h, x):
+                h = jnp.tanh(h @ w + x)
+                return h, jnp.mean(h**2)
+
+            h, ys = scanax.scan(body, h0, xs, remat=remat)
+            return jnp.sum(h) + jnp.sum(ys)
+
+        grad = jax.grad(loss)
+        args = (w, h0, xs)
+        mem = {}
+        for remat in (False, "sqrt"):
+            lowered = jax.jit(grad, static_argnums=3).lower(*args, remat)
+            mem[remat] = lowered.compile().memory_analysis().temp_size_in_bytes
+        rows.append(
+            _timing.row(
+                "long: remat gradient memory",
+                f'remat="sqrt", T={n}, h float32[{b}, {d}]',
+                mem["sqrt"] / 2**20,
+                "plain scan",
+                mem[False] / 2**20,
+                target=0.3 if n == 1_000 else None,
+                unit="MiB",
+                notes="compiled temp_size_in_bytes of jit(grad)",
+            )
+        )
+        a, t = _time_pair(
+            lambda *a, g=grad: g(*a, "sqrt"),
+            lambda *a, g=grad: g(*a, False),
+            args,
+            repeats,
+        )
+        rows.append(
+            _timing.row(
+                "long: remat gradient time",
+                f'remat="sqrt", T={n}, h float32[{b}, {d}]',
+                a,
+                "plain scan",
+                t,
+                notes="one extra forward pass: expect below 2x",
+            )
+        )
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    repeats = 5 if quick else 11
+    return _progress(quick, repeats) + _remat(quick, repeats)
+
+
+if __name__ == "__main__":
+    print(_timing.markdown(run()))
