@@ -240,9 +240,16 @@ def _mask_y(valid: Any, y: Any) -> Any:
     return _freeze(valid, y, jtu.tree_map(jnp.zeros_like, y))
 
 
+def _steps(xs: Any, seq_lengths: Any) -> Any:
+    """Step indices, scanned alongside xs; only needed to mask by length."""
+    if seq_lengths is None:
+        return None
+    return jnp.arange(xs.shape[0], dtype=jnp.int32)
+
+
 def _time_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
     """One scan over time; every layer runs inside the step (layers unrolled)."""
-    steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
+    steps = _steps(xs, seq_lengths)
 
     def step(carry, inp):
         cells_, x, t = inp
@@ -262,13 +269,13 @@ def _time_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
         (cells, xs, steps),
         reverse=reverse,
         unroll=unroll,
-        in_axes=(None, 0, 0),
+        in_axes=(None, 0, None if steps is None else 0),
     )
 
 
 def _layer_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
     """One scan over time per layer; layer ``i + 1`` reads all of layer ``i``'s ys."""
-    steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
+    steps = _steps(xs, seq_lengths)
     finals = []
     for spec, cell, state in zip(specs, cells, states, strict=True):
 
@@ -285,7 +292,7 @@ def _layer_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
             (cell, xs, steps),
             reverse=reverse,
             unroll=unroll,
-            in_axes=(None, 0, 0),
+            in_axes=(None, 0, None if steps is None else 0),
         )
         finals.append(final)
     if seq_lengths is not None:

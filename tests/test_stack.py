@@ -1,0 +1,318 @@
+"""scanax.Stack against plain Python loops over the same layers."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import scanax
+from scanax._stack import plan
+
+eqx = pytest.importorskip("equinox")
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def close(a, b):
+    """Array leaves allclose; other leaves (functions, statics) identical."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        if callable(x):
+            assert x is y
+        else:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+
+
+def loop(layers, x, **kw):
+    for layer in layers:
+        x = layer(x, **kw)
+    return x
+
+
+def scans(fn, *args):
+    """Lengths of the top-level scans in the jaxpr of fn(*args)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+class EqxBlock(eqx.Module):
+    lin: eqx.nn.Linear
+    scale: float = eqx.field(static=True)
+
+    def __init__(self, d, key, scale=1.0):
+        self.lin = eqx.nn.Linear(d, d, key=key)
+        self.scale = scale
+
+    def __call__(self, x, *, gain=1.0):
+        return x + self.scale * gain * jnp.tanh(self.lin(x))
+
+
+def eqx_layers(n_mid=6):
+    k = jr.split(jr.key(0), n_mid + 2)
+    return (
+        [eqx.nn.Linear(3, 4, key=k[0])]
+        + [EqxBlock(4, key) for key in k[1:-1]]
+        + [eqx.nn.Linear(4, 2, key=k[-1])]
+    )
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.nn.relu(self.lin(self.norm(x)))
+
+
+def nnx_layers(n_mid=6, seed=0):
+    rngs = nnx.Rngs(seed)
+    return (
+        [nnx.Linear(3, 4, rngs=rngs)]
+        + [NNXBlock(4, rngs) for _ in range(n_mid)]
+        + [nnx.Linear(4, 2, rngs=rngs)]
+    )
+
+
+@jtu.register_dataclass
+@dataclasses.dataclass
+class Affine:
+    """A plain callable pytree (no framework)."""
+
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w + self.b)
+
+
+def plain_layers(n_mid=6):
+    k = jr.split(jr.key(1), n_mid + 2)
+    first = Affine(jr.normal(k[0], (3, 4)), jnp.zeros(4))
+    mid = [Affine(jr.normal(key, (4, 4)) * 0.5, jnp.full(4, 0.1)) for key in k[1:-1]]
+    return [first, *mid, Affine(jr.normal(k[-1], (4, 2)), jnp.zeros(2))]
+
+
+X = jr.normal(jr.key(2), (5, 3))
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ([0, 1, 1, 1, 1, 1, 1, 2], ((0, 1, 1), (1, 1, 6), (7, 1, 1))),
+        ([0, 1] * 12, ((0, 2, 12),)),
+        ([0] + [1, 2] * 3, ((0, 1, 1), (1, 2, 3))),
+        ([0, 0, 1, 0, 1, 0, 1], ((0, 1, 1), (1, 2, 3))),  # beats greedy [0, 0], ...
+        ([0, 0, 1, 0, 0, 1, 0, 0, 1], ((0, 3, 3),)),
+        ([0, 1, 2], ((0, 1, 1), (1, 1, 1), (2, 1, 1))),
+        ([0, 0], ((0, 1, 2),)),
+    ],
+)
+def test_plan_groups_runs_and_periods(ids, expected):
+    assert plan(ids) == expected
+
+
+# ---------------------------------------------------------------------------- Equinox
+
+
+def test_equinox_values_grads_jit_vmap():
+    layers = eqx_layers()
+    stack = scanax.Stack(layers)
+    assert isinstance(stack, eqx.Module) and isinstance(stack, scanax.Stack)
+    assert stack.plan == ((0, 1, 1), (1, 1, 6), (7, 1, 1))
+
+    def loss(model, x):
+        return jnp.sum(jax.vmap(model)(x) ** 2)
+
+    ref_model = lambda ls: lambda x: loop(ls, x)
+    l1, g1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(stack, X)
+    l2, g2 = eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda ls, x: loss(ref_model(ls), x))
+    )(layers, X)
+    close(l1, l2)
+    # the gradient is a Stack too: its per-layer views are the per-layer gradients
+    assert isinstance(g1, scanax.Stack)
+    close(list(g1), g2)
+
+
+def test_equinox_trains_with_optax():
+    layers = eqx_layers(3)
+    stack = scanax.Stack(layers)
+    opt = optax.adam(1e-2)
+
+    def train(model, loss):
+        state = opt.init(eqx.filter(model, eqx.is_array))
+        losses = []
+        step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+        for _ in range(3):
+            value, grads = step(model, X)
+            updates, state = opt.update(grads, state)
+            model = eqx.apply_updates(model, updates)
+            losses.append(float(value))
+        return losses, model
+
+    ls1, trained = train(stack, lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))
+    ls2, trained_ref = train(
+        layers, lambda ls, x: jnp.mean(jax.vmap(lambda v: loop(ls, v))(x) ** 2)
+    )
+    np.testing.assert_allclose(ls1, ls2, rtol=1e-5)
+    close(list(trained), trained_ref)
+
+
+def test_kwargs_remat_unroll():
+    layers = eqx_layers(4)[1:-1]
+    x = X[:, :1] * jnp.ones((5, 4))
+    ref_loss = lambda ls, x: jnp.sum(jax.vmap(lambda v: loop(ls, v, gain=0.5))(x) ** 2)
+    ref = eqx.filter_value_and_grad(ref_loss)(layers, x)
+    for kw in [dict(remat=True), dict(unroll=2)]:
+        stack = scanax.Stack(layers, **kw)
+        loss = lambda m, x: jnp.sum(jax.vmap(lambda v: m(v, gain=0.5))(x) ** 2)
+        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(stack, x)
+        close((value, list(grads)), ref)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(scanax.Stack(layers, remat=True), x))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+
+
+# ---------------------------------------------------------------------------- NNX
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, layers, stacked):
+        self.body = scanax.Stack(layers) if stacked else nnx.List(layers)
+
+    def __call__(self, x):
+        return loop(self.body, x)
+
+
+def test_nnx_nested_and_trained_with_optimizer_matches_unstacked():
+    model = NNXModel(nnx_layers(), stacked=True)
+    ref = NNXModel(nnx_layers(), stacked=False)
+    assert isinstance(model.body, nnx.Module) and isinstance(model.body, scanax.Stack)
+    assert model.body.plan == ((0, 1, 1), (1, 1, 6), (7, 1, 1))
+    y = jnp.ones((5, 2))
+
+    @nnx.jit
+    def step(model, opt):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(X) - y) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    def train(model):
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        return [float(step(model, opt)) for _ in range(3)]
+
+    np.testing.assert_allclose(train(model), train(ref), rtol=1e-5)
+    for a, b in zip(model.body, ref.body, strict=True):
+        close(nnx.state(a, nnx.Param), nnx.state(b, nnx.Param))
+
+
+def test_nnx_layer_state_updates_are_written_back():
+    def layers():
+        rngs = nnx.Rngs(0)
+        return [nnx.BatchNorm(3, rngs=rngs) for _ in range(3)]
+
+    stack, ref = scanax.Stack(layers()), layers()
+    close(stack(X), loop(ref, X))
+    close(
+        [nnx.state(layer, nnx.BatchStat) for layer in stack],
+        [nnx.state(layer, nnx.BatchStat) for layer in ref],
+    )
+    assert not jnp.allclose(stack[0].mean[...], 0.0)
+
+
+# ---------------------------------------------------------------------------- pytrees
+
+
+def test_plain_pytrees_values_grads_views():
+    layers = plain_layers()
+    stack = scanax.Stack(layers)
+    assert type(stack) is scanax.Stack
+    assert len(stack) == len(layers) and stack.plan[1] == (1, 1, 6)
+    for got, want in zip(list(stack), layers, strict=True):
+        assert jtu.tree_structure(got) == jtu.tree_structure(want)
+        close(got, want)
+    # functions are layers too (leaves of the Stack, as of the list given)
+    with_fn = scanax.Stack([*layers[:3], jnp.sin, *layers[3:]])
+    close(with_fn(X), loop([*layers[:3], jnp.sin, *layers[3:]], X))
+    assert list(with_fn)[3] is jnp.sin
+    close(stack[-1], layers[-1])
+    loss = lambda m, x: jnp.sum(m(x) ** 2)
+    l1, g1 = jax.jit(jax.value_and_grad(loss))(stack, X)
+    l2, g2 = jax.jit(jax.value_and_grad(lambda ls, x: loss(lambda v: loop(ls, v), x)))(
+        layers, X
+    )
+    close((l1, list(g1)), (l2, g2))
+    close(jax.vmap(stack)(X[:, None]), jax.vmap(lambda v: loop(layers, v))(X[:, None]))
+
+
+def test_periodic_pattern_is_one_scan():
+    k = jr.split(jr.key(3), 8)
+    attn = [Affine(jr.normal(key, (3, 3)) * 0.5, jnp.zeros(3)) for key in k[:4]]
+    mlp = [Affine(jr.normal(key, (3, 3)) * 0.5, jnp.ones(3)) for key in k[4:]]
+    mlp = [dataclasses.replace(m, b=jnp.ones((1, 3))) for m in mlp]  # another type
+    layers = [layer for pair in zip(attn, mlp, strict=True) for layer in pair]
+    stack = scanax.Stack(layers)
+    assert stack.plan == ((0, 2, 4),)
+    assert scans(stack, X) == [4]
+    close(stack(X), loop(layers, X))
+    close(list(stack), layers)
+
+
+@pytest.mark.parametrize("make", [eqx_layers, nnx_layers, plain_layers])
+def test_jaxpr_has_one_scan_of_length_6(make):
+    stack = scanax.Stack(make())
+    x = X[0] if make is eqx_layers else X
+    assert scans(lambda v: stack(v), x) == [6]
+
+
+def test_identical_layers_that_change_shape_fall_back_to_a_loop():
+    halve = lambda x: x[::2]
+    stack = scanax.Stack([jnp.tanh, halve, halve, halve])
+    x = jnp.arange(16.0)
+    close(stack(x), halve(halve(halve(jnp.tanh(x)))))
+    assert scans(stack, x) == []
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_errors():
+    with pytest.raises(TypeError, match=r"^scanax\.Stack: `layers` must be a sequence"):
+        scanax.Stack(jnp.sin)
+    with pytest.raises(ValueError, match=r"^scanax\.Stack: `layers` is empty"):
+        scanax.Stack([])
+    with pytest.raises(
+        TypeError,
+        match=r"^scanax\.Stack: layers\[1\] is not callable: got "
+        r"float32\[3\]",
+    ):
+        scanax.Stack([jnp.sin, jnp.ones(3)])
+    stack = scanax.Stack([jnp.sin, jnp.cos])
+    with pytest.raises(
+        IndexError,
+        match=r"^scanax\.Stack: index 2 is out of range for a "
+        r"Stack of 2 layers",
+    ):
+        stack[2]
+    shared = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    other = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+    other.kernel = shared.kernel
+    with pytest.raises(
+        ValueError,
+        match=r"^scanax\.Stack: layers\[0\] and layers\[1\] "
+        r"share the Variable at",
+    ):
+        scanax.Stack([shared, other])
