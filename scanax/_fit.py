@@ -15,7 +15,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _data, _errors, _models
+from . import _checkpoint, _data, _errors, _mesh, _models
 
 _CALL = "scanax.fit"
 # Default steps_per_call: compiled lengths, and the wall time that the automatic
@@ -132,8 +132,22 @@ def fit(
         length = min(steps, _MAX_STEPS_PER_CALL[source.kind])
     else:
         length = min(steps, _data.positive_int("steps_per_call", steps_per_call))
-    run = _Run(adapter, source, loss_fn, steps, length, progress)
+    if checkpoint_every is not None:
+        if checkpoint_dir is None:
+            raise TypeError(
+                f"{_CALL}: checkpoint_every={checkpoint_every!r} is given but "
+                "checkpoint_dir is None.\nFix: pass checkpoint_dir=... (a directory) "
+                "too, or drop checkpoint_every."
+            )
+        checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
+    if mesh is not None:
+        _mesh.check(mesh)
+        if source.kind == "array":
+            _mesh.check_batch(mesh, source.batch_size, "batch_size")
+    run = _Run(adapter, source, loss_fn, steps, length, progress, mesh)
     run.auto = steps_per_call is None and source.kind == "array"
+    if checkpoint_dir is not None:
+        run.resume(checkpoint_dir, checkpoint_every)
     return run.go()
 
 
@@ -155,20 +169,21 @@ class _Key:
 
 
 def _chunk_function(
-    adapter: Any, source: Any, loss_fn: Callable, length: int, treedef: Any
+    adapter: Any, source: Any, loss_fn: Callable, length: int, treedef: Any, mesh: Any
 ):
     """The jitted ``chunk(leaves, stopped, start, end, data, key, xs)``, cached."""
     cache_key = None
     if adapter.static is not None:
         try:
-            cache_key = _Key((loss_fn, adapter.static, treedef, source.static, length))
+            parts = (loss_fn, adapter.static, treedef, source.static, length, mesh)
+            cache_key = _Key(parts)
         except TypeError:
             cache_key = None
     if cache_key is not None and cache_key in _CHUNKS:
         _CHUNKS.move_to_end(cache_key)
         return _CHUNKS[cache_key]
     step = adapter.make_step(loss_fn)
-    fn = jax.jit(_build_chunk(step, source, length, treedef))
+    fn = jax.jit(_build_chunk(step, source, length, treedef, mesh))
     if cache_key is not None:
         _CHUNKS[cache_key] = fn
         while len(_CHUNKS) > _CACHE_SIZE:
@@ -176,7 +191,9 @@ def _chunk_function(
     return fn
 
 
-def _build_chunk(step: Callable, source: Any, length: int, treedef: Any) -> Callable:
+def _build_chunk(
+    step: Callable, source: Any, length: int, treedef: Any, mesh: Any
+) -> Callable:
     """``chunk(leaves, stopped, start, count, data, key, xs)``: up to ``count`` steps
     from global step ``start``, ending early at a non-finite step.
 
@@ -210,10 +227,12 @@ def _build_chunk(step: Callable, source: Any, length: int, treedef: Any) -> Call
 
     def batch_at(data, key, xs, perm, t, i):
         if on_device:
-            return source.batch(data, perm, t)
-        return jtu.tree_map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
-        )
+            batch = source.batch(data, perm, t)
+        else:
+            batch = jtu.tree_map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
+            )
+        return batch if mesh is None else _mesh.batch_constraint(mesh, batch)
 
     def chunk(leaves, stopped, start, count, data, key, xs):
         with jax.named_scope("scanax.fit"):
@@ -269,15 +288,19 @@ def _strong(tree: Any) -> Any:
 class _Run:
     """One ``fit`` call: dispatch chunks, keep one in flight, collect history."""
 
-    def __init__(self, adapter, source, loss_fn, steps, length, progress):
+    def __init__(self, adapter, source, loss_fn, steps, length, progress, mesh):
         self.adapter, self.source, self.steps, self.length = (
             adapter,
             source,
             steps,
             length,
         )
-        self.leaves, self.treedef = jtu.tree_flatten(_strong(adapter.state))
-        self.fn = _chunk_function(adapter, source, loss_fn, length, self.treedef)
+        self.mesh = mesh
+        flat, self.treedef = jtu.tree_flatten_with_path(_strong(adapter.state))
+        self.names = [adapter.name(path) for path, _ in flat]
+        self.leaves = [x for _, x in flat]
+        self.fn = _chunk_function(adapter, source, loss_fn, length, self.treedef, mesh)
+        self.ckpt = None
         self.auto = False  # grow steps per call towards _SECONDS_PER_CALL
         self.per_call = length
         self.last_collect = None
@@ -285,21 +308,50 @@ class _Run:
         self.done = 0  # steps applied
         self.history: dict[str, list[np.ndarray]] = {"loss": []}
         self.halted = False
-        self.bar = _progress_bar(steps) if progress else None
+        self.progress = progress
+        self.bar = None
         if source.kind == "array":
-            self.data = jax.device_put(source.data)
-            self.key = source.key
+            self.data, self.key = source.data, source.key
         else:
             self.data, self.key = None, jr.key(0)
+        if mesh is None:
+            self.data = jax.device_put(self.data)
+        else:
+            shardings = _mesh.state_shardings(mesh, adapter, self.leaves)
+            self.leaves = _mesh.place(self.leaves, shardings)
+            self.data, self.key = _mesh.replicate(mesh, (self.data, self.key))
+
+    def resume(self, directory: Any, every: int | None) -> None:
+        """Continue from the newest usable checkpoint in ``directory``, if any."""
+        desc = {"kind": self.source.kind}
+        if self.source.kind == "array":
+            desc.update(
+                n=self.source.n,
+                batch_size=self.source.batch_size,
+                shuffle=self.source.shuffle,
+            )
+        self.ckpt = _checkpoint.Checkpoints(directory, every, self.names, desc)
+        found = self.ckpt.restore(self.leaves, self.key)
+        if found is None:
+            return
+        step, self.leaves, self.key, history = found
+        self.ckpt.last_saved = step
+        self.done = step
+        self.history = {k: [v] for k, v in history.items()}
+        if self.source.kind == "iter":
+            self.source.skip(step)  # the batches those steps used
 
     def _chunks(self) -> Iterator[tuple[int, int, Any]]:
         """``(start, end, xs)`` for each call; host batches are put on device here,
         which for the next chunk overlaps the previous chunk's training."""
-        start = 0
+        start = self.done
         if self.auto:
             self.per_call = min(self.length, 8)
         while start < self.steps and not self.halted:
             want = min(self.per_call, self.steps - start)
+            every = self.ckpt.every if self.ckpt is not None else None
+            if every:  # calls end on checkpoint steps
+                want = min(want, every - start % every)
             if self.source.kind == "array":
                 yield start, start + want, None
                 start += want
@@ -308,11 +360,18 @@ class _Run:
             if taken is None:
                 return
             xs, count = taken
-            yield start, start + count, jax.device_put(xs)
+            if self.mesh is None:
+                xs = jax.device_put(xs)
+            else:
+                xs = _mesh.put_chunk(self.mesh, xs)
+            yield start, start + count, xs
             start += count
 
     def go(self) -> FitResult:
         pending = None
+        if self.progress:
+            self.bar = _progress_bar(self.steps)
+            self.bar.update(self.done)
         try:
             chunks = self._chunks()
             nxt = next(chunks, None)
@@ -330,23 +389,31 @@ class _Run:
                 nxt = next(chunks, None)  # prefetch while this chunk trains
                 if pending is not None:
                     self._collect(*pending)
-                pending = (start, end, applied, ys)
+                pending = (start, end, applied, ys, self.leaves)
                 if self.halted:
                     break
             if pending is not None:
                 self._collect(*pending)
+            if self.ckpt is not None:
+                self.ckpt.save(self.done, self.leaves, self.key, self._history())
         finally:
             if self.bar is not None:
                 self.bar.close()
+            if self.ckpt is not None:
+                self.ckpt.close()
         state = jtu.tree_unflatten(self.treedef, self.leaves)
         model, optimizer = self.adapter.finish(state)
-        history = {
+        return FitResult(model, optimizer, self._history(), self.done)
+
+    def _history(self) -> dict[str, np.ndarray]:
+        return {
             k: np.concatenate(v) if v else np.zeros((0,), np.float32)
             for k, v in self.history.items()
         }
-        return FitResult(model, optimizer, history, self.done)
 
-    def _collect(self, start: int, end: int, applied: Any, ys: Any) -> None:
+    def _collect(
+        self, start: int, end: int, applied: Any, ys: Any, leaves: list
+    ) -> None:
         count, loss_ok, grads_ok = (int(a) for a in applied)
         ys = jax.device_get(ys)
         if self.auto:
@@ -362,6 +429,13 @@ class _Run:
             self.halted = True
             i = count
             self._warn(start + i, ys["loss"][i], loss_ok, grads_ok)
+        elif (
+            self.ckpt is not None
+            and self.ckpt.every
+            and start + count == end
+            and end % self.ckpt.every == 0
+        ):
+            self.ckpt.save(end, leaves, self.key, self._history())
 
     def _schedule(self, steps: int) -> None:
         """Size the next calls from the last one's time (the first compiles)."""

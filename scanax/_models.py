@@ -78,6 +78,11 @@ class NNXAdapter:
         self.graphdef, self.state = _nnx.split([model, optimizer])
         self.static = _hashable(("nnx", self.graphdef))
 
+    def name(self, path: tuple) -> str:
+        """``model['l1']['kernel']`` for a path into the joint state."""
+        head = ("model", "optimizer")[path[0].key]
+        return head + jtu.keystr(path[1:]).removesuffix(".value")
+
     def make_step(self, loss_fn: Callable) -> Callable:
         nnx = sys.modules["flax.nnx"]
         graphdef = self.graphdef
@@ -112,7 +117,9 @@ class OptaxAdapter:
     kind = "optax"
 
     def __init__(self, model: Any, tx: Any):
-        leaves, self.treedef = jtu.tree_flatten(model)
+        flat, self.treedef = jtu.tree_flatten_with_path(model)
+        leaves = [x for _, x in flat]
+        self.paths = [p for p, _ in flat]
         self.leaves = leaves
         self.train = tuple(i for i, x in enumerate(leaves) if _is_inexact(x))
         self.other = tuple(
@@ -128,6 +135,9 @@ class OptaxAdapter:
         self.static = _hashable(
             ("optax", self.treedef, self.train, self.other, statics, tx)
         )
+
+    def name(self, path: tuple) -> str:
+        return _optax_name(self, path)
 
     def _filtered(self, params: list[Any]) -> Any:
         leaves: list[Any] = [None] * len(self.leaves)
@@ -176,6 +186,9 @@ class TrainStateAdapter:
         self.state = state
         self.static = _hashable(("trainstate", jtu.tree_structure(state)))
 
+    def name(self, path: tuple) -> str:
+        return "state" + jtu.keystr(path)
+
     def make_step(self, loss_fn: Callable) -> Callable:
         def step(state, batch):
             def objective(params):
@@ -190,6 +203,16 @@ class TrainStateAdapter:
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         return state, None
+
+
+def _optax_name(adapter: OptaxAdapter, path: tuple) -> str:
+    """``model[1].weight`` for a trained or carried leaf, ``opt_state...`` else."""
+    part = path[0].key
+    if part in ("params", "other"):
+        index = (adapter.train if part == "params" else adapter.other)[path[1].idx]
+        model_path = adapter.paths[index]
+        return "model" + jtu.keystr(model_path)
+    return "opt_state" + jtu.keystr(path[1:])
 
 
 def _is_inexact(x: Any) -> bool:
