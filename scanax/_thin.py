@@ -155,11 +155,14 @@ def _fold(keep: Any, acc: Any, y: Any, started: jax.Array) -> tuple[Any, Any]:
     if keep == "all":
         return acc, y
     if keep == "last":
-        return y, None
+        return jtu.tree_map(lambda a, b: jnp.asarray(b, a.dtype), acc, y), None
     if keep in ("sum", "mean"):
-        return jtu.tree_map(lambda a, b: a + b.astype(a.dtype), acc, y), None
+        return jtu.tree_map(
+            lambda a, b: a + jnp.asarray(b).astype(a.dtype), acc, y
+        ), None
 
     def fold_leaf(a, b):
+        b = jnp.asarray(b, a.dtype)
         out = jax.eval_shape(keep, a, b)
         if getattr(out, "shape", None) != a.shape or out.dtype != a.dtype:
             raise TypeError(

@@ -160,3 +160,14 @@ def test_bad_thinning(kw, err, match):
     kw.setdefault("length", 3)
     with pytest.raises(err, match=match):
         scanax.scan(lambda c, x: (c + 1.0, c), 0.0, **kw)
+
+
+@pytest.mark.parametrize("keep", ["last", "sum", "mean", jnp.maximum])
+def test_python_number_outputs(keep):
+    def body(c, x):
+        return c + x, 2
+
+    want = jax.lax.scan(body, 0.0, jnp.ones(4))[1]
+    got = scanax.scan(body, 0.0, jnp.ones(4), keep=keep)[1]
+    ref = {"last": want[-1], "sum": want.sum(), "mean": want.mean()}
+    assert got == ref.get(keep, want.max()) and got.dtype == ref.get(keep, want).dtype
