@@ -5,7 +5,9 @@ Every ``benchmarks/bench_<name>.py`` of a source checkout exposes
 (scanax and its baseline measured side by side in one process, interleaved medians).
 ``scanax bench`` runs each of them, one after the other, and writes
 
-* ``results.json``: ``{"machine", "date", "quick", "rows", "errors", "modules"}``;
+* ``results.json``: ``{"machine", "date", "quick", "load_average", "rows",
+  "errors", "modules"}`` (the load average before and after: other processes
+  make timings noisy);
 * ``results.md``: the same rows as a Markdown table, with the machine and date.
 
 A benchmark module that fails is recorded under ``errors`` and the others still run;
@@ -20,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -110,6 +113,20 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS does not tell)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _load_note(loads: list[float | None]) -> str:
+    if None in loads:
+        return ""
+    return f", load average {loads[0]:g} → {loads[1]:g} (other processes)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     root = repo_root()
@@ -144,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scanax bench: no bench_*.py files in {bench_dir}.", file=sys.stderr)
         return 2
 
+    load_before = _load_average()
     rows, errors, modules = [], [], []
     for name, path in sorted(found.items()):
         print(f"scanax bench: {name} ...", file=sys.stderr, flush=True)
@@ -176,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "date": date,
         "quick": args.quick,
+        "load_average": [load_before, _load_average()],
         "rows": rows,
         "errors": errors,
         "modules": modules,
@@ -191,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {date} on {machine['platform']}, {machine['cpus']} CPUs, "
         f"JAX {machine['jax']} ({machine['backend']}: {devices})"
         + (", quick mode" if args.quick else "")
+        + _load_note(result["load_average"])
         + ". Ratio = scanax / baseline, medians of interleaved runs in one process; "
         "lower is better for scanax.",
         "",

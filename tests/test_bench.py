@@ -39,7 +39,16 @@ def bench_dir(tmp_path):
 
 
 def _check_schema(result: dict, quick: bool) -> None:
-    assert set(result) == {"machine", "date", "quick", "rows", "errors", "modules"}
+    assert set(result) == {
+        "machine",
+        "date",
+        "quick",
+        "load_average",
+        "rows",
+        "errors",
+        "modules",
+    }
+    assert len(result["load_average"]) == 2
     assert result["quick"] is quick
     assert {"platform", "python", "jax", "backend", "devices", "cpus"} <= set(
         result["machine"]
