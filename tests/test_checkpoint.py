@@ -1,0 +1,247 @@
+"""scanax.fit checkpoints: exact resume after kill -9, completeness, fallback."""
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scanax
+
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+pytest.importorskip("orbax.checkpoint")
+
+import _fit_kill_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
+from test_fit import BS, TX, X, Y, leaves_equal, nnx_loss  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+
+
+class Net(nnx.Module):
+    """Dropout (an RNG stream) and BatchNorm (running statistics) in the state."""
+
+    def __init__(self, rngs, dropout=True):
+        self.lin = nnx.Linear(3, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(
+            0.3, deterministic=not dropout, rngs=rngs if dropout else None
+        )
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.bn(self.lin(x)))))
+
+
+def make(dropout=True):
+    model = Net(nnx.Rngs(0, dropout=1), dropout)
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+
+def fit(model, opt, steps, **kwargs):
+    # key=None: step t's batch depends on t % 6 only, so a run of 18 steps from a
+    # copied state sees the same batches as steps 18..35 (used by the RNG test).
+    return scanax.fit(
+        model,
+        opt,
+        nnx_loss,
+        (X, Y),
+        steps=steps,
+        batch_size=BS,
+        steps_per_call=6,
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_resume_is_exact_and_needs_the_rng_state(tmp_path):
+    model, opt = make()
+    first = fit(model, opt, 18, checkpoint_dir=tmp_path, checkpoint_every=6)
+    assert first.steps == 18
+    # The saved state is complete: every array of nnx.split((model, optimizer)),
+    # including the dropout RNG key/count and BatchNorm statistics.
+    resumed_model, resumed_opt = make()
+    resumed = fit(
+        resumed_model, resumed_opt, 36, checkpoint_dir=tmp_path, checkpoint_every=6
+    )
+    straight_model, straight_opt = make()
+    straight = fit(straight_model, straight_opt, 36)
+    assert resumed.steps == 36
+    np.testing.assert_array_equal(resumed.history["loss"], straight.history["loss"])
+    leaves_equal(nnx.state(resumed_model), nnx.state(straight_model))
+    leaves_equal(nnx.state(resumed_opt), nnx.state(straight_opt))
+    assert int(resumed_model.drop.rngs.count[...]) == 36
+    # Control: the same resume with everything but the RNG state restored (what
+    # saving only nnx.Param + optimizer state gives) does not reproduce the run.
+    partial_model, partial_opt = make()
+    nnx.update(partial_model, nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat)))
+    nnx.update(partial_opt, nnx.state(opt))
+    fit(partial_model, partial_opt, 18)
+    assert not np.array_equal(
+        partial_model.out.kernel[...], straight_model.out.kernel[...]
+    )
+
+
+def test_checkpoint_without_rng_state_is_refused(tmp_path):
+    # A checkpoint that lacks the dropout RNG stream (here: written by a model with
+    # deterministic dropout) cannot silently resume a model that has one.
+    model, opt = make(dropout=False)
+    fit(model, opt, 6, checkpoint_dir=tmp_path, checkpoint_every=6)
+    model, opt = make()
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)does not fit this training state; first mismatching leaf "
+        r"model\['drop'\]\['rngs'\].*checkpoint  model\['lin'\]",
+    ):
+        fit(model, opt, 12, checkpoint_dir=tmp_path, checkpoint_every=6)
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path):
+    model, opt = make()
+    fit(model, opt, 18, checkpoint_dir=tmp_path, checkpoint_every=6)
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [
+        6,
+        12,
+        18,
+    ]
+    for f in (tmp_path / "18" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    # A partial save left by a killed process is ignored too.
+    (tmp_path / "24.orbax-checkpoint-tmp-1").mkdir()
+    model, opt = make()
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"scanax.fit: checkpoint 18 in .* could "
+        r"not be read .*falling back to an older one",
+    ):
+        result = fit(model, opt, 18, checkpoint_dir=tmp_path, checkpoint_every=6)
+    straight_model, straight_opt = make()
+    fit(straight_model, straight_opt, 18)
+    assert result.steps == 18
+    leaves_equal(nnx.state(model), nnx.state(straight_model))
+    leaves_equal(nnx.state(opt), nnx.state(straight_opt))
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+    model, opt = make()
+    fit(model, opt, 6, checkpoint_dir=tmp_path, checkpoint_every=6)
+    model, opt = make()
+    model.out = nnx.Linear(8, 2, rngs=nnx.Rngs(5))
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)scanax.fit: the checkpoint at step 6 in .* does not fit this "
+        r"training state; first mismatching leaf model\['out'\]\['bias'\]:\n"
+        r"  checkpoint  model\['out'\]\['bias'\]: float32\[1\]\n"
+        r"  expected    model\['out'\]\['bias'\]: float32\[2\].*Fix:",
+    ):
+        scanax.fit(
+            model,
+            opt,
+            lambda m, b: jnp.mean(m(b[0])),
+            (X, Y),
+            steps=12,
+            batch_size=BS,
+            progress=False,
+            checkpoint_dir=tmp_path,
+            checkpoint_every=6,
+        )
+
+
+def test_iterable_resume_and_weak_types(tmp_path):
+    # A weak-typed leaf (jnp.asarray(1.0)): orbax restores it strong; fit never
+    # carries weak types, so the resumed carry has the uninterrupted run's types.
+    params = {"w": jnp.zeros((3, 1)), "s": jnp.asarray(1.0)}
+    assert params["s"].weak_type
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return jnp.mean((p["s"] * (x @ p["w"]) - y) ** 2)
+
+    batches = [(X[i : i + BS], Y[i : i + BS]) for i in range(0, 48, BS)] * 2
+    tx = optax.sgd(0.1)
+    kw = dict(steps_per_call=3, progress=False)
+    scanax.fit(
+        params,
+        tx,
+        loss_fn,
+        batches[:6],
+        steps=12,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=3,
+        **kw,
+    )
+    resumed = scanax.fit(
+        params,
+        tx,
+        loss_fn,
+        batches,
+        steps=12,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=3,
+        **kw,
+    )
+    straight = scanax.fit(params, tx, loss_fn, batches, steps=12, **kw)
+    assert resumed.steps == 12
+    np.testing.assert_array_equal(resumed.history["loss"], straight.history["loss"])
+    leaves_equal(resumed.model, straight.model)
+
+
+def _run_job(directory, out, kill_after=None, during_save=False):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(directory.parent / "jax-cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_fit_kill_job.py"), str(directory), str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    if kill_after is None:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        return True
+    before = _steps(directory)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        names = os.listdir(directory) if directory.exists() else []
+        if during_save and any("tmp" in n for n in names):
+            break  # a save is being written right now
+        if not during_save and _steps(directory) > before:
+            time.sleep(kill_after)
+            break
+        time.sleep(0.005)
+    finished = proc.poll() is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return not finished
+
+
+def _steps(directory):
+    if not directory.exists():
+        return 0
+    return max([int(n) for n in os.listdir(directory) if n.isdigit()], default=0)
+
+
+def test_kill_9_at_random_moments_then_resume_is_exact(tmp_path):
+    directory, out = tmp_path / "ckpt", tmp_path / "digest"
+    rng = random.Random(0)
+    killed = [
+        _run_job(directory, out, kill_after=0.0, during_save=True),
+        _run_job(directory, out, kill_after=rng.uniform(0.0, 0.4)),
+        _run_job(directory, out, kill_after=rng.uniform(0.0, 0.4)),
+    ]
+    assert any(killed)  # at least one process really died mid-run
+    assert 0 < _steps(directory) < job.STEPS
+    _run_job(directory, out)
+    assert out.read_text() == job.digest(job.job(None))
