@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -380,7 +380,12 @@ def rnn(
         >>> ys.shape
         (5, 3)
     """
-    cells = tuple(cells) if isinstance(cells, (tuple, list)) else (cells,)
+    if isinstance(cells, (tuple, list)) or (
+        not callable(cells) and isinstance(cells, Iterable)
+    ):
+        cells = tuple(cells)  # also an nnx.List of cells
+    else:
+        cells = (cells,)
     if not cells:
         raise err_no_cells()
     if order not in _ORDERS:

@@ -25,17 +25,11 @@ def _signature(layer: Any) -> Any:
 def _check_owned(layers: list[Any]) -> None:
     """Stacking copies each layer's Variables: none may be shared between layers."""
     seen: dict[int, tuple[int, str]] = {}
+    first_node = next(k for k, x in enumerate(layers) if nnx.graph.is_graph_node(x))
     for i, layer in enumerate(layers):
         if not nnx.graph.is_graph_node(layer):
-            if jtu.tree_leaves(layer, is_leaf=nnx.graph.is_graph_node) and any(
-                not callable(x) for x in jtu.tree_leaves(layer)
-            ):
-                raise _stack.err_mixed(
-                    next(k for k, x in enumerate(layers) if nnx.graph.is_graph_node(x)),
-                    layers[0],
-                    i,
-                    layer,
-                )
+            if any(not callable(x) for x in jtu.tree_leaves(layer)):
+                raise _stack.err_mixed(first_node, layers[first_node], i, layer)
             continue
         for path, var in nnx.graph.iter_graph(layer):
             if isinstance(var, nnx.Variable):

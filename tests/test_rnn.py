@@ -165,6 +165,8 @@ def test_equinox_cells_match_loops(make):
     cells, xs = make(), xs_tbd()
     ours = eqx_value_and_grad(lambda c, x: scanax.rnn(c, x))(cells, xs)
     close(ours, eqx_value_and_grad(ref_rnn)(cells, xs))
+    if make is eqx_cells:
+        return  # order="layer" for NNX cells: test_orders_identical_with_lengths
     # order="layer" gives the same values and gradients
     close(
         eqx_value_and_grad(lambda c, x: scanax.rnn(c, x, order="layer"))(cells, xs),
@@ -217,7 +219,9 @@ def test_nnx_cells_match_chained_nnx_rnn(time_axis, optimized):
 def test_nnx_cells_direct_objects_and_init():
     cells, xs = nnx_cells(), xs_tbd()
     init = tuple(jax.tree.map(lambda z: z + 0.3, ref_init(c, (B,))) for c in cells)
-    f = nnx_jit(lambda c, x, i: (scanax.rnn(list(c), x, i), ref_rnn(c, x, i)), cells)
+    f = nnx_jit(  # cells as an nnx.List, as a model would hold them
+        lambda c, x, i: (scanax.rnn(nnx.List(list(c)), x, i), ref_rnn(c, x, i)), cells
+    )
     close(*f(xs, init))
 
 

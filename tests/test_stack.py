@@ -233,6 +233,16 @@ def test_nnx_layer_state_updates_are_written_back():
     assert not jnp.allclose(stack[0].mean[...], 0.0)
 
 
+def test_nnx_periodic_with_functions():
+    rngs = nnx.Rngs(0)
+    layers = [f for _ in range(3) for f in (nnx.Linear(3, 3, rngs=rngs), jax.nn.relu)]
+    stack = scanax.Stack(layers)
+    assert stack.plan == ((0, 2, 3),)
+    close(stack(X), loop(layers, X))
+    assert stack[1] is jax.nn.relu
+    close(nnx.state(stack[4]), nnx.state(layers[4]))
+
+
 # ---------------------------------------------------------------------------- pytrees
 
 
@@ -310,6 +320,12 @@ def test_errors():
     shared = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     other = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
     other.kernel = shared.kernel
+    with pytest.raises(
+        TypeError,
+        match=r"^scanax\.Stack: layers\[0\] is a Linear \(Flax NNX\) but layers\[1\] "
+        r"is a Linear holding arrays outside",
+    ):
+        scanax.Stack([shared, eqx.nn.Linear(2, 2, key=jr.key(0))])
     with pytest.raises(
         ValueError,
         match=r"^scanax\.Stack: layers\[0\] and layers\[1\] "
