@@ -402,8 +402,9 @@ def scan(
         keep: ``"all"`` (default): stack the kept outputs; ``"last"``: the output
             of the last step run; ``"sum"``/``"mean"``: their sum/mean; or a
             function ``fn(acc, y) -> acc`` folded over each output leaf (e.g.
-            ``jnp.maximum``). The reductions use O(1) memory.
-            See ``docs/long_scans.md``.
+            ``jnp.maximum``). The reductions use O(1) memory; their ``ys`` has no
+            step axis, so ``out_axes`` does not apply. To stop early, see
+            ``scanax.scan_until``; recipes in ``docs/long_scans.md``.
 
     Returns:
         ``(final_carry, ys)``, as ``jax.lax.scan``.
