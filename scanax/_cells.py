@@ -86,13 +86,15 @@ class Cell:
     def unbatched(self) -> bool:
         return self.kind in ("eqx_gru", "eqx_lstm")
 
-    def default_state(self, cell: Any, batch: tuple[int, ...], dtype: Any) -> Any:
-        """The state ``init=None`` stands for, or None if it cannot be told."""
+    def default_state(
+        self, cell: Any, batch: tuple[int, ...], width: int, dtype: Any
+    ) -> Any:
+        """The state ``init=None`` stands for (inputs ``[*batch, width]``), or None."""
         if self.kind == "flax":
             from flax import nnx
 
             # The rng is only used by random carry initialisers; zeros ignore it.
-            return cell.initialize_carry((*batch, self.in_width), rngs=nnx.Rngs(0))
+            return cell.initialize_carry((*batch, width), rngs=nnx.Rngs(0))
         if self.kind in ("eqx_gru", "eqx_lstm"):
             zeros = jnp.zeros((*batch, cell.hidden_size), cell.weight_hh.dtype)
             return zeros if self.kind == "eqx_gru" else (zeros, zeros)
@@ -124,7 +126,11 @@ def detect(cell: Any) -> Cell | None:
     ``"?"``: :func:`probe_kind` settles between ``state`` and ``pair``.
     """
     if _is_nnx_cell(cell):
-        return Cell("flax", getattr(cell, "in_features", None), cell.hidden_features)
+        return Cell(
+            "flax",
+            getattr(cell, "in_features", None),
+            getattr(cell, "hidden_features", None),
+        )
     kind = _eqx_kind(cell)
     if kind is not None:
         return Cell(kind, cell.input_size, cell.hidden_size)

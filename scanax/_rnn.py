@@ -167,7 +167,7 @@ def _plan(
         width = x.shape[-1]
         if spec.in_width is not None and spec.in_width != width:
             raise err_width(i, cell, spec.in_width, width, source)
-        default = spec.default_state(cell, batch, x0.dtype)
+        default = spec.default_state(cell, batch, width, x0.dtype)
         if init is None:
             if default is None:
                 raise err_no_state(i, cell)

@@ -320,6 +320,20 @@ def test_birnn_matches_nnx_bidirectional(with_lengths):
         close(ys, ref_ys)
 
 
+def test_no_retrace_on_new_values():
+    traces = []
+
+    @jax.jit
+    def f(cells, xs, lengths):
+        traces.append(1)
+        return scanax.rnn(cells, xs, seq_lengths=lengths)
+
+    cells = seed_cells()
+    f(cells, xs_tbd(), jnp.array([4, 2, 0]))
+    f(jax.tree.map(lambda a: a + 1, cells), xs_tbd(seed=3), jnp.array([1, 2, 3]))
+    assert len(traces) == 1
+
+
 def test_zero_length_sequence():
     cells = seed_cells()
     finals, ys = scanax.rnn(cells, jnp.zeros((0, B, D)))

@@ -134,11 +134,17 @@ def test_equinox_values_grads_jit_vmap():
     assert isinstance(stack, eqx.Module) and isinstance(stack, scanax.Stack)
     assert stack.plan == ((0, 1, 1), (1, 1, 6), (7, 1, 1))
 
+    traces = []
+
     def loss(model, x):
+        traces.append(1)
         return jnp.sum(jax.vmap(model)(x) ** 2)
 
     ref_model = lambda ls: lambda x: loop(ls, x)
-    l1, g1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(stack, X)
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    l1, g1 = step(stack, X)
+    step(jax.tree.map(lambda a: a + 1, stack), X + 1)  # new values: no retrace
+    assert len(traces) == 1
     l2, g2 = eqx.filter_jit(
         eqx.filter_value_and_grad(lambda ls, x: loss(ref_model(ls), x))
     )(layers, X)
@@ -154,13 +160,16 @@ def test_equinox_trains_with_optax():
     opt = optax.adam(1e-2)
 
     def train(model, loss):
+        @eqx.filter_jit
+        def step(model, state):
+            value, grads = eqx.filter_value_and_grad(loss)(model, X)
+            updates, state = opt.update(grads, state)
+            return eqx.apply_updates(model, updates), state, value
+
         state = opt.init(eqx.filter(model, eqx.is_array))
         losses = []
-        step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
         for _ in range(3):
-            value, grads = step(model, X)
-            updates, state = opt.update(grads, state)
-            model = eqx.apply_updates(model, updates)
+            model, state, value = step(model, state)
             losses.append(float(value))
         return losses, model
 
@@ -176,7 +185,7 @@ def test_kwargs_remat_unroll():
     layers = eqx_layers(4)[1:-1]
     x = X[:, :1] * jnp.ones((5, 4))
     ref_loss = lambda ls, x: jnp.sum(jax.vmap(lambda v: loop(ls, v, gain=0.5))(x) ** 2)
-    ref = eqx.filter_value_and_grad(ref_loss)(layers, x)
+    ref = eqx.filter_jit(eqx.filter_value_and_grad(ref_loss))(layers, x)
     for kw in [dict(remat=True), dict(unroll=2)]:
         stack = scanax.Stack(layers, **kw)
         loss = lambda m, x: jnp.sum(jax.vmap(lambda v: m(v, gain=0.5))(x) ** 2)
@@ -219,12 +228,13 @@ def test_nnx_nested_and_trained_with_optimizer_matches_unstacked():
         close(nnx.state(a, nnx.Param), nnx.state(b, nnx.Param))
 
 
-def test_nnx_layer_state_updates_are_written_back():
+@pytest.mark.parametrize("remat", [False, True])
+def test_nnx_layer_state_updates_are_written_back(remat):
     def layers():
         rngs = nnx.Rngs(0)
         return [nnx.BatchNorm(3, rngs=rngs) for _ in range(3)]
 
-    stack, ref = scanax.Stack(layers()), layers()
+    stack, ref = scanax.Stack(layers(), remat=remat), layers()
     close(stack(X), loop(ref, X))
     close(
         [nnx.state(layer, nnx.BatchStat) for layer in stack],
