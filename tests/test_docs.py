@@ -4,7 +4,8 @@
   runs in order, all blocks of a page sharing one fresh module namespace, inside a
   temporary working directory: one test per page. Blocks in other languages
   (```` ```bash ````, ```` ```text ````) are not run. Tracebacks point at the line of
-  the Markdown file.
+  the Markdown file. The page's module is not ``__main__``: code under
+  ``if __name__ == "__main__":`` (a script meant for another process) does not run.
 * The doctests (``>>>`` examples) in the docstrings of every ``scanax`` module run
   with ``doctest``: one test per module that has any.
 """
