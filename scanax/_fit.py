@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -142,6 +143,7 @@ def fit(
         checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
     if mesh is not None:
         _mesh.check(mesh)
+        mesh = _mesh.auto(mesh)
         if source.kind == "array":
             _mesh.check_batch(mesh, source.batch_size, "batch_size")
     run = _Run(adapter, source, loss_fn, steps, length, progress, mesh)
@@ -169,13 +171,19 @@ class _Key:
 
 
 def _chunk_function(
-    adapter: Any, source: Any, loss_fn: Callable, length: int, treedef: Any, mesh: Any
+    adapter: Any,
+    source: Any,
+    loss_fn: Callable,
+    length: int,
+    treedef: Any,
+    mesh: Any,
+    shardings: tuple | None,
 ):
     """The jitted ``chunk(leaves, stopped, start, end, data, key, xs)``, cached."""
     cache_key = None
     if adapter.static is not None:
         try:
-            parts = (loss_fn, adapter.static, treedef, source.static, length, mesh)
+            parts = (loss_fn, adapter.static, treedef, source.static, length, shardings)
             cache_key = _Key(parts)
         except TypeError:
             cache_key = None
@@ -183,7 +191,7 @@ def _chunk_function(
         _CHUNKS.move_to_end(cache_key)
         return _CHUNKS[cache_key]
     step = adapter.make_step(loss_fn)
-    fn = jax.jit(_build_chunk(step, source, length, treedef, mesh))
+    fn = jax.jit(_build_chunk(step, source, length, treedef, mesh, shardings))
     if cache_key is not None:
         _CHUNKS[cache_key] = fn
         while len(_CHUNKS) > _CACHE_SIZE:
@@ -192,7 +200,12 @@ def _chunk_function(
 
 
 def _build_chunk(
-    step: Callable, source: Any, length: int, treedef: Any, mesh: Any
+    step: Callable,
+    source: Any,
+    length: int,
+    treedef: Any,
+    mesh: Any,
+    shardings: tuple | None,
 ) -> Callable:
     """``chunk(leaves, stopped, start, count, data, key, xs)``: up to ``count`` steps
     from global step ``start``, ending early at a non-finite step.
@@ -269,6 +282,11 @@ def _build_chunk(
                 cond, body, (jnp.int32(0), leaves, stopped, perm, bufs, flags)
             )
             applied = jnp.where(stopped_out & ~stopped, i - 1, i)
+            if shardings is not None:  # the state keeps its placement
+                leaves = [
+                    jax.lax.with_sharding_constraint(x, s)
+                    for x, s in zip(leaves, shardings)
+                ]
             return leaves, stopped_out, (applied, *flags), bufs
 
     return chunk
@@ -299,7 +317,13 @@ class _Run:
         flat, self.treedef = jtu.tree_flatten_with_path(_strong(adapter.state))
         self.names = [adapter.name(path) for path, _ in flat]
         self.leaves = [x for _, x in flat]
-        self.fn = _chunk_function(adapter, source, loss_fn, length, self.treedef, mesh)
+        shardings = None
+        if mesh is not None:
+            shardings = tuple(_mesh.state_shardings(mesh, adapter, self.leaves))
+            self.leaves = _mesh.place(self.leaves, shardings)
+        self.fn = _chunk_function(
+            adapter, source, loss_fn, length, self.treedef, mesh, shardings
+        )
         self.ckpt = None
         self.auto = False  # grow steps per call towards _SECONDS_PER_CALL
         self.per_call = length
@@ -317,9 +341,14 @@ class _Run:
         if mesh is None:
             self.data = jax.device_put(self.data)
         else:
-            shardings = _mesh.state_shardings(mesh, adapter, self.leaves)
-            self.leaves = _mesh.place(self.leaves, shardings)
             self.data, self.key = _mesh.replicate(mesh, (self.data, self.key))
+
+    def context(self) -> Any:
+        """The mesh as context while tracing: NNX Variables with sharding
+        annotations need one when the step merges them."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
 
     def resume(self, directory: Any, every: int | None) -> None:
         """Continue from the newest usable checkpoint in ``directory``, if any."""
@@ -377,15 +406,16 @@ class _Run:
             nxt = next(chunks, None)
             while nxt is not None:
                 start, end, xs = nxt
-                self.leaves, self.stopped, applied, ys = self.fn(
-                    self.leaves,
-                    self.stopped,
-                    np.int32(start),
-                    np.int32(end - start),
-                    self.data,
-                    self.key,
-                    xs,
-                )
+                with self.context():
+                    self.leaves, self.stopped, applied, ys = self.fn(
+                        self.leaves,
+                        self.stopped,
+                        np.int32(start),
+                        np.int32(end - start),
+                        self.data,
+                        self.key,
+                        xs,
+                    )
                 nxt = next(chunks, None)  # prefetch while this chunk trains
                 if pending is not None:
                     self._collect(*pending)

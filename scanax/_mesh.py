@@ -36,6 +36,19 @@ def check(mesh: Any) -> None:
         )
 
 
+def auto(mesh: Any) -> Any:
+    """The same mesh with every axis ``Auto``: the partitioner (GSPMD/Shardy) then
+    propagates our shardings and inserts the gradient all-reduce; an ``Explicit``
+    mesh (``jax.make_mesh``'s default) would make every op of ``loss_fn`` obey
+    sharding-in-types rules instead."""
+    axis_type = jax.sharding.AxisType
+    if all(t == axis_type.Auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * mesh.devices.ndim
+    )
+
+
 def data_size(mesh: Any) -> int:
     return mesh.shape[AXIS]
 

@@ -1,0 +1,134 @@
+"""scanax.fit on a device mesh (4 forced host devices, see conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import scanax
+
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+
+from test_fit import BS, KEY, TX, X, Y, batch_at  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS in conftest.py)"
+)
+
+SEEN = []  # shardings of the batch as the compiled step sees it
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, annotate=False):
+        init = nnx.initializers.lecun_normal()
+        if annotate:
+            init = nnx.with_partitioning(init, (None, "model"))
+        self.l1 = nnx.Linear(3, 8, kernel_init=init, rngs=rngs)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    jax.debug.inspect_array_sharding(x, callback=SEEN.append)
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def run(mesh, data, annotate=False, **kw):
+    if annotate:
+        with jax.set_mesh(mesh):  # flax places annotated Variables eagerly
+            model = MLP(nnx.Rngs(0), annotate)
+            opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    else:
+        model = MLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    result = scanax.fit(
+        model,
+        opt,
+        loss_fn,
+        data,
+        steps=12,
+        steps_per_call=6,
+        progress=False,
+        mesh=mesh,
+        **kw,
+    )
+    return result, model, opt
+
+
+def close(a, b):
+    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["array", "iterable"])
+def test_mesh_matches_one_device_and_shards_the_batch(kind):
+    mesh = jax.make_mesh((4,), ("data",))
+    if kind == "array":
+        data, kw = (X, Y), dict(batch_size=BS, key=KEY)
+    else:
+        data, kw = [batch_at(t) for t in range(12)], {}
+    one, m1, o1 = run(None, data, **kw)
+    SEEN.clear()
+    many, m4, o4 = run(mesh, data, **kw)
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+    close(nnx.state(m4), nnx.state(m1))
+    close(nnx.state(o4), nnx.state(o1))
+    # The batch inside the step is split over the 4 devices of the 'data' axis.
+    assert SEEN, "the step was not compiled with a mesh"
+    sharding = SEEN[-1]
+    assert len(sharding.device_set) == 4 and not sharding.is_fully_replicated
+    assert sharding.shard_shape((BS, 3)) == (BS // 4, 3)
+    # Parameters are replicated.
+    assert m4.l1.kernel[...].sharding.is_fully_replicated
+
+
+def test_nnx_sharding_annotations_are_followed():
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=auto)
+    one, m1, _ = run(None, (X, Y), batch_size=BS)  # same values, one device
+    many, m4, _ = run(mesh, (X, Y), annotate=True, batch_size=BS)
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+    close(nnx.state(m4), nnx.state(m1))
+    assert m4.l1.kernel[...].sharding.spec == P(None, "model")
+    assert m4.l2.kernel[...].sharding.is_fully_replicated
+
+
+def test_mesh_errors():
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    kw = dict(steps=2, batch_size=BS, progress=False)
+    with pytest.raises(
+        TypeError,
+        match=r"scanax.fit: `mesh` must be a "
+        r"jax.sharding.Mesh, got str",
+    ):
+        scanax.fit(model, opt, loss_fn, (X, Y), mesh="data", **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"`mesh` has axes \('batch',\), but batches "
+        r"are sharded over an axis named 'data'",
+    ):
+        scanax.fit(
+            model, opt, loss_fn, (X, Y), mesh=jax.make_mesh((4,), ("batch",)), **kw
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"batch_size 6 is not divisible by the "
+        r"mesh's 'data' axis \(4 devices\)",
+    ):
+        scanax.fit(
+            model,
+            opt,
+            loss_fn,
+            (X, Y),
+            mesh=jax.make_mesh((4,), ("data",)),
+            steps=2,
+            batch_size=6,
+            progress=False,
+        )
