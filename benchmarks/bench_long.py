@@ -26,13 +26,13 @@ except ImportError:  # run as a script from inside benchmarks/
     import _timing  # type: ignore[no-redef]
 
 
-def _time_pair(fa, fb, args, repeats):
-    ja, jb = jax.jit(fa), jax.jit(fb)
-    _timing.block(ja(*args))  # compile both outside the timing
-    _timing.block(jb(*args))
+def _time_all(fns, args, repeats):
+    """Interleaved medians (s) of jitted ``fns``, with calls batched to ~50 ms."""
+    jitted = {name: jax.jit(fn) for name, fn in fns.items()}
+    for fn in jitted.values():  # compile outside the timing
+        _timing.block(fn(*args))
     slowest = max(
-        _timing.timed(lambda: _timing.block(ja(*args))),
-        _timing.timed(lambda: _timing.block(jb(*args))),
+        _timing.timed(lambda f=f: _timing.block(f(*args))) for f in jitted.values()
     )
     k = max(1, round(0.05 / slowest))
 
@@ -44,51 +44,53 @@ def _time_pair(fa, fb, args, repeats):
 
         return go
 
-    t = _timing.interleaved({"a": sample(ja), "b": sample(jb)}, repeats=repeats)
-    return t["a"] / k, t["b"] / k
+    t = _timing.interleaved({n: sample(f) for n, f in jitted.items()}, repeats=repeats)
+    return {n: v / k for n, v in t.items()}
+
+
+def _time_pair(fa, fb, args, repeats):
+    t = _time_all({"a": fa, "b": fb}, args, repeats)
+    return t["a"], t["b"]
 
 
 def _progress_rows(name, body, init, n, repeats):
+    """No bar, scanax's bar and jax_tqdm's, interleaved: they share the noise."""
     xs = jnp.arange(n)
-    spec = scanax.Progress(leave=False)
-
-    def with_bar(c):
-        return scanax.scan(body, c, xs, progress=spec)[0]
-
-    def without(c):
-        return jax.lax.scan(body, c, xs)[0]
-
-    a, b = _time_pair(with_bar, without, (init,), repeats)
+    fns = {
+        "none": lambda c: jax.lax.scan(body, c, xs)[0],
+        "scanax": lambda c: scanax.scan(
+            body, c, xs, progress=scanax.Progress(leave=False)
+        )[0],
+    }
+    try:
+        from jax_tqdm import scan_tqdm
+    except ImportError:
+        scan_tqdm = None
+    if scan_tqdm is not None:
+        tqdm_body = scan_tqdm(n, leave=False)(body)
+        fns["jax_tqdm"] = lambda c: jax.lax.scan(tqdm_body, c, xs)[0]
+    t = _time_all(fns, (init,), repeats)
     rows = [
         _timing.row(
             "long: progress overhead",
             f"{name}, {n} steps, progress=True (~20 updates)",
-            a,
+            t["scanax"],
             "lax.scan, no bar",
-            b,
+            t["none"],
             target=1.05 if "matmul" in name else None,
         )
     ]
-    try:
-        from jax_tqdm import scan_tqdm
-    except ImportError:
-        return rows
-    tqdm_body = scan_tqdm(n, leave=False)(body)
-
-    def with_jax_tqdm(c):
-        return jax.lax.scan(tqdm_body, c, xs)[0]
-
-    a, b = _time_pair(with_jax_tqdm, without, (init,), repeats)
-    rows.append(
-        _timing.row(
-            "long: progress overhead",
-            f"{name}, {n} steps, jax_tqdm.scan_tqdm (default, 20 updates)",
-            a,
-            "lax.scan, no bar",
-            b,
-            notes="reference point, not scanax",
+    if "jax_tqdm" in t:
+        rows.append(
+            _timing.row(
+                "long: progress overhead",
+                f"{name}, {n} steps, jax_tqdm.scan_tqdm (default, 20 updates)",
+                t["jax_tqdm"],
+                "lax.scan, no bar",
+                t["none"],
+                notes="reference point, not scanax",
+            )
         )
-    )
     return rows
 
 
@@ -165,7 +167,7 @@ def _remat(quick: bool, repeats: int) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    repeats = 5 if quick else 11
+    repeats = 5 if quick else 15
     return _progress(quick, repeats) + _remat(quick, repeats)
 
 

@@ -30,7 +30,7 @@ def full(n, reverse):
     return jax.lax.scan(step, init, xs, reverse=reverse)
 
 
-@pytest.mark.parametrize("n", [0, 1, 6, 10])
+@pytest.mark.parametrize("n", [0, 1, 10])
 @pytest.mark.parametrize("k", [1, 3, 4])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_keep_every_is_slicing(n, k, reverse):
@@ -64,7 +64,7 @@ KEEPS = {
 
 
 @pytest.mark.parametrize("keep", list(KEEPS))
-@pytest.mark.parametrize("n, k", [(1, 1), (7, 1), (10, 3)])
+@pytest.mark.parametrize("n, k", [(7, 1), (10, 3)])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_reductions_equal_reducing_full_outputs(keep, n, k, reverse):
     carry, ys = full(n, reverse)

@@ -97,7 +97,7 @@ def test_gradients(reverse):
     want = loss(lambda i, x: python_loop(i, x, reverse, n_steps))
     close(loss(lambda i, x: ours(i, x, reverse)), want)
     close(loss(jax.jit(lambda i, x: ours(i, x, reverse))), want)
-    close(loss(lambda i, x: ours(i, x, reverse, unroll=3)), want)
+    close(loss(jax.jit(lambda i, x: ours(i, x, reverse, unroll=3))), want)
 
 
 def test_gradient_through_closure_and_forward_mode():
