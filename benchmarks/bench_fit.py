@@ -62,8 +62,10 @@ def _case(name, sizes, batch, steps, loss_fn, repeats):
         y = jr.randint(jr.key(1), (n,), 0, sizes[-1])
     per_epoch = n // batch
     batches = [
-        (x[(t % per_epoch) * batch : (t % per_epoch + 1) * batch],
-         y[(t % per_epoch) * batch : (t % per_epoch + 1) * batch])
+        (
+            x[(t % per_epoch) * batch : (t % per_epoch + 1) * batch],
+            y[(t % per_epoch) * batch : (t % per_epoch + 1) * batch],
+        )
         for t in range(steps)
     ]
     stacked = jax.tree.map(lambda *b: jnp.stack(b), *batches)
@@ -78,7 +80,12 @@ def _case(name, sizes, batch, steps, loss_fn, repeats):
 
     def run_fit():
         r = scanax.fit(
-            fit_model, fit_opt, loss_fn, (x, y), steps=steps, batch_size=batch,
+            fit_model,
+            fit_opt,
+            loss_fn,
+            (x, y),
+            steps=steps,
+            batch_size=batch,
             progress=False,
         )
         _timing.block(jax.tree.leaves(nnx.state(r.model)))
@@ -133,13 +140,21 @@ def _case(name, sizes, batch, steps, loss_fn, repeats):
     rows = [
         _timing.row("fit", desc, t["fit"], "hand-fused lax.scan", t["fused"], 1.3),
         _timing.row(
-            "fit", desc, t["fit"], "Python loop of nnx.jit steps", t["nnx"],
+            "fit",
+            desc,
+            t["fit"],
+            "Python loop of nnx.jit steps",
+            t["nnx"],
             0.05 if name == "tiny" else None,
             notes=f"{t['nnx'] / t['fit']:.1f}x faster",
         ),
         _timing.row(
-            "fit", desc, t["fit"], "Python loop of jax.jit split/merge steps",
-            t["jit"], notes=f"{t['jit'] / t['fit']:.1f}x faster",
+            "fit",
+            desc,
+            t["fit"],
+            "Python loop of jax.jit split/merge steps",
+            t["jit"],
+            notes=f"{t['jit'] / t['fit']:.1f}x faster",
         ),
     ]
     return rows
