@@ -6,7 +6,10 @@ L ∈ {8, 24, 64}. For each L, side by side in one process:
 * compile time of ``jax.jit(jax.grad(loss))`` (trace + lower + compile, a fresh
   function each time); targets: ≥ 4× faster at L=24, ≥ 20× at L=64, i.e. ratios
   ≤ 0.25 and ≤ 0.05;
-* run time of the compiled gradient, interleaved medians; target ≤ 1.15×.
+* run time of the compiled gradient, interleaved medians; target ≤ 1.15×. A third
+  row times a hand-written ``jax.lax.scan`` over the same stacked parameters: the
+  Stack's jaxpr is the same, so that ratio shows scanax's own overhead (none), and
+  what remains of the first is the cost of a loop over an unrolled graph in XLA.
 
 Run alone with ``python -m benchmarks.bench_stack``.
 """
@@ -25,7 +28,7 @@ try:
 except ImportError:  # run as a script from inside benchmarks/
     import _timing  # type: ignore[no-redef]
 
-D, H, B = 256, 1024, 32
+D, H, B = 256, 1024, 128  # B: rows (tokens) per call
 COMPILE_TARGETS = {24: 0.25, 64: 0.05}
 RUN_TARGET = 1.15
 
@@ -66,24 +69,37 @@ class Unrolled(eqx.Module):
         return x
 
 
-def _compile_s(model, x) -> float:
+def _hand_scan_loss(stacked, x):
+    x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), x, stacked)
+    return jnp.mean(x**2)
+
+
+def _compile(model, x) -> tuple[float, object]:
+    """Seconds to trace, lower and compile jit(grad(loss)), and the executable."""
     # A new function object each time: nothing is reused from an earlier compile.
     fn = jax.jit(jax.grad(lambda m, x: _loss(m, x)))
-    return _timing.timed(lambda: fn.lower(model, x).compile())
+    out = []
+    seconds = _timing.timed(lambda: out.append(fn.lower(model, x).compile()))
+    return seconds, out[0]
 
 
 def _case(n_layers: int, repeats: int, compile_repeats: int) -> list[dict]:
     layers = [Block(k) for k in jr.split(jr.key(0), n_layers)]
     stack, unrolled = scanax.Stack(layers), Unrolled(tuple(layers))
     x = jr.normal(jr.key(1), (B, D))
-    c_stack = min(_compile_s(stack, x) for _ in range(compile_repeats))
-    c_unrolled = min(_compile_s(unrolled, x) for _ in range(compile_repeats))
-    g_stack = jax.jit(jax.grad(_loss)).lower(stack, x).compile()
-    g_unrolled = jax.jit(jax.grad(_loss)).lower(unrolled, x).compile()
+    c_stack, g_stack = min(
+        (_compile(stack, x) for _ in range(compile_repeats)), key=lambda r: r[0]
+    )
+    c_unrolled, g_unrolled = min(
+        (_compile(unrolled, x) for _ in range(compile_repeats)), key=lambda r: r[0]
+    )
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    g_hand = jax.jit(jax.grad(_hand_scan_loss)).lower(stacked, x).compile()
     t = _timing.interleaved(
         {
             "stack": lambda: _timing.block(g_stack(stack, x)),
             "unrolled": lambda: _timing.block(g_unrolled(unrolled, x)),
+            "hand": lambda: _timing.block(g_hand(stacked, x)),
         },
         repeats=repeats,
     )
@@ -105,6 +121,13 @@ def _case(n_layers: int, repeats: int, compile_repeats: int) -> list[dict]:
             "unrolled loop",
             t["unrolled"],
             target=RUN_TARGET,
+        ),
+        _timing.row(
+            "stack run grad",
+            case,
+            t["stack"],
+            "hand-written lax.scan",
+            t["hand"],
         ),
     ]
 
