@@ -8,6 +8,8 @@ Two lowerings of the same loop, chosen by JAX's own differentiation machinery:
   all ``T`` steps, where a ``lax.cond`` on a ``done`` flag skips (freezes the carry,
   outputs zeros) every step after the stop. JAX linearizes and transposes that
   scan for reverse mode, so ``jax.grad`` works, also from outside a ``jax.jit``.
+  When a ``vmap`` inside the differentiation batches the loop, a ``jnp.where``
+  replaces the ``cond`` (see ``_any_batched``).
 
 The body is closure-converted first (``jax.closure_convert``), so values it closes
 over are explicit, differentiable inputs of the custom JVP.
@@ -175,7 +177,8 @@ def _early_exit(step, y_shape, length, reverse, unroll):
 
     @fn.defjvp
     def fn_jvp(primals, tangents):
-        scan = ft.partial(_masked_scan, step, y_shape, length, reverse, unroll)
+        select = _any_batched(primals)
+        scan = ft.partial(_masked_scan, step, y_shape, length, reverse, unroll, select)
         return jax.jvp(scan, primals, tangents)
 
     return fn
@@ -204,8 +207,24 @@ def _while(step, y_shape, length, reverse, init, xs, consts):
     return carry, ys, steps
 
 
-def _masked_scan(step, y_shape, length, reverse, unroll, init, xs, consts):
-    """The differentiable twin: all steps, those after the stop skipped by a cond."""
+def _any_batched(tree: Any) -> bool:
+    """Whether a ``vmap`` inside the differentiation batches these values.
+
+    A ``lax.cond`` with a batched predicate becomes a select whose operands go
+    through ``stop_gradient``; inside this JVP rule those operands include
+    tangents, and JAX cannot transpose ``stop_gradient`` (``grad(vmap(...))``
+    fails). Batched, both branches run anyway, so a select costs the same.
+    """
+    try:
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:  # pragma: no cover - a JAX without it: always select
+        return True
+    return any(isinstance(x, BatchTracer) for x in jtu.tree_leaves(tree))
+
+
+def _masked_scan(step, y_shape, length, reverse, unroll, select, init, xs, consts):
+    """The differentiable twin: all steps, those after the stop skipped by a cond
+    (or, when batched, run and discarded by a select)."""
 
     def run(carry, x):
         return step(carry, x, *consts)
@@ -213,9 +232,19 @@ def _masked_scan(step, y_shape, length, reverse, unroll, init, xs, consts):
     def skip(carry, x):
         return carry, _zeros(y_shape), jnp.ones((), bool)
 
+    def masked(done, carry, x):
+        new, y, stop = run(carry, x)
+        keep = ft.partial(jnp.where, done)
+        carry = jtu.tree_map(keep, carry, new)
+        y = jtu.tree_map(lambda v: keep(jnp.zeros_like(v), v), y)
+        return carry, y, stop
+
     def body(state, x):
         carry, done, steps = state
-        carry, y, stop = jax.lax.cond(done, skip, run, carry, x)
+        if select:
+            carry, y, stop = masked(done, carry, x)
+        else:
+            carry, y, stop = jax.lax.cond(done, skip, run, carry, x)
         return (carry, done | stop, steps + (~done).astype(jnp.int32)), y
 
     state = (init, jnp.zeros((), bool), jnp.zeros((), jnp.int32))

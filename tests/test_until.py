@@ -1,3 +1,5 @@
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +200,28 @@ def test_nnx_carry():
 def test_bad_until(bad, err, match):
     with pytest.raises(err, match=match):
         scanax.scan_until(lambda c, x: (c, None), jnp.zeros(3), length=3, until=bad)
+
+
+@pytest.mark.parametrize(
+    "order",
+    ["vmap(grad)", "grad(vmap)", "grad(jit(vmap))", "vmap(grad(jit))"],
+)
+def test_gradients_with_vmap(order):
+    def run(p):
+        carry, _, _ = scanax.scan_until(
+            lambda c, x: (c * p + x, c), 1.0, jnp.ones(20), until=lambda c: c > 5.0
+        )
+        return carry
+
+    def reference(p):
+        n = {1.1: 4, 1.2: 3, 1.5: 3}[round(float(p), 1)]  # steps until c > 5
+        return jax.grad(lambda p: ft.reduce(lambda c, _: c * p + 1.0, range(n), 1.0))(p)
+
+    ps = jnp.array([1.1, 1.2, 1.5])
+    fns = {
+        "vmap(grad)": jax.vmap(jax.grad(run)),
+        "grad(vmap)": jax.grad(lambda ps: jax.vmap(run)(ps).sum()),
+        "grad(jit(vmap))": jax.grad(jax.jit(lambda ps: jax.vmap(run)(ps).sum())),
+        "vmap(grad(jit))": jax.vmap(jax.grad(jax.jit(run))),
+    }
+    np.testing.assert_allclose(fns[order](ps), [reference(p) for p in ps], rtol=1e-5)
