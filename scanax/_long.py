@@ -49,7 +49,13 @@ class Options:
 
 
 def resolve(
-    call: str, *, progress: Any, remat: Any, keep_every: Any, keep: Any
+    call: str,
+    *,
+    progress: Any,
+    remat: Any,
+    keep_every: Any,
+    keep: Any,
+    out_axes: Any = 0,
 ) -> Options | None:
     """Validated options, or None when all are off (the plain ``lax.scan``)."""
     spec = _progress.resolve(call, progress)
@@ -61,6 +67,15 @@ def resolve(
             f'{call}: remat="sqrt" cannot be combined with keep_every/keep.\nFix: '
             "use remat=True (checkpoint each step) with keep_every/keep, or keep "
             'all outputs with remat="sqrt".'
+        )
+    no_axis = isinstance(out_axes, int) and not isinstance(out_axes, bool)
+    if keep != "all" and not (no_axis and out_axes == 0):
+        name = keep if isinstance(keep, str) else "a function"
+        raise ValueError(
+            f"{call}: `out_axes` places the step axis of stacked outputs, but "
+            f"keep={name!r} reduces the outputs, so there is no step axis; got "
+            f'out_axes={out_axes!r}.\nFix: drop `out_axes`, or use keep="all" '
+            "(with keep_every to thin the outputs)."
         )
     if spec is None and remat is None and not thin:
         return None

@@ -403,7 +403,7 @@ def scan(
             of the last step run; ``"sum"``/``"mean"``: their sum/mean; or a
             function ``fn(acc, y) -> acc`` folded over each output leaf (e.g.
             ``jnp.maximum``). The reductions use O(1) memory; their ``ys`` has no
-            step axis, so ``out_axes`` does not apply. To stop early, see
+            step axis, so ``out_axes`` must stay 0. To stop early, see
             ``scanax.scan_until``; recipes in ``docs/long_scans.md``.
 
     Returns:
@@ -433,7 +433,12 @@ def scan(
     from . import _long
 
     options = _long.resolve(
-        _CALL, progress=progress, remat=remat, keep_every=keep_every, keep=keep
+        _CALL,
+        progress=progress,
+        remat=remat,
+        keep_every=keep_every,
+        keep=keep,
+        out_axes=out_axes,
     )
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
     if options is None:

@@ -171,3 +171,11 @@ def test_python_number_outputs(keep):
     got = scanax.scan(body, 0.0, jnp.ones(4), keep=keep)[1]
     ref = {"last": want[-1], "sum": want.sum(), "mean": want.mean()}
     assert got == ref.get(keep, want.max()) and got.dtype == ref.get(keep, want).dtype
+
+
+def test_out_axes():
+    xs = jnp.ones((6, 2))
+    _, ys = scanax.scan(lambda c, x: (c, x * c), 1.0, xs, keep_every=2, out_axes=1)
+    assert ys.shape == (2, 3)
+    with pytest.raises(ValueError, match=r"scanax.scan: `out_axes` places the step"):
+        scanax.scan(lambda c, x: (c, x), 1.0, xs, keep="mean", out_axes=1)
