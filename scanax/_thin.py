@@ -2,10 +2,10 @@
 
 ``keep_every=k`` keeps the outputs ``ys[k - 1::k]`` (the steps whose index ``i``
 has ``(i + 1) % k == 0``; ``T // k`` of them; the same indices with
-``reverse=True``). It runs as an outer scan over ``T // k`` chunks of ``k`` steps,
-each an inner scan of ``k - 1`` steps without outputs and one step whose output is
-kept, plus a scan without outputs over the ``T mod k`` steps left over: nothing
-else is ever stored.
+``reverse=True``). It runs as an outer scan over ``T // k`` chunks of ``k`` steps
+(sliced from ``xs`` inside the loop), each an inner scan of ``k - 1`` steps
+without outputs and one step whose output is kept, plus a scan without outputs
+over the ``T mod k`` steps left over: nothing else is ever stored.
 
 ``keep`` then says what to return of the kept outputs: ``"all"`` (stacked, the
 default), ``"last"`` (of the last step run), ``"sum"``, ``"mean"``, or a binary
@@ -78,20 +78,23 @@ def run_thinned(
     """Run ``loop`` keeping only the outputs ``keep_every`` and ``keep`` ask for."""
     k, n = keep_every, loop.length
     outer, rest = divmod(n, k)
-    head = jtu.tree_map(lambda a: a[: outer * k], loop.xs)
-    tail = jtu.tree_map(lambda a: a[outer * k :], loop.xs)
-    chunks = jtu.tree_map(lambda a: a.reshape(outer, k, *a.shape[1:]), head)
     body, silent = loop.body, _no_y(loop.body)
 
-    def chunk(carry, xs):
-        """k steps; returns the output of the last one (index k - 1)."""
+    def chunk(carry, start):
+        """Steps start..start + k - 1; returns the output of the last one.
+
+        Slicing inside the loop (not slicing xs to whole chunks up front) keeps an
+        O(T) copy of xs out of the program when k does not divide T.
+        """
+        if k == 1:  # the outer scan slices xs itself
+            return body(carry, start)
+        xs = jtu.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), loop.xs)
         first = _index(xs, slice(0, k - 1))
         if reverse:
             carry, y = body(carry, _index(xs, k - 1))
-        if k > 1:
-            carry, _ = jax.lax.scan(
-                silent, carry, first, length=k - 1, reverse=reverse, unroll=unroll
-            )
+        carry, _ = jax.lax.scan(
+            silent, carry, first, length=k - 1, reverse=reverse, unroll=unroll
+        )
         if not reverse:
             carry, y = body(carry, _index(xs, k - 1))
         return carry, y
@@ -99,30 +102,32 @@ def run_thinned(
     def skip_tail(carry):
         if not rest:
             return carry
+        tail = jtu.tree_map(lambda a: a[outer * k :], loop.xs)
         carry, _ = jax.lax.scan(
             silent, carry, tail, length=rest, reverse=reverse, unroll=unroll
         )
         return carry
 
-    def outer_body(state, xs):
+    def outer_body(state, start):
         carry, acc, started = state
-        carry, y = chunk(carry, xs)
+        carry, y = chunk(carry, start)
         acc, out = _fold(keep, acc, y, started)
         return (carry, acc, jnp.ones((), bool)), out
 
+    if outer == 0:  # fewer than k steps: none kept
+        return _none_kept(loop, keep, skip_tail)
+    starts = loop.xs if k == 1 else jnp.arange(outer, dtype=jnp.int32) * k
     with jax.named_scope("scanax.keep"):
-        acc0 = (
-            None
-            if keep == "all"
-            else _acc_init(keep, _kept_shape(chunk, loop.init, chunks))
-        )
+        acc0 = None
+        if keep != "all":
+            acc0 = _acc_init(keep, _kept_shape(chunk, loop.init, starts))
         carry = loop.init
         if reverse:
             carry = skip_tail(carry)
         (carry, acc, _), ys = jax.lax.scan(
             outer_body,
             (carry, acc0, jnp.zeros((), bool)),
-            chunks,
+            starts,
             length=outer,
             reverse=reverse,
             unroll=unroll if k == 1 else 1,
@@ -136,8 +141,18 @@ def run_thinned(
         return carry, acc
 
 
-def _kept_shape(chunk: Callable, init: Any, chunks: Any) -> Any:
-    x0 = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunks)
+def _none_kept(loop: Loop, keep: Any, skip_tail: Callable) -> tuple[Any, Any]:
+    x0 = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), loop.xs)
+    y_shape = jax.eval_shape(loop.body, loop.init, x0)[1]
+    if keep == "all":
+        out = jtu.tree_map(lambda s: jnp.zeros((0, *s.shape), s.dtype), y_shape)
+    else:  # "sum" (the others need a kept output: checked before)
+        out = _acc_init(keep, y_shape)
+    return skip_tail(loop.init), out
+
+
+def _kept_shape(chunk: Callable, init: Any, starts: Any) -> Any:
+    x0 = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), starts)
     return jax.eval_shape(chunk, init, x0)[1]
 
 

@@ -179,3 +179,10 @@ def test_out_axes():
     assert ys.shape == (2, 3)
     with pytest.raises(ValueError, match=r"scanax.scan: `out_axes` places the step"):
         scanax.scan(lambda c, x: (c, x), 1.0, xs, keep="mean", out_axes=1)
+
+
+def test_fewer_steps_than_keep_every():
+    carry, total = scanax.scan(
+        lambda c, x: (c + x, c), 0.0, jnp.ones(2), keep_every=3, keep="sum"
+    )
+    assert float(carry) == 2.0 and float(total) == 0.0
