@@ -11,6 +11,7 @@ a Python loop of ``nnx.jit`` calls, for the speed-up.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -167,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.steps < 1:
         print("scanax demo: --steps must be a positive int", file=sys.stderr)
+        return 2
+
+    missing = [
+        m for m in ("flax", "optax", "tqdm") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        print(
+            f"scanax demo: needs {', '.join(missing)}, which is not installed.\n"
+            "Fix: pip install 'scanax[all]'",
+            file=sys.stderr,
+        )
         return 2
 
     import jax

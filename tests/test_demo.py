@@ -45,6 +45,16 @@ def test_bad_steps(capsys):
     assert "--steps must be a positive int" in capsys.readouterr().err
 
 
+def test_missing_framework(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "optax" else real(n, *a)
+    )
+    assert _demo.main(["--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "scanax demo: needs optax" in err and "pip install 'scanax[all]'" in err
+
+
 def test_data_is_deterministic():
     x1, y1 = _demo.make_data(3, 4)
     x2, y2 = _demo.make_data(3, 4)
