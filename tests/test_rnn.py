@@ -1,5 +1,7 @@
 """scanax.rnn / scanax.birnn against plain Python loops over time and layers."""
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -13,6 +15,11 @@ nnx = pytest.importorskip("flax.nnx")
 
 T, B, D = 4, 3, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
+
+# Tiny programs: skip XLA's expensive CPU optimisations, so that tests compile fast.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+jit = ft.partial(jax.jit, compiler_options=FAST)
+filter_jit = ft.partial(eqx.filter_jit, compiler_options=FAST)
 
 
 def close(a, b, **kw):
@@ -149,7 +156,7 @@ def value_and_grad(fn):
         out = fn(params, *args)
         return loss_of(out), out
 
-    return jax.jit(jax.value_and_grad(f, has_aux=True))
+    return jit(jax.value_and_grad(f, has_aux=True))
 
 
 def eqx_value_and_grad(fn):
@@ -177,9 +184,9 @@ def test_equinox_cells_match_loops(make):
 def test_unbatched_composes_with_vmap():
     cells, xs = eqx_cells(), xs_tbd()
     one = lambda x: scanax.rnn(cells, x)  # x: [T, D]
-    batched = jax.jit(jax.vmap(one, in_axes=1, out_axes=(0, 1)))(xs)
-    close(batched, jax.jit(lambda x: scanax.rnn(cells, x))(xs))
-    close(batched, jax.jit(jax.vmap(lambda x: ref_rnn(cells, x), 1, (0, 1)))(xs))
+    batched = jit(jax.vmap(one, in_axes=1, out_axes=(0, 1)))(xs)
+    close(batched, jit(lambda x: scanax.rnn(cells, x))(xs))
+    close(batched, jit(jax.vmap(lambda x: ref_rnn(cells, x), 1, (0, 1)))(xs))
 
 
 def nnx_chain(cells, xs, time_major, reverse=False, seq_lengths=None):
@@ -195,7 +202,7 @@ def nnx_chain(cells, xs, time_major, reverse=False, seq_lengths=None):
 def nnx_jit(fn, cells):
     """jit of fn(cells, *args), the cells passed in as NNX state (not closed over)."""
     graphdef, state = nnx.split(cells)
-    f = jax.jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
+    f = jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
     return lambda *args: f(state, *args)
 
 
@@ -323,7 +330,7 @@ def test_birnn_matches_nnx_bidirectional(with_lengths):
 def test_no_retrace_on_new_values():
     traces = []
 
-    @jax.jit
+    @jit
     def f(cells, xs, lengths):
         traces.append(1)
         return scanax.rnn(cells, xs, seq_lengths=lengths)

@@ -1,6 +1,7 @@
 """scanax.Stack against plain Python loops over the same layers."""
 
 import dataclasses
+import functools as ft
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,11 @@ nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+
+# Tiny programs: skip XLA's expensive CPU optimisations, so that tests compile fast.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+jit = ft.partial(jax.jit, compiler_options=FAST)
+filter_jit = ft.partial(eqx.filter_jit, compiler_options=FAST)
 
 
 def close(a, b):
@@ -141,11 +147,11 @@ def test_equinox_values_grads_jit_vmap():
         return jnp.sum(jax.vmap(model)(x) ** 2)
 
     ref_model = lambda ls: lambda x: loop(ls, x)
-    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    step = filter_jit(eqx.filter_value_and_grad(loss))
     l1, g1 = step(stack, X)
     step(jax.tree.map(lambda a: a + 1, stack), X + 1)  # new values: no retrace
     assert len(traces) == 1
-    l2, g2 = eqx.filter_jit(
+    l2, g2 = filter_jit(
         eqx.filter_value_and_grad(lambda ls, x: loss(ref_model(ls), x))
     )(layers, X)
     close(l1, l2)
@@ -160,7 +166,7 @@ def test_equinox_trains_with_optax():
     opt = optax.adam(1e-2)
 
     def train(model, loss):
-        @eqx.filter_jit
+        @filter_jit
         def step(model, state):
             value, grads = eqx.filter_value_and_grad(loss)(model, X)
             updates, state = opt.update(grads, state)
@@ -185,11 +191,11 @@ def test_kwargs_remat_unroll():
     layers = eqx_layers(4)[1:-1]
     x = X[:, :1] * jnp.ones((5, 4))
     ref_loss = lambda ls, x: jnp.sum(jax.vmap(lambda v: loop(ls, v, gain=0.5))(x) ** 2)
-    ref = eqx.filter_jit(eqx.filter_value_and_grad(ref_loss))(layers, x)
+    ref = filter_jit(eqx.filter_value_and_grad(ref_loss))(layers, x)
     for kw in [dict(remat=True), dict(unroll=2)]:
         stack = scanax.Stack(layers, **kw)
         loss = lambda m, x: jnp.sum(jax.vmap(lambda v: m(v, gain=0.5))(x) ** 2)
-        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(stack, x)
+        value, grads = filter_jit(eqx.filter_value_and_grad(loss))(stack, x)
         close((value, list(grads)), ref)
     jaxpr = str(jax.make_jaxpr(jax.grad(loss))(scanax.Stack(layers, remat=True), x))
     assert "checkpoint" in jaxpr or "remat" in jaxpr
@@ -213,15 +219,23 @@ def test_nnx_nested_and_trained_with_optimizer_matches_unstacked():
     assert model.body.plan == ((0, 1, 1), (1, 1, 6), (7, 1, 1))
     y = jnp.ones((5, 2))
 
-    @nnx.jit
-    def step(model, opt):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(X) - y) ** 2))(model)
-        opt.update(model, grads)
-        return loss
-
     def train(model):
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-        return [float(step(model, opt)) for _ in range(3)]
+        graphdef, state = nnx.split((model, opt))
+
+        @jit  # the functional form of nnx.jit (docs/stack.md uses nnx.jit)
+        def step(state):
+            model, opt = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(X) - y) ** 2))(model)
+            opt.update(model, grads)
+            return loss, nnx.split((model, opt))[1]
+
+        losses = []
+        for _ in range(3):
+            loss, state = step(state)
+            losses.append(float(loss))
+        nnx.update((model, opt), state)
+        return losses
 
     np.testing.assert_allclose(train(model), train(ref), rtol=1e-5)
     for a, b in zip(model.body, ref.body, strict=True):
@@ -270,8 +284,8 @@ def test_plain_pytrees_values_grads_views():
     assert list(with_fn)[3] is jnp.sin
     close(stack[-1], layers[-1])
     loss = lambda m, x: jnp.sum(m(x) ** 2)
-    l1, g1 = jax.jit(jax.value_and_grad(loss))(stack, X)
-    l2, g2 = jax.jit(jax.value_and_grad(lambda ls, x: loss(lambda v: loop(ls, v), x)))(
+    l1, g1 = jit(jax.value_and_grad(loss))(stack, X)
+    l2, g2 = jit(jax.value_and_grad(lambda ls, x: loss(lambda v: loop(ls, v), x)))(
         layers, X
     )
     close((l1, list(g1)), (l2, g2))
