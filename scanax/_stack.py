@@ -224,6 +224,12 @@ def check_carry(piece: Piece, x: Any, out: Any) -> None:
         raise ShapeChange(piece)
 
 
+def _apply_block(block: tuple, x: Any, kwargs: dict, remat: bool) -> Any:
+    for layer in block:
+        x = call_pytree_layer(layer, x, kwargs, remat)
+    return x
+
+
 def apply_pytree(
     pieces: Sequence[Any],
     plan_: tuple[Piece, ...],
@@ -240,22 +246,16 @@ def apply_pytree(
             continue
         arrays, rebuild = _split(data)
 
-        def body(x, inp, piece=piece, rebuild=rebuild):
+        def step(x, inp, piece=piece, rebuild=rebuild):
             arrays, kw = inp
-            for layer in rebuild(arrays):
-                out = call_pytree_layer(layer, x, kw, remat)
-                x = out
-            return x, None
-
-        def block(x, inp, piece=piece, rebuild=rebuild):
-            out, _ = body(x, inp)
-            check_carry(piece, x, out)
-            return out, None
+            y = _apply_block(rebuild(arrays), x, kw, remat)
+            check_carry(piece, x, y)
+            return y, None
 
         try:
             with jax.named_scope(f"scanax.Stack.{span(piece)}"):
                 x, _ = scan(
-                    block,
+                    step,
                     x,
                     (arrays, kwargs),
                     length=repeats,
@@ -265,7 +265,7 @@ def apply_pytree(
         except ShapeChange:
             # The layers change x's shape: no scan carry can hold it; loop instead.
             for j in range(repeats):
-                x, _ = body(x, (pytree_view(arrays, j), kwargs))
+                x = _apply_block(rebuild(pytree_view(arrays, j)), x, kwargs, remat)
     return x
 
 
