@@ -205,14 +205,15 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSource:
-    """Array data when ``batch_size`` is given (or ``data`` is a non-list pytree of
-    arrays, to report the missing ``batch_size``); otherwise an iterable of batches."""
-    if batch_size is None and (isinstance(data, list) or not is_array_data(data)):
+    """Array data: a pytree of arrays that is not a list (lists, iterators and
+    other iterables are sequences of batches)."""
+    if isinstance(data, list) or not is_array_data(data):
+        if batch_size is not None:
+            raise TypeError(
+                f"{_CALL}: `batch_size` is for array data, but `data` is "
+                f"{_errors.short_type(data)}, read as an iterable of batches.\nFix: "
+                "drop batch_size for ready-made batches, or pass a tuple/dict of "
+                "arrays with a leading example axis."
+            )
         return IterSource(data)
-    if not is_array_data(data):
-        raise TypeError(
-            f"{_CALL}: `batch_size` is for array data, but `data` is "
-            f"{_errors.short_type(data)}, not a pytree of arrays.\nFix: drop "
-            "batch_size for an iterable of ready-made batches, or pass arrays."
-        )
     return ArraySource(data, batch_size, key)

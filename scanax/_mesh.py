@@ -114,6 +114,15 @@ def put_chunk(mesh: Any, chunk: Any) -> Any:
     iterable yields process-local batches), as ``jax.make_array_from_process_local
     _data`` expects.
     """
+    for path, x in jtu.tree_flatten_with_path(chunk)[0]:
+        if x.ndim < 2:
+            raise ValueError(
+                f"{_CALL}: batch{jtu.keystr(path)} is "
+                f"{_errors.short_type(x[0])}, with no leading batch axis to shard "
+                "over the mesh.\nFix: give every leaf of a batch a leading batch "
+                "axis."
+            )
+        check_batch(mesh, x.shape[1] * jax.process_count(), "the batch size")
     sharding = NamedSharding(mesh, P(None, AXIS))
     return jtu.tree_map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),

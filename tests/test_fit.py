@@ -629,3 +629,31 @@ def test_error_bad_metrics():
             steps=2,
             batch_size=BS,
         )
+
+
+def test_error_steps_per_call_and_checkpoint_every():
+    model, opt = nnx_pair()
+    with pytest.raises(
+        ValueError,
+        match=r"scanax.fit: `steps_per_call` must be a "
+        r"positive int, got 0",
+    ):
+        fit_quiet(
+            model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS, steps_per_call=0
+        )
+    with pytest.raises(
+        TypeError,
+        match=r"scanax.fit: checkpoint_every=5 is given but "
+        r"checkpoint_dir is None",
+    ):
+        fit_quiet(
+            model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS, checkpoint_every=5
+        )
+    with pytest.raises(TypeError, match=r"scanax.fit: `loss_fn` must be callable"):
+        fit_quiet(model, opt, "mse", (X, Y), steps=2, batch_size=BS)
+    with pytest.raises(
+        TypeError,
+        match=r"`batch_size` is for array data, but `data` "
+        r"is list",
+    ):
+        fit_quiet(model, opt, nnx_loss, [batch_at(0)], steps=2, batch_size=BS)

@@ -132,3 +132,13 @@ def test_mesh_errors():
             batch_size=6,
             progress=False,
         )
+    with pytest.raises(ValueError, match=r"the batch size 6 is not divisible"):
+        scanax.fit(
+            model,
+            opt,
+            loss_fn,
+            [(X[:6], Y[:6])],
+            mesh=jax.make_mesh((4,), ("data",)),
+            steps=1,
+            progress=False,
+        )
