@@ -347,12 +347,10 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
             if _has_nnx(layers):
                 from ._stack_nnx import NNXStack
 
-                Stack.register(NNXStack)
                 return NNXStack(layers, **kwargs)
             if _has_eqx(layers):
                 from ._stack_eqx import EqxStack
 
-                Stack.register(EqxStack)
                 return EqxStack(layers, **kwargs)
         return super().__new__(cls)
 

@@ -60,3 +60,6 @@ class EqxStack(eqx.Module):
 
     def __iter__(self):
         return (self[i] for i in range(self.n))
+
+
+_stack.Stack.register(EqxStack)  # isinstance(s, scanax.Stack)

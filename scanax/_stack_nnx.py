@@ -180,3 +180,6 @@ class NNXStack(nnx.Module):
 
     def __iter__(self):
         return (self[i] for i in range(self.n))
+
+
+_stack.Stack.register(NNXStack)  # isinstance(s, scanax.Stack)
