@@ -43,11 +43,12 @@ class ArraySource:
     kind = "array"
 
     def __init__(self, data: Any, batch_size: Any, key: Any):
-        rows = [
-            (jtu.keystr(p), x.shape[0] if x.ndim else None, _errors.short_type(x))
-            for p, x in jtu.tree_flatten_with_path(data)[0]
-        ]
-        if any(n is None for _, n, _ in rows) or len({n for _, n, _ in rows}) > 1:
+        sizes = [x.shape[0] if x.ndim else None for x in jtu.tree_leaves(data)]
+        if None in sizes or len(set(sizes)) > 1:
+            rows = [
+                (jtu.keystr(p), x.shape[0] if x.ndim else None, _errors.short_type(x))
+                for p, x in jtu.tree_flatten_with_path(data)[0]
+            ]
             body = _errors.listing(
                 [
                     (f"data{p}", f"{t}: {'no leading axis' if n is None else n}")
@@ -59,7 +60,7 @@ class ArraySource:
                 f"axis, found:\n{body}\nFix: give every leaf the same number of "
                 "examples along axis 0."
             )
-        self.n = rows[0][1]
+        self.n = sizes[0]
         if batch_size is None:
             raise TypeError(
                 f"{_CALL}: `data` is a pytree of arrays ({self.n} examples) but "

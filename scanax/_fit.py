@@ -296,12 +296,11 @@ def _build_chunk(
     return chunk
 
 
-def _strong(tree: Any) -> Any:
+def _strong(leaves: list) -> list:
     """Drop weak types (a carry must keep its type; restored checkpoints lose them)."""
-    return jtu.tree_map(
-        lambda x: jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x,
-        tree,
-    )
+    return [
+        jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x for x in leaves
+    ]
 
 
 # ---------------------------------------------------------------------------- driver
@@ -318,7 +317,8 @@ class _Run:
             length,
         )
         self.mesh = mesh
-        self.leaves, self.treedef = jtu.tree_flatten(_strong(adapter.state))
+        leaves, self.treedef = jtu.tree_flatten(adapter.state)
+        self.leaves = _strong(leaves)
         shardings = None
         if mesh is not None:
             shardings = tuple(_mesh.state_shardings(mesh, adapter, self.leaves))
