@@ -36,7 +36,8 @@ class Progress:
     Arguments:
         every: update the bar every ``every`` steps (a positive int). ``None``
             (default): about 20 updates per scan, and never every step for scans
-            longer than one step. Each update is one host callback (~60 µs on CPU).
+            longer than one step. Each update is one host callback (tens of µs to about
+            1 ms on CPU).
         desc: the bar's label.
         leave: keep the finished bar on screen (tqdm's ``leave``).
         position: tqdm's ``position`` (the line, for nested bars).
@@ -74,10 +75,9 @@ def resolve(call: str, progress: Any) -> Progress | None:
             "progress=scanax.Progress(every=100, desc=...)."
         )
     every = spec.every
-    if every is not None and (
-        isinstance(every, bool) or not isinstance(every, int) or every < 1
-    ):
-        raise ValueError(
+    bad_type = isinstance(every, bool) or not isinstance(every, int)
+    if every is not None and (bad_type or every < 1):
+        raise (TypeError if bad_type else ValueError)(
             f"{call}: the progress bar's `every` must be a positive int (steps "
             f"between updates) or None, got {every!r}.\nFix: pass e.g. "
             "progress=100, or progress=scanax.Progress(every=100); None picks about "

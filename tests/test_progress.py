@@ -121,9 +121,10 @@ def test_off_is_the_same_program():
     def run(**kw):
         return scanax.scan(step, jnp.float32(1.0), xs(9), **kw)
 
-    assert str(jax.make_jaxpr(lambda: run(progress=False))()) == str(
-        jax.make_jaxpr(run)()
-    )
+    plain = str(jax.make_jaxpr(run)())
+    assert str(jax.make_jaxpr(lambda: run(progress=False))()) == plain
+    off = dict(progress=False, remat=False, keep_every=1, keep="all")
+    assert str(jax.make_jaxpr(lambda: run(**off))()) == plain
 
 
 def test_update_stays_in_the_forward_loop_under_grad(reports):
@@ -180,6 +181,7 @@ def test_real_bar(capsys, unroll):
         (0, ValueError, r"scanax.scan: the progress bar's `every` must be a positive"),
         (-3, ValueError, r"`every` must be a positive int"),
         (scanax.Progress(every=0), ValueError, r"`every` must be a positive int"),
+        (scanax.Progress(every=2.0), TypeError, r"`every` must be a positive int"),
     ],
 )
 def test_bad_progress(bad, err, match):
