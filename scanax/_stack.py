@@ -77,6 +77,22 @@ def err_mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
     )
 
 
+def err_per_layer_type(per_layer: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `per_layer` must be a dict of keyword arguments, got "
+        f"{short_type(per_layer)}.\nFix: pass per_layer={{'key': keys}}, each leaf an "
+        "array with one entry per layer along axis 0."
+    )
+
+
+def err_per_layer_leaf(path: str, leaf: Any, n: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: per_layer{path} is {short_type(leaf)}, but it needs a leading axis "
+        f"of length {n}, one entry per layer.\nFix: stack one value per layer, e.g. "
+        f"jax.random.split(key, {n})."
+    )
+
+
 class ShapeChange(Exception):
     """A stacked run's block changes ``x``'s type: it cannot be a scan carry."""
 
@@ -224,9 +240,42 @@ def check_carry(piece: Piece, x: Any, out: Any) -> None:
         raise ShapeChange(piece)
 
 
-def _apply_block(block: tuple, x: Any, kwargs: dict, remat: bool) -> Any:
-    for layer in block:
-        x = call_pytree_layer(layer, x, kwargs, remat)
+def check_per_layer(per_layer: Any, n: int) -> dict:
+    """``per_layer`` validated: a dict whose leaves have a leading axis of ``n``."""
+    if per_layer is None:
+        return {}
+    if not isinstance(per_layer, dict):
+        raise err_per_layer_type(per_layer)
+    for path, leaf in jtu.tree_flatten_with_path(per_layer)[0]:
+        if not is_array(leaf) or leaf.ndim == 0 or leaf.shape[0] != n:
+            raise err_per_layer_leaf(jtu.keystr(path), leaf, n)
+    return per_layer
+
+
+def per_layer_slice(per_layer: dict, piece: Piece) -> dict:
+    """The ``per_layer`` entries of a piece: ``[repeats, period, ...]`` for a run."""
+    start, period, repeats = piece
+    if repeats == 1:
+        return jtu.tree_map(lambda a: a[start], per_layer)
+    return jtu.tree_map(
+        lambda a: a[start : start + period * repeats].reshape(
+            repeats, period, *a.shape[1:]
+        ),
+        per_layer,
+    )
+
+
+def layer_kwargs(kwargs: dict, per: dict, k: int | None = None) -> dict:
+    """The keyword arguments of one layer: shared ones, then its own entries."""
+    if not per:
+        return kwargs
+    own = per if k is None else jtu.tree_map(lambda a: a[k], per)
+    return {**kwargs, **own}
+
+
+def _apply_block(block: tuple, x: Any, kwargs: dict, per: dict, remat: bool) -> Any:
+    for k, layer in enumerate(block):
+        x = call_pytree_layer(layer, x, layer_kwargs(kwargs, per, k), remat)
     return x
 
 
@@ -235,20 +284,22 @@ def apply_pytree(
     plan_: tuple[Piece, ...],
     x: Any,
     kwargs: dict,
+    per_layer: dict,
     remat: bool,
     unroll: int | bool,
 ) -> Any:
     """Apply a plain or Equinox Stack's pieces to ``x``."""
     for piece, data in zip(plan_, pieces, strict=True):
-        _, period, repeats = piece
+        repeats = piece[2]
+        per = per_layer_slice(per_layer, piece)
         if repeats == 1:
-            x = call_pytree_layer(data, x, kwargs, remat)
+            x = call_pytree_layer(data, x, layer_kwargs(kwargs, per), remat)
             continue
         arrays, rebuild = _split(data)
 
         def step(x, inp, piece=piece, rebuild=rebuild):
-            arrays, kw = inp
-            y = _apply_block(rebuild(arrays), x, kw, remat)
+            arrays, per_j, kw = inp
+            y = _apply_block(rebuild(arrays), x, kw, per_j, remat)
             check_carry(piece, x, y)
             return y, None
 
@@ -257,15 +308,16 @@ def apply_pytree(
                 x, _ = scan(
                     step,
                     x,
-                    (arrays, kwargs),
+                    (arrays, per, kwargs),
                     length=repeats,
                     unroll=unroll,
-                    in_axes=(0, None),
+                    in_axes=(0, 0, None),
                 )
         except ShapeChange:
             # The layers change x's shape: no scan carry can hold it; loop instead.
             for j in range(repeats):
-                x = _apply_block(rebuild(pytree_view(arrays, j)), x, kwargs, remat)
+                block = rebuild(pytree_view(arrays, j))
+                x = _apply_block(block, x, kwargs, pytree_view(per, j), remat)
     return x
 
 
@@ -327,11 +379,15 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
     ``len(stack)``, ``stack[i]`` and ``list(stack)`` give the layers back, equal to
     those given (for stacked runs, rebuilt from the stacked arrays: new objects).
 
-    ``stack(x, **kwargs)`` passes the same keyword arguments to every layer.
+    ``stack(x, **kwargs)`` passes the same keyword arguments to every layer;
+    ``stack(x, per_layer={"key": keys})`` passes layer ``i`` the entries
+    ``keys[i]`` (every leaf of ``per_layer`` has one entry per layer on axis 0).
 
     Raises:
-        TypeError: ``layers`` not a list or tuple, a layer that is not callable.
-        ValueError: no layers; NNX layers sharing a Variable.
+        TypeError: ``layers`` not a list or tuple, a layer that is not callable,
+            ``per_layer`` not a dict.
+        ValueError: no layers; NNX layers sharing a Variable; a ``per_layer`` leaf
+            without one entry per layer.
 
     Example:
         >>> import jax.numpy as jnp, scanax
@@ -371,10 +427,11 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
         self.unroll = unroll
         self.n = len(layers)
 
-    def __call__(self, x: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        per_layer = check_per_layer(per_layer, self.n)
         with jax.named_scope("scanax.Stack"):
             return apply_pytree(
-                self.pieces, self.plan, x, kwargs, self.remat, self.unroll
+                self.pieces, self.plan, x, kwargs, per_layer, self.remat, self.unroll
             )
 
     def __len__(self) -> int:

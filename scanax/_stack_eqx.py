@@ -43,10 +43,11 @@ class EqxStack(eqx.Module):
         self.unroll = unroll
         self.n = len(layers)
 
-    def __call__(self, x: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        per_layer = _stack.check_per_layer(per_layer, self.n)
         with jax.named_scope("scanax.Stack"):
             return _stack.apply_pytree(
-                self.pieces, self.plan, x, kwargs, self.remat, self.unroll
+                self.pieces, self.plan, x, kwargs, per_layer, self.remat, self.unroll
             )
 
     def __len__(self) -> int:

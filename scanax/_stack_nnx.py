@@ -112,31 +112,36 @@ class NNXStack(nnx.Module):
         self.unroll = unroll
         self.n = len(layers)
 
-    def __call__(self, x: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        per_layer = _stack.check_per_layer(per_layer, self.n)
         with jax.named_scope("scanax.Stack"):
             for piece, data in zip(self.plan, self.pieces, strict=True):
+                per = _stack.per_layer_slice(per_layer, piece)
                 if piece[2] == 1:
-                    x = _call_layer(data, x, kwargs, self.remat)
+                    kw = _stack.layer_kwargs(kwargs, per)
+                    x = _call_layer(data, x, kw, self.remat)
                 else:
-                    x = self._run(piece, data, x, kwargs)
+                    x = self._run(piece, data, x, kwargs, per)
             return x
 
-    def _run(self, piece: _stack.Piece, block: Any, x: Any, kwargs: dict) -> Any:
+    def _run(
+        self, piece: _stack.Piece, block: Any, x: Any, kwargs: dict, per: dict
+    ) -> Any:
         graphdef, state = nnx.split(block)
         leaves, treedef = jtu.tree_flatten(state)
         remat = self.remat
 
-        def apply(module, x, kw):
-            for layer in module:
-                x = _call_layer(layer, x, kw, remat)
+        def apply(module, x, kw, per_j):
+            for k, layer in enumerate(module):
+                x = _call_layer(layer, x, _stack.layer_kwargs(kw, per_j, k), remat)
             return x
 
         changed: list[int] = []
 
         def body(x, inp):
-            leaves_j, kw = inp
+            leaves_j, per_j, kw = inp
             run, found = _pure(
-                graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kw)
+                graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kw, per_j)
             )
             y, new = run(leaves_j, x)
             changed[:] = found
@@ -148,17 +153,21 @@ class NNXStack(nnx.Module):
                 x, new = scan(
                     body,
                     x,
-                    (leaves, kwargs),
+                    (leaves, per, kwargs),
                     length=piece[2],
                     unroll=self.unroll,
-                    in_axes=(0, None),
+                    in_axes=(0, 0, None),
                 )
         except _stack.ShapeChange:
             ys = []
             for j in range(piece[2]):
                 leaves_j = [a[j] for a in leaves]
+                per_j = _stack.pytree_view(per, j)
                 run, found = _pure(
-                    graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kwargs)
+                    graphdef,
+                    leaves_j,
+                    treedef,
+                    lambda m, x, per_j=per_j: apply(m, x, kwargs, per_j),
                 )
                 x, new_j = run(leaves_j, x)
                 ys.append(new_j)

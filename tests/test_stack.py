@@ -201,6 +201,48 @@ def test_kwargs_remat_unroll():
     assert "checkpoint" in jaxpr or "remat" in jaxpr
 
 
+class Noisy(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x, *, key, scale=1.0):
+        return jnp.tanh(self.lin(x)) + scale * jr.normal(key, x.shape)
+
+
+@pytest.mark.parametrize("framework", ["equinox", "nnx"])
+def test_per_layer_kwargs(framework):
+    if framework == "equinox":
+        k = jr.split(jr.key(5), 6)
+        make = lambda i: Noisy(eqx.nn.Linear(3, 3, use_bias=i > 0, key=k[i]))
+    else:
+        rngs = nnx.Rngs(5)
+
+        class NNXNoisy(nnx.Module):
+            def __init__(self, bias):
+                self.lin = nnx.Linear(3, 3, use_bias=bias, rngs=rngs)
+
+            def __call__(self, x, *, key, scale=1.0):
+                return jnp.tanh(self.lin(x)) + scale * jr.normal(key, x.shape)
+
+        make = lambda i: NNXNoisy(i > 0)
+    layers = [make(i) for i in range(6)]  # a single layer, then a run of 5
+    keys = jr.split(jr.key(6), 6)
+    stack = scanax.Stack(layers)
+    assert stack.plan[1][2] == 5
+    got = stack(X[0], per_layer={"key": keys}, scale=0.5)
+    want = X[0]
+    for layer, key in zip(layers, keys, strict=True):
+        want = layer(want, key=key, scale=0.5)
+    close(got, want)
+    with pytest.raises(
+        ValueError,
+        match=r"^scanax\.Stack: per_layer\['key'\] is key<fry>\[5\], but it needs a "
+        r"leading axis of length 6",
+    ):
+        stack(X, per_layer={"key": keys[:5]})
+    with pytest.raises(TypeError, match=r"`per_layer` must be a dict"):
+        stack(X, per_layer=keys)
+
+
 # ---------------------------------------------------------------------------- NNX
 
 
