@@ -193,7 +193,7 @@ def _case(name, sizes, batch, steps, loss_fn, repeats):
 
 
 def run(quick: bool = False) -> list[dict]:
-    repeats = 3 if quick else 7
+    repeats = 3 if quick else 11
     rows = _case("tiny", (32, 32, 1), 8, 1000, mse, repeats)
     rows += _case("small", (784, 256, 10), 64, 100 if quick else 300, xent, repeats)
     return rows

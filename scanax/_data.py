@@ -12,6 +12,7 @@ a time and moved to the device while the previous chunk trains.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
 from collections.abc import Iterator
@@ -79,6 +80,13 @@ class ArraySource:
         self.data = data
         self.static = ("array", self.n, self.batch_size, self.shuffle)
 
+    def sampler(self) -> ArraySource:
+        """This source without its arrays (the compiled loop gets them as
+        arguments; a cached loop must not keep a dataset alive)."""
+        clone = copy.copy(self)
+        clone.data = clone.key = None
+        return clone
+
     # -- on device, inside the compiled chunk: functions of the global step only --
 
     def permutation(self, key: Any, t: Any) -> Any:
@@ -126,6 +134,9 @@ class IterSource:
         self.types: list[tuple[tuple[int, ...], Any]] = []
         self.paths: list[str] = []
         self.static = ("iter",)
+
+    def sampler(self) -> None:
+        return None  # batches come in as arguments
 
     def skip(self, count: int) -> int:
         """Drop ``count`` batches (to resume); returns how many there were."""

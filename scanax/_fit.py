@@ -191,7 +191,8 @@ def _chunk_function(
         _CHUNKS.move_to_end(cache_key)
         return _CHUNKS[cache_key]
     step = adapter.make_step(loss_fn)
-    fn = jax.jit(_build_chunk(step, source, length, treedef, mesh, shardings))
+    sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
+    fn = jax.jit(_build_chunk(step, sampler, length, treedef, mesh, shardings))
     if cache_key is not None:
         _CHUNKS[cache_key] = fn
         while len(_CHUNKS) > _CACHE_SIZE:
@@ -214,7 +215,7 @@ def _build_chunk(
     (the automatic schedule, the last call, a NaN) without recompiling, and steps
     that do not run cost nothing. Per-step outputs go to ``length``-long buffers.
     """
-    on_device = source.kind == "array"
+    on_device = source is not None
 
     def guarded(leaves, batch):
         """One step, and whether its loss and gradients are finite.

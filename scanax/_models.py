@@ -117,54 +117,40 @@ class OptaxAdapter:
     kind = "optax"
 
     def __init__(self, model: Any, tx: Any):
-        flat, self.treedef = jtu.tree_flatten_with_path(model)
+        flat, treedef = jtu.tree_flatten_with_path(model)
         leaves = [x for _, x in flat]
         self.paths = [p for p, _ in flat]
-        self.leaves = leaves
-        self.train = tuple(i for i, x in enumerate(leaves) if _is_inexact(x))
-        self.other = tuple(
+        train = tuple(i for i, x in enumerate(leaves) if _is_inexact(x))
+        other = tuple(
             i for i, x in enumerate(leaves) if is_array(x) and not _is_inexact(x)
         )
-        dynamic = set(self.train) | set(self.other)
-        statics = tuple((i, x) for i, x in enumerate(leaves) if i not in dynamic)
+        dynamic = set(train) | set(other)
+        template = [None if i in dynamic else x for i, x in enumerate(leaves)]
+        self.layout = _Layout(treedef, template, train, other)
+        self.train, self.other = train, other
         self.tx = tx
-        params = [leaves[i] for i in self.train]
-        others = [leaves[i] for i in self.other]
-        opt_state = tx.init(self._filtered(params))
+        params = [leaves[i] for i in train]
+        others = [leaves[i] for i in other]
+        opt_state = tx.init(self.layout.filtered(params))
         self.state = {"params": params, "other": others, "opt_state": opt_state}
-        self.static = _hashable(
-            ("optax", self.treedef, self.train, self.other, statics, tx)
-        )
+        statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
+        self.static = _hashable(("optax", treedef, train, other, statics, tx))
 
     def name(self, path: tuple) -> str:
         return _optax_name(self, path)
 
-    def _filtered(self, params: list[Any]) -> Any:
-        leaves: list[Any] = [None] * len(self.leaves)
-        for i, p in zip(self.train, params):
-            leaves[i] = p
-        return jtu.tree_unflatten(self.treedef, leaves)
-
-    def _model(self, params: list[Any], others: list[Any]) -> Any:
-        leaves = list(self.leaves)
-        for i, p in zip(self.train, params):
-            leaves[i] = p
-        for i, a in zip(self.other, others):
-            leaves[i] = a
-        return jtu.tree_unflatten(self.treedef, leaves)
-
     def make_step(self, loss_fn: Callable) -> Callable:
-        tx = self.tx
+        tx, layout = self.tx, self.layout  # no arrays: the step is cached
 
         def step(state, batch):
             params, others = state["params"], state["other"]
 
             def objective(p):
-                return split_loss(_CALL, loss_fn(self._model(p, others), batch))
+                return split_loss(_CALL, loss_fn(layout.model(p, others), batch))
 
             (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
             updates, opt_state = tx.update(
-                self._filtered(grads), state["opt_state"], self._filtered(params)
+                layout.filtered(grads), state["opt_state"], layout.filtered(params)
             )
             flat = jtu.tree_leaves(updates)
             new = [(p + u).astype(p.dtype) for p, u in zip(params, flat)]
@@ -174,7 +160,32 @@ class OptaxAdapter:
         return step
 
     def finish(self, state: Any) -> tuple[Any, Any]:
-        return self._model(state["params"], state["other"]), state["opt_state"]
+        model = self.layout.model(state["params"], state["other"])
+        return model, state["opt_state"]
+
+
+class _Layout:
+    """Where the trained and carried arrays go in a model's leaves; the static
+    leaves (and ``None`` in the array slots)."""
+
+    def __init__(self, treedef: Any, template: list, train: tuple, other: tuple):
+        self.treedef, self.template = treedef, template
+        self.train, self.other = train, other
+
+    def filtered(self, params: list[Any]) -> Any:
+        """The model with ``params`` in the trained slots and None elsewhere."""
+        leaves: list[Any] = [None] * len(self.template)
+        for i, p in zip(self.train, params):
+            leaves[i] = p
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def model(self, params: list[Any], others: list[Any]) -> Any:
+        leaves = list(self.template)
+        for i, p in zip(self.train, params):
+            leaves[i] = p
+        for i, a in zip(self.other, others):
+            leaves[i] = a
+        return jtu.tree_unflatten(self.treedef, leaves)
 
 
 class TrainStateAdapter:
