@@ -657,3 +657,25 @@ def test_error_steps_per_call_and_checkpoint_every():
         r"is list",
     ):
         fit_quiet(model, opt, nnx_loss, [batch_at(0)], steps=2, batch_size=BS)
+
+
+def test_cache_does_not_keep_data_alive():
+    import gc
+    import weakref
+
+    x, y = X + 0.0, Y + 0.0
+    ref = weakref.ref(x)
+    model, opt = nnx_pair()
+    fit_quiet(
+        model,
+        opt,
+        nnx_loss,
+        (x, y),
+        steps=STEPS,
+        batch_size=BS,
+        key=KEY,
+        steps_per_call=7,
+    )
+    del x, y
+    gc.collect()
+    assert ref() is None
