@@ -3,7 +3,8 @@
 Each option is a transformation of the :class:`~scanax._scan.Loop` or a lowering of
 it: ``remat=True``/policy checkpoints the body; ``progress`` adds an internal
 counter to the carry and ticks it outside any checkpointed region; ``keep_every``/
-``keep`` and ``remat="sqrt"`` are nested-scan lowerings. With every option off,
+``keep`` and ``remat="sqrt"`` are nested-scan lowerings (together, the sqrt
+nesting runs the scan over kept-output chunks). With every option off,
 ``scanax.scan`` never comes here and runs the plain ``lax.scan``.
 """
 
@@ -31,7 +32,17 @@ class Options:
         if self.progress is not None and loop.length > 0:
             reporter = _progress.Reporter(self.progress, loop.length)
         if self.remat == "sqrt" and loop.length > 0:
-            carry, ys = _remat.run_sqrt(loop, reverse, unroll, reporter)
+            # Progress ticks per chunk, outside the checkpointed chunks.
+            k, keep = self.keep_every, self.keep
+            if thin:
+                return _thin.run_thinned(
+                    loop, reverse, unroll, k, keep, sqrt=True, reporter=reporter
+                )
+            count = None
+            if reporter is not None:
+                reporter.plan(_remat.blocks(loop.length, reverse))
+                count = reporter.init()
+            carry, ys, _ = _remat.run_sqrt(loop, reverse, unroll, reporter, count)
         else:
             if self.remat is not None and self.remat != "sqrt":
                 loop = _remat.checkpoint_body(loop, self.remat)
@@ -62,12 +73,6 @@ def resolve(
     remat = _remat.resolve(call, remat)
     keep_every, keep = _thin.resolve(call, keep_every, keep)
     thin = keep_every != 1 or keep != "all"
-    if remat == "sqrt" and thin:
-        raise ValueError(
-            f'{call}: remat="sqrt" cannot be combined with keep_every/keep.\nFix: '
-            "use remat=True (checkpoint each step) with keep_every/keep, or keep "
-            'all outputs with remat="sqrt".'
-        )
     no_axis = isinstance(out_axes, int) and not isinstance(out_axes, bool)
     if keep != "all" and not (no_axis and out_axes == 0):
         name = keep if isinstance(keep, str) else "a function"

@@ -57,26 +57,35 @@ def chunk_size(length: int) -> int:
     return max(1, math.isqrt(length - 1) + 1) if length > 1 else 1
 
 
+def blocks(length: int, reverse: bool, scale: int = 1) -> list[int]:
+    """The steps of each checkpointed chunk, in the order they run (times
+    ``scale``: the real steps per loop step, for a progress bar)."""
+    c = chunk_size(length)
+    outer, rest = divmod(length, c)
+    sizes = [c] * outer
+    if rest:
+        sizes = [rest, *sizes] if reverse else [*sizes, rest]
+    return [s * scale for s in sizes]
+
+
 def run_sqrt(
     loop: Loop,
     reverse: bool,
     unroll: int | bool,
     reporter: Any = None,
-) -> tuple[Any, Any]:
-    """Nested √T checkpointing. Returns ``(carry, ys)``.
+    count: Any = None,
+    scale: int = 1,
+) -> tuple[Any, Any, Any]:
+    """Nested √T checkpointing. Returns ``(carry, ys, count)``.
 
-    A progress ``reporter`` ticks in the outer loop, before each chunk, outside
-    the checkpointed region, so that recomputing a chunk in the backward pass does
-    not report again.
+    A progress ``reporter`` ticks ``count`` in the outer loop, before each chunk
+    (by ``scale`` per loop step), outside the checkpointed region, so that
+    recomputing a chunk in the backward pass does not report again. The caller
+    plans the reports (see ``blocks``).
     """
     n = loop.length
     c = chunk_size(n)
     outer, rest = divmod(n, c)
-    if reporter is not None:
-        blocks = [c] * outer
-        if rest:
-            blocks = [rest, *blocks] if reverse else [*blocks, rest]
-        reporter.plan(blocks)
 
     def run_chunk(carry, xs, start, steps):
         # Slicing inside the loop (not slicing xs to whole chunks up front) keeps
@@ -89,7 +98,7 @@ def run_sqrt(
     def segment(state, start, steps):
         carry, count = state
         if reporter is not None:
-            count = reporter.tick(count, steps)
+            count = reporter.tick(count, steps * scale)
         inner = jax.checkpoint(
             lambda c_, x_, s_: run_chunk(c_, x_, s_, steps), prevent_cse=False
         )
@@ -109,7 +118,7 @@ def run_sqrt(
         return state, ys
 
     with jax.named_scope("scanax.remat_sqrt"):
-        state = (loop.init, reporter.init() if reporter is not None else None)
+        state = (loop.init, count)
         tail_start = jnp.int32(outer * c)
         if rest and reverse:
             state, ys_tail = segment(state, tail_start, rest)
@@ -118,4 +127,4 @@ def run_sqrt(
             state, ys_tail = segment(state, tail_start, rest)
         if rest:
             ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
-    return state[0], ys
+    return state[0], ys, state[1]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors
+from . import _errors, _remat
 from ._scan import Loop
 
 _REDUCERS = ("all", "last", "sum", "mean")
@@ -73,9 +73,20 @@ def _index(tree: Any, i: int) -> Any:
 
 
 def run_thinned(
-    loop: Loop, reverse: bool, unroll: int | bool, keep_every: int, keep: Any
+    loop: Loop,
+    reverse: bool,
+    unroll: int | bool,
+    keep_every: int,
+    keep: Any,
+    sqrt: bool = False,
+    reporter: Any = None,
 ) -> tuple[Any, Any]:
-    """Run ``loop`` keeping only the outputs ``keep_every`` and ``keep`` ask for."""
+    """Run ``loop`` keeping only the outputs ``keep_every`` and ``keep`` ask for.
+
+    With ``sqrt``, ``remat="sqrt"``'s nested checkpointing runs the outer scan over
+    chunks, and a progress ``reporter`` ticks outside the checkpointed region
+    (without ``sqrt``, the caller wraps the body with the ticks instead).
+    """
     k, n = keep_every, loop.length
     outer, rest = divmod(n, k)
     body, silent = loop.body, _no_y(loop.body)
@@ -99,14 +110,16 @@ def run_thinned(
             carry, y = body(carry, _index(xs, k - 1))
         return carry, y
 
-    def skip_tail(carry):
+    def skip_tail(carry, count):
         if not rest:
-            return carry
+            return carry, count
+        if reporter is not None:
+            count = reporter.tick(count, rest)
         tail = jtu.tree_map(lambda a: a[outer * k :], loop.xs)
         carry, _ = jax.lax.scan(
             silent, carry, tail, length=rest, reverse=reverse, unroll=unroll
         )
-        return carry
+        return carry, count
 
     def outer_body(state, start):
         carry, acc, started = state
@@ -114,8 +127,15 @@ def run_thinned(
         acc, out = _fold(keep, acc, y, started)
         return (carry, acc, jnp.ones((), bool)), out
 
+    count = None
+    if reporter is not None:
+        blocks = _remat.blocks(outer, reverse, scale=k) if outer else []
+        if rest:
+            blocks = [rest, *blocks] if reverse else [*blocks, rest]
+        reporter.plan(blocks)
+        count = reporter.init()
     if outer == 0:  # fewer than k steps: none kept
-        return _none_kept(loop, keep, skip_tail)
+        return _none_kept(loop, keep, lambda c: skip_tail(c, count)[0])
     starts = loop.xs if k == 1 else jnp.arange(outer, dtype=jnp.int32) * k
     with jax.named_scope("scanax.keep"):
         acc0 = None
@@ -123,17 +143,26 @@ def run_thinned(
             acc0 = _acc_init(keep, _kept_shape(chunk, loop.init, starts))
         carry = loop.init
         if reverse:
-            carry = skip_tail(carry)
-        (carry, acc, _), ys = jax.lax.scan(
-            outer_body,
-            (carry, acc0, jnp.zeros((), bool)),
-            starts,
-            length=outer,
-            reverse=reverse,
-            unroll=unroll if k == 1 else 1,
-        )
+            carry, count = skip_tail(carry, count)
+        state = (carry, acc0, jnp.zeros((), bool))
+        outer_unroll = unroll if k == 1 else 1
+        if sqrt:
+            chunks = Loop(outer_body, state, starts, outer)
+            state, ys, count = _remat.run_sqrt(
+                chunks, reverse, outer_unroll, reporter, count, scale=k
+            )
+        else:
+            state, ys = jax.lax.scan(
+                outer_body,
+                state,
+                starts,
+                length=outer,
+                reverse=reverse,
+                unroll=outer_unroll,
+            )
+        carry, acc, _ = state
         if not reverse:
-            carry = skip_tail(carry)
+            carry, count = skip_tail(carry, count)
         if keep == "all":
             return carry, ys
         if keep == "mean":
