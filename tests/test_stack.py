@@ -131,6 +131,38 @@ def test_plan_groups_runs_and_periods(ids, expected):
     assert plan(ids) == expected
 
 
+def _best_cost(ids):
+    """Brute force: the least (layers traced, pieces) over all valid splits."""
+    n = len(ids)
+    if n == 0:
+        return (0, 0)
+    rest = _best_cost(ids[1:])
+    best = (1 + rest[0], 1 + rest[1])
+    for p in range(1, n // 2 + 1):
+        for r in range(2, n // p + 1):
+            if all(ids[j * p : (j + 1) * p] == ids[:p] for j in range(r)):
+                rest = _best_cost(ids[p * r :])
+                best = min(best, (p + rest[0], 1 + rest[1]))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_tiles_layers_and_is_optimal(seed):
+    rng = np.random.default_rng(seed)
+    ids = [int(i) for i in rng.integers(0, 1 + seed % 3, size=rng.integers(1, 11))]
+    pieces = plan(ids)
+    covered = 0
+    for start, period, repeats in pieces:
+        assert start == covered
+        block = ids[start : start + period]
+        for j in range(repeats):
+            assert ids[start + j * period : start + (j + 1) * period] == block
+        covered += period * repeats
+    assert covered == len(ids)
+    cost = (sum(p for _, p, _ in pieces), len(pieces))
+    assert cost == _best_cost(ids)
+
+
 # ---------------------------------------------------------------------------- Equinox
 
 
