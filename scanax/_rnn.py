@@ -81,6 +81,15 @@ def err_init_state(i: int, cell: Any, got: Any, want: Any) -> TypeError:
     )
 
 
+def err_state_changed(i: int, cell: Any, state: Any, new: Any) -> TypeError:
+    return TypeError(
+        f"{_CALL}: {_name(i, cell)} changes the type of its state:\n"
+        f"  state in   {_cells.describe(state)}\n  state out  {_cells.describe(new)}\n"
+        f"Fix: pass init[{i}] of the type the cell returns, or make the cell return a "
+        "state of the type it is given."
+    )
+
+
 def err_seq_lengths_dtype(seq_lengths: Any) -> TypeError:
     return TypeError(
         f"{_CALL}: `seq_lengths` must be an integer array, got "
@@ -194,7 +203,7 @@ def _plan(
                 out = (out, out)
         new_state, y = out
         if not _same(new_state, state):
-            raise err_init_state(i, cell, state, new_state)
+            raise err_state_changed(i, cell, state, new_state)
         specs.append(spec)
         states.append(state)
         x = y

@@ -428,6 +428,25 @@ def test_error_unknown_protocol_lists_supported():
         scanax.rnn([lambda h, x: (h, h, x)], xs, init=(jnp.zeros((B, D)),))
 
 
+class ShrinkingCell(nnx.Module):
+    """An NNX-style cell (it has initialize_carry) whose state shrinks."""
+
+    def initialize_carry(self, input_shape, rngs=None):
+        return jnp.zeros((*input_shape[:-1], D))
+
+    def __call__(self, carry, x):
+        return carry[:, :1], x
+
+
+def test_error_state_changes_type():
+    with pytest.raises(
+        TypeError,
+        match=r"cells\[0\] \(ShrinkingCell\) changes the type of its state:\n"
+        r"  state in   float32\[3, 2\]\n  state out  float32\[3, 1\]",
+    ):
+        scanax.rnn([ShrinkingCell()], xs_tbd())
+
+
 def test_error_no_state_width_and_misc():
     xs = xs_tbd()
     with pytest.raises(ValueError, match=r"cannot tell the state shape of cells\[0\]"):
