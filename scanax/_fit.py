@@ -119,6 +119,17 @@ def fit(
     A step whose loss or gradients are not finite is not applied: training stops
     there with a ``RuntimeWarning`` naming the step, and the result holds the last
     good state.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, scanax
+        >>> x = jnp.arange(8.0)[:, None]
+        >>> def loss_fn(params, batch):
+        ...     xb, yb = batch
+        ...     return jnp.mean((xb * params["w"] - yb) ** 2)
+        >>> result = scanax.fit({"w": jnp.zeros(())}, optax.sgd(0.01), loss_fn,
+        ...                     (x, 2 * x), steps=200, batch_size=4, progress=False)
+        >>> round(float(result.model["w"]), 3), result.steps
+        (2.0, 200)
     """
     steps = _data.positive_int("steps", steps)
     if not callable(loss_fn):
