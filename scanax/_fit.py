@@ -181,6 +181,15 @@ class _Key:
         return isinstance(other, _Key) and self.parts == other.parts
 
 
+class _Compiled:
+    """A jitted chunk function, and the time per step it last ran at (to size the
+    calls of the next ``fit`` with it from the start)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.seconds_per_step: float | None = None
+
+
 def _chunk_function(
     adapter: Any,
     source: Any,
@@ -190,7 +199,7 @@ def _chunk_function(
     mesh: Any,
     shardings: tuple | None,
 ):
-    """The jitted ``chunk(leaves, stopped, start, end, data, key, xs)``, cached."""
+    """The jitted ``chunk(leaves, stopped, start, count, data, key, xs)``, cached."""
     cache_key = None
     if adapter.static is not None:
         try:
@@ -203,7 +212,9 @@ def _chunk_function(
         return _CHUNKS[cache_key]
     step = adapter.make_step(loss_fn)
     sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
-    fn = jax.jit(_build_chunk(step, sampler, length, treedef, mesh, shardings))
+    fn = _Compiled(
+        jax.jit(_build_chunk(step, sampler, length, treedef, mesh, shardings))
+    )
     if cache_key is not None:
         _CHUNKS[cache_key] = fn
         while len(_CHUNKS) > _CACHE_SIZE:
@@ -335,9 +346,10 @@ class _Run:
         if mesh is not None:
             shardings = tuple(_mesh.state_shardings(mesh, adapter, self.leaves))
             self.leaves = _mesh.place(self.leaves, shardings)
-        self.fn = _chunk_function(
+        self.compiled = _chunk_function(
             adapter, source, loss_fn, length, self.treedef, mesh, shardings
         )
+        self.fn = self.compiled.fn
         self.ckpt = None
         self.auto = False  # grow steps per call towards _SECONDS_PER_CALL
         self.per_call = length
@@ -391,7 +403,11 @@ class _Run:
         which for the next chunk overlaps the previous chunk's training."""
         start = self.done
         if self.auto:
-            self.per_call = min(self.length, 8)
+            known = self.compiled.seconds_per_step
+            if known is None:
+                self.per_call = min(self.length, 8)
+            else:
+                self.per_call = self._size(known)
         while start < self.steps and not self.halted:
             want = min(self.per_call, self.steps - start)
             every = self.ckpt.every if self.ckpt is not None else None
@@ -438,7 +454,7 @@ class _Run:
                 if pending is not None:
                     self._collect(*pending)
                 pending = (start, end, applied, ys, self.leaves, inputs)
-                if self.auto and self.last_collect is None:
+                if self.auto and self.compiled.seconds_per_step is None:
                     # Time the first call before sizing the next ones.
                     self._collect(*pending)
                     pending = None
@@ -520,8 +536,12 @@ class _Run:
         now = time.perf_counter()
         began = max(dispatched, self.last_collect or dispatched)
         per_step = max(now - began, 1e-9) / steps
-        self.per_call = max(1, min(self.length, int(_SECONDS_PER_CALL / per_step)))
+        self.compiled.seconds_per_step = per_step
+        self.per_call = self._size(per_step)
         self.last_collect = now
+
+    def _size(self, seconds_per_step: float) -> int:
+        return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
 
     def _warn(self, t: int, loss: Any, loss_ok: Any, grads_ok: Any) -> None:
         what = []
