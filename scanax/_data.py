@@ -13,6 +13,7 @@ a time and moved to the device while the previous chunk trains.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import operator
 from collections.abc import Iterator
@@ -76,7 +77,7 @@ class ArraySource:
             )
         self.per_epoch = self.n // self.batch_size
         self.shuffle = key is not None
-        self.key = key if key is not None else jr.key(0)
+        self.key = key if key is not None else unused_key()
         self.data = data
         self.static = ("array", self.n, self.batch_size, self.shuffle)
 
@@ -195,6 +196,12 @@ class IterSource:
                 "shape (drop or pad an incomplete last batch)."
             )
         return leaves
+
+
+@functools.cache
+def unused_key() -> Any:
+    """A placeholder key argument when nothing is shuffled (made once)."""
+    return jr.key(0)
 
 
 def positive_int(name: str, value: Any) -> int:

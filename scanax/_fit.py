@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -12,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
@@ -200,13 +200,11 @@ def _chunk_function(
     shardings: tuple | None,
 ):
     """The jitted ``chunk(leaves, stopped, start, count, data, key, xs)``, cached."""
-    cache_key = None
-    if adapter.static is not None:
-        try:
-            parts = (loss_fn, adapter.static, treedef, source.static, length, shardings)
-            cache_key = _Key(parts)
-        except TypeError:
-            cache_key = None
+    try:
+        parts = (loss_fn, adapter.static, treedef, source.static, length, shardings)
+        cache_key = _Key(parts)
+    except TypeError:  # an unhashable static part: compile for this call only
+        cache_key = None
     if cache_key is not None and cache_key in _CHUNKS:
         _CHUNKS.move_to_end(cache_key)
         return _CHUNKS[cache_key]
@@ -319,6 +317,11 @@ def _build_chunk(
     return chunk
 
 
+@functools.cache
+def _false() -> Any:
+    return jnp.array(False)
+
+
 def _strong(leaves: list) -> list:
     """Drop weak types (a carry must keep its type; restored checkpoints lose them)."""
     return [
@@ -354,7 +357,7 @@ class _Run:
         self.auto = False  # grow steps per call towards _SECONDS_PER_CALL
         self.per_call = length
         self.last_collect = None
-        self.stopped = jnp.array(False)
+        self.stopped = _false()
         self.done = 0  # steps applied
         self.history: dict[str, list[np.ndarray]] = {"loss": []}
         self.halted = False
@@ -363,7 +366,7 @@ class _Run:
         if source.kind == "array":
             self.data, self.key = source.data, source.key
         else:
-            self.data, self.key = None, jr.key(0)
+            self.data, self.key = None, _data.unused_key()
         if mesh is None:
             self.data = jax.device_put(self.data)
         else:
@@ -520,7 +523,7 @@ class _Run:
         with self.context():
             out, _, applied, _ = self.fn(
                 leaves,
-                jnp.array(False),
+                _false(),
                 np.int32(start),
                 np.int32(count),
                 self.data,

@@ -60,14 +60,6 @@ def split_loss(call: str, out: Any) -> tuple[Any, dict]:
     return loss, metrics
 
 
-def _hashable(x: Any) -> Any:
-    try:
-        hash(x)
-    except TypeError:
-        return None
-    return x
-
-
 class NNXAdapter:
     """``(nnx.Module, nnx.Optimizer)``: both carried as one ``nnx.split`` state."""
 
@@ -76,7 +68,7 @@ class NNXAdapter:
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
         self.graphdef, self.state = _nnx.split([model, optimizer])
-        self.static = _hashable(("nnx", self.graphdef))
+        self.static = ("nnx", self.graphdef)
 
     def name(self, path: tuple) -> str:
         """``model['l1']['kernel']`` for a path into the joint state."""
@@ -134,7 +126,7 @@ class OptaxAdapter:
         opt_state = tx.init(self.layout.filtered(params))
         self.state = {"params": params, "other": others, "opt_state": opt_state}
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
-        self.static = _hashable(("optax", treedef, train, other, statics, tx))
+        self.static = ("optax", treedef, train, other, statics, tx)
 
     def name(self, path: tuple) -> str:
         return _optax_name(self, path)
@@ -195,7 +187,7 @@ class TrainStateAdapter:
 
     def __init__(self, state: Any):
         self.state = state
-        self.static = _hashable(("trainstate", jtu.tree_structure(state)))
+        self.static = ("trainstate", jtu.tree_structure(state))
 
     def name(self, path: tuple) -> str:
         return "state" + jtu.keystr(path)

@@ -142,3 +142,32 @@ def test_mesh_errors():
             steps=1,
             progress=False,
         )
+
+
+def test_mesh_checkpoint_resume(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    mesh = jax.make_mesh((4,), ("data",))
+    kw = dict(batch_size=BS, key=KEY)
+    straight, m1, _ = run(mesh, (X, Y), **kw)
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    scanax.fit(
+        model,
+        opt,
+        loss_fn,
+        (X, Y),
+        steps=6,
+        steps_per_call=6,
+        progress=False,
+        mesh=mesh,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=6,
+        **kw,
+    )
+    resumed, m2, _ = run(
+        mesh, (X, Y), checkpoint_dir=tmp_path, checkpoint_every=6, **kw
+    )
+    np.testing.assert_array_equal(resumed.history["loss"], straight.history["loss"])
+    for a, b in zip(jtu.tree_leaves(nnx.state(m2)), jtu.tree_leaves(nnx.state(m1))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert m2.l1.kernel[...].sharding.is_fully_replicated
