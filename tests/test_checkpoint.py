@@ -217,6 +217,8 @@ def _run_job(directory, out, kill_after=None, during_save=False):
         names = os.listdir(directory) if directory.exists() else []
         if during_save and any("tmp" in n for n in names):
             break  # a save is being written right now
+        if during_save and _steps(directory) >= before + 2 * job.EVERY:
+            break  # no save caught in the act: kill now anyway
         if not during_save and _steps(directory) > before:
             time.sleep(kill_after)
             break
