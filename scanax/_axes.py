@@ -24,6 +24,16 @@ def is_arraylike(x: Any) -> bool:
     return is_array(x) or isinstance(x, (bool, int, float, complex))
 
 
+def same_static(a: Any, b: Any) -> bool:
+    """Whether two static (non-array) leaves are the same value."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 def _is_axis_leaf(x: Any) -> bool:
     return x is None or isinstance(x, int)
 

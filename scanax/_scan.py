@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _errors, _nnx
-from ._axes import is_array, is_arraylike, match_prefix, normalize_axis
+from ._axes import (
+    is_array,
+    is_arraylike,
+    match_prefix,
+    normalize_axis,
+    same_static,
+)
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -75,7 +81,7 @@ class _CarryCodec:
                         self.call, _errors.short_type(before), _errors.short_type(after)
                     )
                 continue
-            if not _same_static(before, after):
+            if not same_static(before, after):
                 raise _errors.static_changed(
                     self.call, jtu.keystr(self.paths[i]), before, after
                 )
@@ -139,15 +145,6 @@ class _CarryCodec:
 
 def _node_desc(nodes: list[Any]) -> str:
     return "(" + ", ".join(type(n).__name__ for n in nodes) + ")"
-
-
-def _same_static(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 # ---------------------------------------------------------------------------- xs

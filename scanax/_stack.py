@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._axes import is_array
+from ._axes import is_array, same_static
 from ._errors import short_type
 from ._scan import scan
 
@@ -105,15 +105,6 @@ def span(piece: Piece) -> str:
 # ---------------------------------------------------------------------------- plan
 
 
-def _same_static(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
 def pytree_signature(layer: Any) -> tuple[Any, list[Any]]:
     """What must match for two layers to be stacked: structure, statics, types."""
     leaves, treedef = jtu.tree_flatten(layer)
@@ -126,14 +117,14 @@ def pytree_signature(layer: Any) -> tuple[Any, list[Any]]:
 
 def same_signature(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
     (ta, la), (tb, lb) = a, b
-    if not _same_static(ta, tb) or len(la) != len(lb):
+    if not same_static(ta, tb) or len(la) != len(lb):
         return False
     for x, y in zip(la, lb, strict=True):
         if x[0] != y[0]:
             return False
         if x[0] == "array" and x[1:] != y[1:]:
             return False
-        if x[0] == "static" and not _same_static(x[1], y[1]):
+        if x[0] == "static" and not same_static(x[1], y[1]):
             return False
     return True
 
