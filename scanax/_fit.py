@@ -6,6 +6,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ _CALL = "scanax.fit"
 # schedule aims each call at (array data: calls grow from 8 steps to this).
 _MAX_STEPS_PER_CALL = {"array": 1000, "iter": 100}
 _SECONDS_PER_CALL = 0.25
+_REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 _CACHE_SIZE = 32
 
 # Compiled chunk functions, keyed on (loss_fn, model structure, data layout, length):
@@ -101,7 +103,8 @@ def fit(
         steps_per_call: steps run per compiled call; the progress bar, NaN check and
             checkpoints happen between calls. Results do not depend on it. Default:
             ``min(steps, 100)``.
-        progress: show a tqdm bar with steps/s and the latest loss.
+        progress: show a tqdm bar with steps/s and the latest loss, updated from
+            inside the compiled loop (about 10 times a second) and between calls.
         checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
             ``docs/checkpoint.md``.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
@@ -198,10 +201,20 @@ def _chunk_function(
     treedef: Any,
     mesh: Any,
     shardings: tuple | None,
+    progress: bool,
 ):
-    """The jitted ``chunk(leaves, stopped, start, count, data, key, xs)``, cached."""
+    """The jitted ``chunk(leaves, stopped, start, count, every, data, key, xs)``,
+    cached."""
     try:
-        parts = (loss_fn, adapter.static, treedef, source.static, length, shardings)
+        parts = (
+            loss_fn,
+            adapter.static,
+            treedef,
+            source.static,
+            length,
+            shardings,
+            progress,
+        )
         cache_key = _Key(parts)
     except TypeError:  # an unhashable static part: compile for this call only
         cache_key = None
@@ -211,7 +224,7 @@ def _chunk_function(
     step = adapter.make_step(loss_fn)
     sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
     fn = _Compiled(
-        jax.jit(_build_chunk(step, sampler, length, treedef, mesh, shardings))
+        jax.jit(_build_chunk(step, sampler, length, treedef, mesh, shardings, progress))
     )
     if cache_key is not None:
         _CHUNKS[cache_key] = fn
@@ -227,9 +240,12 @@ def _build_chunk(
     treedef: Any,
     mesh: Any,
     shardings: tuple | None,
+    progress: bool,
 ) -> Callable:
-    """``chunk(leaves, stopped, start, count, data, key, xs)``: up to ``count`` steps
-    from global step ``start``, ending early at a non-finite step.
+    """``chunk(leaves, stopped, start, count, every, data, key, xs)``: up to
+    ``count`` steps from global step ``start``, ending early at a non-finite step.
+    With ``progress``, every ``every``-th global step reports to the host from
+    inside the loop (``_report_step``), so the bar moves during long calls too.
 
     A ``lax.while_loop`` rather than a scan: the number of steps per call varies
     (the automatic schedule, the last call, a NaN) without recompiling, and steps
@@ -272,7 +288,7 @@ def _build_chunk(
             )
         return batch if mesh is None else _mesh.batch_constraint(mesh, batch)
 
-    def chunk(leaves, stopped, start, count, data, key, xs):
+    def chunk(leaves, stopped, start, count, every, data, key, xs):
         with jax.named_scope("scanax.fit"):
             perm = source.permutation(key, start) if on_device else None
             first = batch_at(data, key, xs, perm, start, 0)
@@ -301,6 +317,16 @@ def _build_chunk(
                     out,
                 )
                 stop = ~(loss_ok & grads_ok)
+                if progress:
+                    jax.lax.cond(
+                        (t + 1) % every == 0,
+                        lambda: jax.debug.callback(
+                            lambda done, loss: _report_step(done, loss),
+                            t + 1,
+                            out["loss"],
+                        ),
+                        lambda: None,
+                    )
                 return i + 1, leaves, stop, perm, bufs, (loss_ok, grads_ok)
 
             i, leaves, stopped_out, _, bufs, flags = jax.lax.while_loop(
@@ -349,8 +375,16 @@ class _Run:
         if mesh is not None:
             shardings = tuple(_mesh.state_shardings(mesh, adapter, self.leaves))
             self.leaves = _mesh.place(self.leaves, shardings)
+        self.in_loop = bool(progress) and mesh is None
         self.compiled = _chunk_function(
-            adapter, source, loss_fn, length, self.treedef, mesh, shardings
+            adapter,
+            source,
+            loss_fn,
+            length,
+            self.treedef,
+            mesh,
+            shardings,
+            self.in_loop,
         )
         self.fn = self.compiled.fn
         self.ckpt = None
@@ -436,6 +470,7 @@ class _Run:
         if self.progress:
             self.bar = _progress_bar(self.steps)
             self.bar.update(self.done)
+            _BARS.append(self.bar)
         try:
             chunks = self._chunks()
             nxt = next(chunks, None)
@@ -448,6 +483,7 @@ class _Run:
                         self.stopped,
                         np.int32(start),
                         np.int32(end - start),
+                        np.int32(self._every(end - start)),
                         self.data,
                         self.key,
                         xs,
@@ -472,6 +508,7 @@ class _Run:
                 self.ckpt.save(self.done, self.leaves, self.key, self._history())
         finally:
             if self.bar is not None:
+                _BARS.remove(self.bar)
                 self.bar.close()
             if self.ckpt is not None:
                 self.ckpt.close()
@@ -503,7 +540,11 @@ class _Run:
             self.history.setdefault(name, []).append(np.asarray(value)[:count])
         self.done += count
         if self.bar is not None and count:
-            self.bar.update(count)
+            # In-loop reports may have moved the bar ahead already.
+            if self.done > self.bar.n:
+                self.bar.update(self.done - self.bar.n)
+            else:
+                self.bar.n = self.done
             self.bar.set_postfix(loss=f"{float(ys['loss'][count - 1]):.4g}")
         if not self.halted and start + count < end:
             self.halted = True
@@ -526,6 +567,7 @@ class _Run:
                 _false(),
                 np.int32(start),
                 np.int32(count),
+                np.int32(count + 1),  # no reports
                 self.data,
                 self.key,
                 xs,
@@ -543,6 +585,16 @@ class _Run:
         self.per_call = self._size(per_step)
         self.last_collect = now
 
+    def _every(self, count: int) -> int:
+        """Steps between in-loop reports: about 10 a second once the speed is
+        known, else 10 a call; more than ``count`` (none) without a bar."""
+        if not self.in_loop:
+            return count + 1
+        known = self.compiled.seconds_per_step
+        if known is None:
+            return max(1, count // 10)
+        return max(1, math.ceil(_REPORT_SECONDS / known))
+
     def _size(self, seconds_per_step: float) -> int:
         return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
 
@@ -558,6 +610,20 @@ class _Run:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+_BARS: list[Any] = []  # the bars of the fit calls running now, newest last
+
+
+def _report_step(done: Any, loss: Any) -> None:
+    """Host side of an in-loop report: move the newest bar forward (reports may
+    arrive out of order, so it never moves back)."""
+    if _BARS:
+        bar = _BARS[-1]
+        done = int(done)
+        if done > bar.n:
+            bar.update(done - bar.n)
+            bar.set_postfix(loss=f"{float(loss):.4g}")
 
 
 def _progress_bar(total: int) -> Any:

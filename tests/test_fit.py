@@ -283,6 +283,25 @@ def test_progress_bar(capsys):
     assert "23/23" in err and "step/s" in err and "loss=" in err
 
 
+def test_progress_reports_from_inside_the_loop(monkeypatch):
+    """With a bar, each compiled call reports every few steps from inside the loop
+    (a call of 60 steps with unknown speed: every 6th step), and the result is the
+    same as without a bar."""
+    import scanax._fit as fit_module
+
+    seen = []
+    monkeypatch.setattr(fit_module, "_report_step", lambda d, loss: seen.append(int(d)))
+    model, opt = nnx_pair()
+    kwargs = dict(steps=60, batch_size=BS, key=KEY, steps_per_call=60)
+    with_bar = scanax.fit(model, opt, nnx_loss, (X, Y), progress=True, **kwargs)
+    jax.effects_barrier()
+    assert sorted(seen) == list(range(6, 61, 6))
+    model2, opt2 = nnx_pair()
+    without = fit_quiet(model2, opt2, nnx_loss, (X, Y), **kwargs)
+    np.testing.assert_array_equal(with_bar.history["loss"], without.history["loss"])
+    leaves_equal(nnx.state(model), nnx.state(model2))
+
+
 def test_progress_false_is_silent(capsys):
     model, opt = nnx_pair()
     fit_quiet(
