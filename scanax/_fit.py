@@ -572,7 +572,11 @@ class _Run:
                 self.key,
                 xs,
             )
-        assert int(applied[0]) == count
+        if int(applied[0]) != count:  # the same program on the same inputs
+            raise RuntimeError(
+                f"{_CALL}: internal error: replaying {count} good steps applied "
+                f"{int(applied[0])}. Please report this with your model and data."
+            )
         return out
 
     def _schedule(self, steps: int, dispatched: float) -> None:
