@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _checkpoint, _data, _errors, _mesh, _models
+from . import _checkpoint, _data, _errors, _mesh, _models, _progress
 
 _CALL = "scanax.fit"
 # Default steps_per_call: compiled lengths, and the wall time that the automatic
@@ -631,11 +631,5 @@ def _report_step(done: Any, loss: Any) -> None:
 
 
 def _progress_bar(total: int) -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError as err:
-        raise ImportError(
-            f"{_CALL}: progress=True needs tqdm, which is not installed.\nFix: `pip "
-            "install tqdm` (or `scanax[progress]`), or pass progress=False."
-        ) from err
+    tqdm = _progress.load_tqdm(_CALL, "progress=True", "pass progress=False")
     return tqdm(total=total, unit="step", desc=_CALL, dynamic_ncols=True)

@@ -83,18 +83,18 @@ def resolve(call: str, progress: Any) -> Progress | None:
             "progress=100, or progress=scanax.Progress(every=100); None picks about "
             f"{_DEFAULT_UPDATES} updates per scan."
         )
-    _load_tqdm(call)
+    load_tqdm(call)
     return spec
 
 
-def _load_tqdm(call: str) -> Any:
+def load_tqdm(call: str, option: str = "`progress=`", off: str = "drop it") -> Any:
+    """``tqdm.auto.tqdm``, or an ImportError saying how to get it or turn it off."""
     try:
         from tqdm.auto import tqdm
     except ImportError as err:
         raise ImportError(
-            f"{call}: `progress=` draws its bar with tqdm, which is not installed.\n"
-            "Fix: `pip install tqdm` (or `pip install scanax[progress]`), or drop "
-            "`progress=`."
+            f"{call}: {option} needs tqdm, which is not installed.\nFix: `pip "
+            f"install tqdm` (or `pip install scanax[progress]`), or {off}."
         ) from err
     return tqdm
 
@@ -120,7 +120,7 @@ class _Bar:
 
     def report(self, done: Any, last: Any) -> None:
         if self.bar is None:
-            tqdm = _load_tqdm("scanax.scan")
+            tqdm = load_tqdm("scanax.scan")
             self.bar = tqdm(
                 total=self.total,
                 desc=self.spec.desc,

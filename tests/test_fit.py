@@ -321,7 +321,10 @@ def test_progress_false_is_silent(capsys):
 def test_progress_without_tqdm(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     model, opt = nnx_pair()
-    with pytest.raises(ImportError, match=r"scanax.fit: progress=True needs tqdm"):
+    with pytest.raises(
+        ImportError,
+        match=r"(?s)scanax.fit: progress=True needs tqdm.*or pass progress=False",
+    ):
         scanax.fit(model, opt, nnx_loss, (X, Y), steps=3, batch_size=BS)
 
 

@@ -192,6 +192,8 @@ def test_bad_progress(bad, err, match):
 def test_missing_tqdm(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(
-        ImportError, match=r"scanax.scan: `progress=` draws its bar with"
+        ImportError,
+        match=r"(?s)scanax.scan: `progress=` needs tqdm, which is not installed.*"
+        r"Fix: `pip install tqdm`.*or drop it",
     ):
         scanax.scan(lambda c, _: (c, None), 0.0, length=3, progress=True)
