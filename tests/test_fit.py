@@ -570,115 +570,117 @@ def test_error_unsupported_pair():
         fit_quiet(ts_make(), TX, ts_loss, (X, Y), steps=1, batch_size=BS)
 
 
-def test_error_non_scalar_loss():
-    model, opt = nnx_pair()
-    with pytest.raises(
-        TypeError,
-        match=r"scanax.fit: `loss_fn` must return a scalar floating-point loss, got "
-        r"float32\[8, 1\].\nFix: reduce it",
-    ):
-        fit_quiet(
-            model,
-            opt,
-            lambda m, b: (m(b[0]) - b[1]) ** 2,
-            (X, Y),
-            steps=2,
-            batch_size=BS,
-        )
+def _bad_metrics(m, b):
+    return nnx_loss(m, b)[0], 1, 2
 
 
-def test_error_different_leading_sizes():
-    model, opt = nnx_pair()
-    with pytest.raises(
-        ValueError,
-        match=r"(?s)scanax.fit: the arrays in `data` must share their leading.*"
-        r"data\[0\]\s+float32\[48, 3\]: 48.*data\[1\]\s+float32\[40, 1\]: 40",
-    ):
-        fit_quiet(model, opt, nnx_loss, (X, Y[:40]), steps=2, batch_size=BS)
-
-
-def test_error_batch_size_too_large():
-    model, opt = nnx_pair()
-    with pytest.raises(
-        ValueError, match=r"batch_size=64 is larger than the data \(48 examples"
-    ):
-        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=64)
+ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
 
 
 @pytest.mark.parametrize(
-    "steps, err, msg",
+    "loss_fn, data, kwargs, err, msg",
     [
-        (0, ValueError, r"`steps` must be a positive int, got 0"),
-        (-3, ValueError, r"`steps` must be a positive int, got -3"),
-        (2.5, TypeError, r"`steps` must be a positive int, got float 2.5"),
-        (True, TypeError, r"`steps` must be a positive int, got bool True"),
-        (None, TypeError, r"`steps` must be a positive int, got NoneType"),
+        (
+            lambda m, b: (m(b[0]) - b[1]) ** 2,
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"scanax.fit: `loss_fn` must return a scalar floating-point loss, got "
+            r"float32\[8, 1\].\nFix: reduce it",
+        ),
+        (
+            nnx_loss,
+            (X, Y[:40]),
+            ARRAYS,
+            ValueError,
+            r"(?s)scanax.fit: the arrays in `data` must share their leading.*"
+            r"data\[0\]\s+float32\[48, 3\]: 48.*data\[1\]\s+float32\[40, 1\]: 40",
+        ),
+        (
+            nnx_loss,
+            (X, Y),
+            dict(steps=2, batch_size=64),
+            ValueError,
+            r"batch_size=64 is larger than the data \(48 examples",
+        ),
+        *[
+            (nnx_loss, (X, Y), dict(steps=steps, batch_size=BS), err, msg)
+            for steps, err, msg in [
+                (0, ValueError, r"scanax.fit: `steps` must be a positive int, got 0"),
+                (-3, ValueError, r"scanax.fit: `steps` must be a positive int, got -3"),
+                (
+                    2.5,
+                    TypeError,
+                    r"scanax.fit: `steps` must be a positive int, got float 2.5",
+                ),
+                (
+                    True,
+                    TypeError,
+                    r"scanax.fit: `steps` must be a positive int, got bool True",
+                ),
+                (
+                    None,
+                    TypeError,
+                    r"scanax.fit: `steps` must be a positive int, got NoneType",
+                ),
+            ]
+        ],
+        (
+            nnx_loss,
+            (X, Y),
+            dict(steps=2),
+            TypeError,
+            r"scanax.fit: `data` is a pytree of arrays \(48 examples\) but "
+            r"`batch_size` is None",
+        ),
+        (
+            nnx_loss,
+            [batch_at(0), (X[:4], Y[:4])],
+            dict(steps=2, steps_per_call=2),
+            TypeError,
+            r"(?s)batch 1 of `data` differs.*batch\[0\]\s+float32\[4, 3\]",
+        ),
+        (
+            _bad_metrics,
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"`loss_fn` returned a tuple of 3",
+        ),
+        (
+            nnx_loss,
+            (X, Y),
+            dict(ARRAYS, steps_per_call=0),
+            ValueError,
+            r"scanax.fit: `steps_per_call` must be a positive int, got 0",
+        ),
+        (
+            nnx_loss,
+            (X, Y),
+            dict(ARRAYS, checkpoint_every=5),
+            TypeError,
+            r"scanax.fit: checkpoint_every=5 is given but checkpoint_dir is None",
+        ),
+        (
+            "mse",
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"scanax.fit: `loss_fn` must be callable",
+        ),
+        (
+            nnx_loss,
+            [batch_at(0)],
+            ARRAYS,
+            TypeError,
+            r"`batch_size` is for array data, but `data` is list",
+        ),
     ],
 )
-def test_error_steps(steps, err, msg):
+def test_error_bad_call(loss_fn, data, kwargs, err, msg):
     model, opt = nnx_pair()
-    with pytest.raises(err, match="scanax.fit: " + msg):
-        fit_quiet(model, opt, nnx_loss, (X, Y), steps=steps, batch_size=BS)
-
-
-def test_error_missing_batch_size():
-    model, opt = nnx_pair()
-    with pytest.raises(
-        TypeError,
-        match=r"scanax.fit: `data` is a pytree of arrays \(48 examples\) but "
-        r"`batch_size` is None",
-    ):
-        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2)
-
-
-def test_error_inconsistent_batches():
-    batches = [batch_at(0), (X[:4], Y[:4])]
-    model, opt = nnx_pair()
-    with pytest.raises(
-        TypeError, match=r"(?s)batch 1 of `data` differs.*batch\[0\]\s+float32\[4, 3\]"
-    ):
-        fit_quiet(model, opt, nnx_loss, batches, steps=2, steps_per_call=2)
-
-
-def test_error_bad_metrics():
-    model, opt = nnx_pair()
-    with pytest.raises(TypeError, match=r"`loss_fn` returned a tuple of 3"):
-        fit_quiet(
-            model,
-            opt,
-            lambda m, b: (nnx_loss(m, b)[0], 1, 2),
-            (X, Y),
-            steps=2,
-            batch_size=BS,
-        )
-
-
-def test_error_steps_per_call_and_checkpoint_every():
-    model, opt = nnx_pair()
-    with pytest.raises(
-        ValueError,
-        match=r"scanax.fit: `steps_per_call` must be a "
-        r"positive int, got 0",
-    ):
-        fit_quiet(
-            model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS, steps_per_call=0
-        )
-    with pytest.raises(
-        TypeError,
-        match=r"scanax.fit: checkpoint_every=5 is given but "
-        r"checkpoint_dir is None",
-    ):
-        fit_quiet(
-            model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS, checkpoint_every=5
-        )
-    with pytest.raises(TypeError, match=r"scanax.fit: `loss_fn` must be callable"):
-        fit_quiet(model, opt, "mse", (X, Y), steps=2, batch_size=BS)
-    with pytest.raises(
-        TypeError,
-        match=r"`batch_size` is for array data, but `data` "
-        r"is list",
-    ):
-        fit_quiet(model, opt, nnx_loss, [batch_at(0)], steps=2, batch_size=BS)
+    with pytest.raises(err, match=msg):
+        fit_quiet(model, opt, loss_fn, data, **kwargs)
 
 
 def test_cache_does_not_keep_data_alive():
