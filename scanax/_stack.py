@@ -404,16 +404,7 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
     def __init__(
         self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
     ):
-        layers = check_layers(layers)
-        self.plan = plan(signature_ids([pytree_signature(x) for x in layers]))
-        self.pieces = tuple(
-            layers[s]
-            if r == 1
-            else stack_blocks(
-                [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
-            )
-            for s, p, r in self.plan
-        )
+        self.plan, self.pieces = build_pytree(layers)
         self.remat = remat
         self.unroll = unroll
         self.n = len(layers)
@@ -429,10 +420,7 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
         return self.n
 
     def __getitem__(self, i: int) -> Any:
-        k, j, m = locate(self.plan, self.n, i)
-        if self.plan[k][2] == 1:
-            return self.pieces[k]
-        return pytree_view(self.pieces[k], j)[m]
+        return pytree_layer(self.plan, self.pieces, self.n, i)
 
     def __iter__(self):
         return (self[i] for i in range(self.n))
@@ -455,6 +443,30 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
 
 
 jtu.register_pytree_with_keys_class(Stack)
+
+
+def build_pytree(layers: Sequence[Any]) -> tuple[tuple[Piece, ...], tuple]:
+    """The plan of pytree (and Equinox) layers, and its pieces: single layers as
+    given, runs as stacked blocks (arrays with a leading ``repeats`` axis)."""
+    layers = check_layers(layers)
+    plan_ = plan(signature_ids([pytree_signature(x) for x in layers]))
+    pieces = tuple(
+        layers[s]
+        if r == 1
+        else stack_blocks(
+            [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
+        )
+        for s, p, r in plan_
+    )
+    return plan_, pieces
+
+
+def pytree_layer(plan_: tuple[Piece, ...], pieces: tuple, n: int, i: int) -> Any:
+    """Layer ``i`` of a pytree (or Equinox) Stack: stacked runs are sliced."""
+    k, j, m = locate(plan_, n, i)
+    if plan_[k][2] == 1:
+        return pieces[k]
+    return pytree_view(pieces[k], j)[m]
 
 
 def describe_plan(plan_: tuple[Piece, ...], layers: list[Any]) -> str:

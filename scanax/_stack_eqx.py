@@ -27,18 +27,7 @@ class EqxStack(eqx.Module):
     def __init__(
         self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
     ):
-        layers = _stack.check_layers(layers)
-        self.plan = _stack.plan(
-            _stack.signature_ids([_stack.pytree_signature(x) for x in layers])
-        )
-        self.pieces = tuple(
-            layers[s]
-            if r == 1
-            else _stack.stack_blocks(
-                [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
-            )
-            for s, p, r in self.plan
-        )
+        self.plan, self.pieces = _stack.build_pytree(layers)
         self.remat = remat
         self.unroll = unroll
         self.n = len(layers)
@@ -54,10 +43,7 @@ class EqxStack(eqx.Module):
         return self.n
 
     def __getitem__(self, i: int) -> Any:
-        k, j, m = _stack.locate(self.plan, self.n, i)
-        if self.plan[k][2] == 1:
-            return self.pieces[k]
-        return _stack.pytree_view(self.pieces[k], j)[m]
+        return _stack.pytree_layer(self.plan, self.pieces, self.n, i)
 
     def __iter__(self):
         return (self[i] for i in range(self.n))
