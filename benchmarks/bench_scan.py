@@ -53,10 +53,12 @@ def _assert_equal(a, b) -> None:
     assert all(jnp.array_equal(u, v) for u, v in zip(la, lb, strict=True))
 
 
-def _compare(case, fa, fb, args, baseline, budget, notes=""):
+def _compare(case, fa, fb, args, baseline, budget, extra=""):
+    """Check both give equal results, note whether they are the same program, and
+    time them side by side."""
     ja, jb = jax.jit(fa), jax.jit(fb)
-    _timing.block(ja(*args))  # compile both outside the timing
-    _timing.block(jb(*args))
+    _assert_equal(ja(*args), jb(*args))  # compiles both outside the timing
+    notes = _same_jaxpr(fa, fb, *args) + extra
     # Short samples (a few calls, >= 2 ms), many of them, alternating: on a shared,
     # busy machine, bursts of load then hit both sides alike and the medians hold.
     one = _timing.timed(lambda: _timing.block(ja(*args)))
@@ -94,17 +96,13 @@ def _cheap(quick: bool, budget: float) -> dict:
     def theirs(c):
         return jax.lax.scan(body, c, length=n)[0]
 
-    c0 = jnp.zeros(4)
-    _assert_equal(jax.jit(ours)(c0), jax.jit(theirs)(c0))
-    notes = _same_jaxpr(ours, theirs, c0)
     return _compare(
         f"cheap body (c + 1, float32[4]), {n} steps",
         ours,
         theirs,
-        (c0,),
+        (jnp.zeros(4),),
         "lax.scan",
         budget,
-        notes,
     )
 
 
@@ -121,18 +119,13 @@ def _matmul(quick: bool, budget: float) -> dict:
     def theirs(w, h0, xs):
         return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), h[0, 0]), h0, xs)
 
-    args = (w, h0, xs)
-    a, b = jax.jit(ours)(*args), jax.jit(theirs)(*args)
-    _assert_equal(a, b)
-    notes = _same_jaxpr(ours, theirs, *args)
     return _compare(
         f"matmul body (tanh(h @ w + x), {d}x{d}), {n} steps",
         ours,
         theirs,
-        args,
+        (w, h0, xs),
         "lax.scan",
         budget,
-        notes,
     )
 
 
@@ -153,18 +146,14 @@ def _broadcast(quick: bool, budget: float) -> dict:
     def theirs(w, h0, xs):
         return jax.lax.scan(lambda h, x: step(h, (x, w)), h0, xs)
 
-    args = (w, h0, xs)
-    a, b = jax.jit(ours)(*args), jax.jit(theirs)(*args)
-    _assert_equal(a, b)
-    notes = _same_jaxpr(ours, theirs, *args) + " (weight as a scan operand in both)"
     return _compare(
         f"broadcast {d}x{d} weight (in_axes=None), {n} steps",
         ours,
         theirs,
-        args,
+        (w, h0, xs),
         "lax.scan + closure",
         budget,
-        notes,
+        " (weight as a scan operand in both)",
     )
 
 
