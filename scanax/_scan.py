@@ -52,6 +52,7 @@ class _CarryCodec:
             for i, x in enumerate(self.leaves)
             if not _nnx.is_node(x) and is_arraylike(x)
         ]
+        self.carried = set(self.node_idx) | set(self.dyn_idx)
         self.nodes = [self.leaves[i] for i in self.node_idx]
         if self.nodes:
             self.graphdef, state = _nnx.split(self.nodes)
@@ -75,7 +76,7 @@ class _CarryCodec:
         if treedef != self.treedef:
             raise _errors.carry_structure(self.call, str(self.treedef), str(treedef))
         for i, (before, after) in enumerate(zip(self.leaves, leaves)):
-            if i in self.node_idx or i in self.dyn_idx:
+            if i in self.carried:
                 if _nnx.is_node(before) != _nnx.is_node(after):
                     raise _errors.carry_structure(
                         self.call, _errors.short_type(before), _errors.short_type(after)
