@@ -140,11 +140,15 @@ def test_nnx_equals_python_loop(steps_per_call):
     result, (model_state, opt_state) = fit_once("nnx", steps_per_call)
     assert result.steps == STEPS
     ref_model, ref_opt = nnx_pair()
-    losses = [nnx_step(ref_model, ref_opt, batch_at(t)) for t in range(STEPS)]
+    losses, maes = [], []
+    for t in range(STEPS):
+        maes.append(nnx_loss(ref_model, batch_at(t))[1]["mae"])  # before the step
+        losses.append(nnx_step(ref_model, ref_opt, batch_at(t)))
     np.testing.assert_allclose(result.history["loss"], np.array(losses), rtol=1e-5)
+    assert result.history["mae"].shape == (STEPS,)
+    np.testing.assert_allclose(result.history["mae"], np.array(maes), rtol=1e-5)
     leaves_close(model_state, nnx.state(ref_model))
     leaves_close(opt_state, nnx.state(ref_opt))
-    assert result.history["mae"].shape == (STEPS,)
 
 
 def test_nnx_objects_updated_in_place():

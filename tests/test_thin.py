@@ -169,9 +169,12 @@ def test_python_number_outputs(keep):
 
 
 def test_out_axes():
-    xs = jnp.ones((6, 2))
-    _, ys = scanax.scan(lambda c, x: (c, x * c), 1.0, xs, keep_every=2, out_axes=1)
+    xs = jnp.arange(12.0).reshape(6, 2)
+    f = lambda c, x: (c + 1.0, x * c)
+    _, ys = scanax.scan(f, 1.0, xs, keep_every=2, out_axes=1)
+    full = jax.lax.scan(f, 1.0, xs)[1]
     assert ys.shape == (2, 3)
+    np.testing.assert_array_equal(ys, jnp.moveaxis(full[1::2], 0, 1))
     with pytest.raises(ValueError, match=r"scanax.scan: `out_axes` places the step"):
         scanax.scan(lambda c, x: (c, x), 1.0, xs, keep="mean", out_axes=1)
 
