@@ -7,9 +7,11 @@ L ∈ {8, 24, 64}. For each L, side by side in one process:
   function each time); targets: ≥ 4× faster at L=24, ≥ 20× at L=64, i.e. ratios
   ≤ 0.25 and ≤ 0.05;
 * run time of the compiled gradient, interleaved medians; target ≤ 1.15×. A third
-  row times a hand-written ``jax.lax.scan`` over the same stacked parameters: the
-  Stack's jaxpr is the same, so that ratio shows scanax's own overhead (none), and
-  what remains of the first is the cost of a loop over an unrolled graph in XLA.
+  row times a hand-written ``jax.lax.scan`` over the same stacked parameters that
+  stores every residual (what ``Stack(remat=False)`` does). ``Stack``'s default
+  keeps only the matmul results of scanned layers and recomputes the elementwise
+  work in the backward pass: on CPU, storing a scanned layer's residuals costs
+  more than recomputing them.
 
 Run alone with ``python -m benchmarks.bench_stack``.
 """

@@ -77,6 +77,15 @@ def err_mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
     )
 
 
+def err_remat(remat: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `remat` must be None, False, True or a jax.checkpoint_policies "
+        f"policy, got {short_type(remat)} {remat!r}.\nFix: leave it out (stacked runs "
+        "then keep only matmul results for the backward pass), or pass remat=True "
+        "to recompute every layer, or e.g. remat=jax.checkpoint_policies.dots_saveable."
+    )
+
+
 def err_per_layer_type(per_layer: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `per_layer` must be a dict of keyword arguments, got "
@@ -214,11 +223,44 @@ def _split(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     return [leaves[i] for i in idx], rebuild
 
 
-def call_pytree_layer(layer: Any, x: Any, kwargs: dict, remat: bool) -> Any:
-    if not remat:
+# ``remat`` as the user gives it: None (the default), False, True or a policy. A
+# layer is then called with False (store everything), True (recompute everything)
+# or a policy (store what it allows).
+
+
+def check_remat(remat: Any) -> Any:
+    if remat is None or isinstance(remat, bool) or callable(remat):
+        return remat
+    raise err_remat(remat)
+
+
+def run_remat(remat: Any) -> Any:
+    """How the layers of a stacked run are checkpointed.
+
+    By default only matmul results are kept for the backward pass and the cheap
+    elementwise work between them is recomputed: on CPU, storing every residual of a
+    scanned layer costs more than recomputing them (measured in bench_stack).
+    """
+    return jax.checkpoint_policies.checkpoint_dots if remat is None else remat
+
+
+def single_remat(remat: Any) -> Any:
+    """How a layer outside any run (called directly) is checkpointed."""
+    return False if remat is None else remat
+
+
+def checkpoint_kwargs(remat: Any) -> dict:
+    """``jax.checkpoint``'s keyword arguments for ``remat`` True or a policy."""
+    return {} if remat is True else {"policy": remat}
+
+
+def call_pytree_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
+    if remat is False:
         return layer(x, **kwargs)
     arrays, rebuild = _split(layer)
-    return jax.checkpoint(lambda a, x: rebuild(a)(x, **kwargs))(arrays, x)
+    return jax.checkpoint(
+        lambda a, x: rebuild(a)(x, **kwargs), **checkpoint_kwargs(remat)
+    )(arrays, x)
 
 
 def check_carry(piece: Piece, x: Any, out: Any) -> None:
@@ -264,7 +306,7 @@ def layer_kwargs(kwargs: dict, per: dict, k: int | None = None) -> dict:
     return {**kwargs, **own}
 
 
-def _apply_block(block: tuple, x: Any, kwargs: dict, per: dict, remat: bool) -> Any:
+def _apply_block(block: tuple, x: Any, kwargs: dict, per: dict, remat: Any) -> Any:
     for k, layer in enumerate(block):
         x = call_pytree_layer(layer, x, layer_kwargs(kwargs, per, k), remat)
     return x
@@ -276,21 +318,24 @@ def apply_pytree(
     x: Any,
     kwargs: dict,
     per_layer: dict,
-    remat: bool,
+    remat: Any,
     unroll: int | bool,
 ) -> Any:
     """Apply a plain or Equinox Stack's pieces to ``x``."""
+    in_run = run_remat(remat)
     for piece, data in zip(plan_, pieces, strict=True):
         repeats = piece[2]
         per = per_layer_slice(per_layer, piece)
         if repeats == 1:
-            x = call_pytree_layer(data, x, layer_kwargs(kwargs, per), remat)
+            x = call_pytree_layer(
+                data, x, layer_kwargs(kwargs, per), single_remat(remat)
+            )
             continue
         arrays, rebuild = _split(data)
 
         def step(x, inp, piece=piece, rebuild=rebuild):
             arrays, per_j, kw = inp
-            y = _apply_block(rebuild(arrays), x, kw, per_j, remat)
+            y = _apply_block(rebuild(arrays), x, kw, per_j, in_run)
             check_carry(piece, x, y)
             return y, None
 
@@ -308,7 +353,7 @@ def apply_pytree(
             # The layers change x's shape: no scan carry can hold it; loop instead.
             for j in range(repeats):
                 block = rebuild(pytree_view(arrays, j))
-                x = _apply_block(block, x, kwargs, pytree_view(per, j), remat)
+                x = _apply_block(block, x, kwargs, pytree_view(per, j), in_run)
     return x
 
 
@@ -363,8 +408,13 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
 
     Arguments:
         layers: a list or tuple of callables ``layer(x, **kwargs) -> x``.
-        remat: wrap each layer in ``jax.checkpoint`` (recompute its activations in
-            the backward pass instead of storing them).
+        remat: what the backward pass stores. ``None`` (the default): the layers
+            of stacked runs keep only their matmul results
+            (``jax.checkpoint_policies.checkpoint_dots``) and recompute the
+            elementwise work in between; single layers store everything. ``False``:
+            every layer stores everything (a plain ``lax.scan``). ``True``: every
+            layer is wrapped in ``jax.checkpoint`` and recomputed. A
+            ``jax.checkpoint_policies`` policy: every layer, with that policy.
         unroll: as in ``jax.lax.scan``, for every stacked run.
 
     ``len(stack)``, ``stack[i]`` and ``list(stack)`` give the layers back, equal to
@@ -376,7 +426,7 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
 
     Raises:
         TypeError: ``layers`` not a list or tuple, a layer that is not callable,
-            ``per_layer`` not a dict.
+            ``per_layer`` not a dict, ``remat`` not one of the values above.
         ValueError: no layers; NNX layers sharing a Variable; a ``per_layer`` leaf
             without one entry per layer.
 
@@ -402,10 +452,10 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
         return super().__new__(cls)
 
     def __init__(
-        self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
+        self, layers: Sequence[Any], *, remat: Any = None, unroll: int | bool = 1
     ):
         self.plan, self.pieces = build_pytree(layers)
-        self.remat = remat
+        self.remat = check_remat(remat)
         self.unroll = unroll
         self.n = len(layers)
 

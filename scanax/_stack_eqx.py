@@ -20,15 +20,15 @@ class EqxStack(eqx.Module):
 
     pieces: tuple
     plan: tuple = eqx.field(static=True)
-    remat: bool = eqx.field(static=True)
+    remat: Any = eqx.field(static=True)
     unroll: int | bool = eqx.field(static=True)
     n: int = eqx.field(static=True)
 
     def __init__(
-        self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
+        self, layers: Sequence[Any], *, remat: Any = None, unroll: int | bool = 1
     ):
         self.plan, self.pieces = _stack.build_pytree(layers)
-        self.remat = remat
+        self.remat = _stack.check_remat(remat)
         self.unroll = unroll
         self.n = len(layers)
 

@@ -60,13 +60,13 @@ def _pure(graphdef: Any, leaves: list[Any], treedef: Any, fn) -> tuple[Any, list
     return run, changed
 
 
-def _call_layer(layer: Any, x: Any, kwargs: dict, remat: bool) -> Any:
-    if not remat or not nnx.graph.is_graph_node(layer):
+def _call_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
+    if remat is False or not nnx.graph.is_graph_node(layer):
         return _stack.call_pytree_layer(layer, x, kwargs, remat)
     graphdef, state = nnx.split(layer)
     leaves, treedef = jtu.tree_flatten(state)
     run, changed = _pure(graphdef, leaves, treedef, lambda m, x: m(x, **kwargs))
-    y, new = jax.checkpoint(run)(leaves, x)
+    y, new = jax.checkpoint(run, **_stack.checkpoint_kwargs(remat))(leaves, x)
     if changed:
         _write_back(layer, leaves, treedef, changed, new)
     return y
@@ -89,9 +89,10 @@ class NNXStack(nnx.Module):
     """
 
     def __init__(
-        self, layers: Sequence[Any], *, remat: bool = False, unroll: int | bool = 1
+        self, layers: Sequence[Any], *, remat: Any = None, unroll: int | bool = 1
     ):
         layers = _stack.check_layers(layers)
+        remat = _stack.check_remat(remat)
         _check_owned(layers)
         self.plan = _stack.plan(_stack.signature_ids([_signature(x) for x in layers]))
         pieces = []
@@ -119,7 +120,7 @@ class NNXStack(nnx.Module):
                 per = _stack.per_layer_slice(per_layer, piece)
                 if piece[2] == 1:
                     kw = _stack.layer_kwargs(kwargs, per)
-                    x = _call_layer(data, x, kw, self.remat)
+                    x = _call_layer(data, x, kw, _stack.single_remat(self.remat))
                 else:
                     x = self._run(piece, data, x, kwargs, per)
             return x
@@ -129,7 +130,7 @@ class NNXStack(nnx.Module):
     ) -> Any:
         graphdef, state = nnx.split(block)
         leaves, treedef = jtu.tree_flatten(state)
-        remat = self.remat
+        remat = _stack.run_remat(self.remat)
 
         def apply(module, x, kw, per_j):
             for k, layer in enumerate(module):

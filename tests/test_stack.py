@@ -224,13 +224,57 @@ def test_kwargs_remat_unroll():
     x = X[:, :1] * jnp.ones((5, 4))
     ref_loss = lambda ls, x: jnp.sum(jax.vmap(lambda v: loop(ls, v, gain=0.5))(x) ** 2)
     ref = filter_jit(eqx.filter_value_and_grad(ref_loss))(layers, x)
-    for kw in [dict(remat=True), dict(unroll=2)]:
+    policy = jax.checkpoint_policies.nothing_saveable
+    for kw in [dict(remat=True), dict(remat=False), dict(remat=policy), dict(unroll=2)]:
         stack = scanax.Stack(layers, **kw)
         loss = lambda m, x: jnp.sum(jax.vmap(lambda v: m(v, gain=0.5))(x) ** 2)
         value, grads = filter_jit(eqx.filter_value_and_grad(loss))(stack, x)
         close((value, list(grads)), ref)
     jaxpr = str(jax.make_jaxpr(jax.grad(loss))(scanax.Stack(layers, remat=True), x))
     assert "checkpoint" in jaxpr or "remat" in jaxpr
+
+
+def checkpoint_policies(fn, *args):
+    """Policies of the checkpoints in fn's jaxpr: (outside scans, inside scans)."""
+    outside, inside = [], []
+
+    def walk(jaxpr, in_scan):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "remat2":  # jax.checkpoint
+                (inside if in_scan else outside).append(e.params["policy"])
+            for sub in e.params.values():
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    walk(
+                        getattr(sub, "jaxpr", sub),
+                        in_scan or e.primitive.name == "scan",
+                    )
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return outside, inside
+
+
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+def test_remat_default_keeps_matmuls_in_runs_only(kind):
+    """By default only stacked runs are checkpointed, saving matmul results; the
+    end layers run as written; remat=False checkpoints nothing; values and
+    gradients are those of the plain loop either way."""
+    layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
+    x = X
+    dots = jax.checkpoint_policies.checkpoint_dots
+    for remat, want in [(None, ([], [dots])), (False, ([], []))]:
+        stack = scanax.Stack(layers, remat=remat)
+        fn = (lambda m, x: jax.vmap(m)(x)) if kind == "eqx" else (lambda m, x: m(x))
+        if kind == "nnx":
+            graphdef, state = nnx.split(stack)
+            fn = lambda s, x: nnx.merge(graphdef, s)(x)
+            stack = state
+        assert checkpoint_policies(fn, stack, x) == want
+        g = jit(jax.grad(lambda m, x: jnp.sum(jnp.sin(fn(m, x)))))(stack, x)
+        if kind == "eqx":
+            ref = jax.grad(
+                lambda ls, x: jnp.sum(jnp.sin(jax.vmap(lambda v: loop(ls, v))(x)))
+            )(layers, x)
+            close(list(g), ref)
 
 
 class Noisy(eqx.Module):
@@ -430,3 +474,9 @@ def test_errors():
         r"share the Variable at",
     ):
         scanax.Stack([shared, other])
+    with pytest.raises(
+        TypeError,
+        match=r"^scanax\.Stack: `remat` must be None, False, True or a "
+        r"jax\.checkpoint_policies policy, got str 'sqrt'\.\nFix: leave it out",
+    ):
+        scanax.Stack([jnp.sin, jnp.cos], remat="sqrt")
