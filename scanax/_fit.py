@@ -62,7 +62,7 @@ def fit(
     batch_size: int | None = None,
     key: Any = None,
     steps_per_call: int | None = None,
-    progress: bool = True,
+    progress: bool | int | _progress.Progress = True,
     checkpoint_dir: Any = None,
     checkpoint_every: int | None = None,
     mesh: Any = None,
@@ -103,8 +103,10 @@ def fit(
         steps_per_call: steps run per compiled call; the progress bar, NaN check and
             checkpoints happen between calls. Results do not depend on it. Default:
             ``min(steps, 100)``.
-        progress: show a tqdm bar with steps/s and the latest loss, updated from
-            inside the compiled loop (about 10 times a second) and between calls.
+        progress: a tqdm bar with steps/s and the latest loss, updated from inside
+            the compiled loop and between calls. As in ``scanax.scan``: ``True``
+            (about 10 updates a second), ``False`` (silent), an int (update every
+            that many steps) or ``scanax.Progress(every=..., desc=..., ...)``.
         checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
             ``docs/checkpoint.md``.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
@@ -160,7 +162,8 @@ def fit(
         mesh = _mesh.auto(mesh)
         if source.kind == "array":
             _mesh.check_batch(mesh, source.batch_size, "batch_size")
-    run = _Run(adapter, source, loss_fn, steps, length, progress, mesh)
+    spec = _progress.resolve(_CALL, progress)
+    run = _Run(adapter, source, loss_fn, steps, length, spec, mesh)
     run.auto = steps_per_call is None and source.kind == "array"
     if checkpoint_dir is not None:
         run.resume(checkpoint_dir, checkpoint_every)
@@ -245,7 +248,7 @@ def _build_chunk(
     """``chunk(leaves, stopped, start, count, every, data, key, xs)``: up to
     ``count`` steps from global step ``start``, ending early at a non-finite step.
     With ``progress``, every ``every``-th global step reports to the host from
-    inside the loop (``_report_step``), so the bar moves during long calls too.
+    inside the loop (``_progress.tick_newest``), so the bar moves during long calls.
 
     A ``lax.while_loop`` rather than a scan: the number of steps per call varies
     (the automatic schedule, the last call, a NaN) without recompiling, and steps
@@ -318,15 +321,7 @@ def _build_chunk(
                 )
                 stop = ~(loss_ok & grads_ok)
                 if progress:
-                    jax.lax.cond(
-                        (t + 1) % every == 0,
-                        lambda: jax.debug.callback(
-                            lambda done, loss: _report_step(done, loss),
-                            t + 1,
-                            out["loss"],
-                        ),
-                        lambda: None,
-                    )
+                    _progress.tick_newest((t + 1) % every == 0, t + 1, out["loss"])
                 return i + 1, leaves, stop, perm, bufs, (loss_ok, grads_ok)
 
             i, leaves, stopped_out, _, bufs, flags = jax.lax.while_loop(
@@ -361,7 +356,7 @@ def _strong(leaves: list) -> list:
 class _Run:
     """One ``fit`` call: dispatch chunks, keep one in flight, collect history."""
 
-    def __init__(self, adapter, source, loss_fn, steps, length, progress, mesh):
+    def __init__(self, adapter, source, loss_fn, steps, length, spec, mesh):
         self.adapter, self.source, self.steps, self.length = (
             adapter,
             source,
@@ -375,7 +370,7 @@ class _Run:
         if mesh is not None:
             shardings = tuple(_mesh.state_shardings(mesh, adapter, self.leaves))
             self.leaves = _mesh.place(self.leaves, shardings)
-        self.in_loop = bool(progress) and mesh is None
+        self.in_loop = spec is not None and mesh is None
         self.compiled = _chunk_function(
             adapter,
             source,
@@ -395,7 +390,7 @@ class _Run:
         self.done = 0  # steps applied
         self.history: dict[str, list[np.ndarray]] = {"loss": []}
         self.halted = False
-        self.progress = progress
+        self.spec = spec
         self.bar = None
         if source.kind == "array":
             self.data, self.key = source.data, source.key
@@ -466,11 +461,22 @@ class _Run:
             start += count
 
     def go(self) -> FitResult:
+        shown: Any = contextlib.nullcontext()
+        if self.spec is not None:
+            self.bar = _progress.open_bar(
+                self.spec,
+                self.steps,
+                _CALL,
+                desc=_CALL,
+                unit="step",
+                initial=self.done,
+            )
+            shown = _progress.showing(self.bar)
+        with shown:
+            return self._go()
+
+    def _go(self) -> FitResult:
         pending = None
-        if self.progress:
-            self.bar = _progress_bar(self.steps)
-            self.bar.update(self.done)
-            _BARS.append(self.bar)
         try:
             chunks = self._chunks()
             nxt = next(chunks, None)
@@ -507,9 +513,6 @@ class _Run:
             if self.ckpt is not None:
                 self.ckpt.save(self.done, self.leaves, self.key, self._history())
         finally:
-            if self.bar is not None:
-                _BARS.remove(self.bar)
-                self.bar.close()
             if self.ckpt is not None:
                 self.ckpt.close()
         state = jtu.tree_unflatten(self.treedef, self.leaves)
@@ -590,10 +593,13 @@ class _Run:
         self.last_collect = now
 
     def _every(self, count: int) -> int:
-        """Steps between in-loop reports: about 10 a second once the speed is
-        known, else 10 a call; more than ``count`` (none) without a bar."""
+        """Steps between in-loop reports: ``Progress.every``, or about 10 a second
+        once the speed is known, else 10 a call; more than ``count`` (none) without
+        a bar."""
         if not self.in_loop:
             return count + 1
+        if self.spec.every is not None:
+            return self.spec.every
         known = self.compiled.seconds_per_step
         if known is None:
             return max(1, count // 10)
@@ -612,24 +618,5 @@ class _Run:
             f"{_CALL}: step {t} gave {' and '.join(what)}; training stopped before "
             f"applying it. The result holds the state after {self.done} good steps.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
-
-
-_BARS: list[Any] = []  # the bars of the fit calls running now, newest last
-
-
-def _report_step(done: Any, loss: Any) -> None:
-    """Host side of an in-loop report: move the newest bar forward (reports may
-    arrive out of order, so it never moves back)."""
-    if _BARS:
-        bar = _BARS[-1]
-        done = int(done)
-        if done > bar.n:
-            bar.update(done - bar.n)
-            bar.set_postfix(loss=f"{float(loss):.4g}")
-
-
-def _progress_bar(total: int) -> Any:
-    tqdm = _progress.load_tqdm(_CALL, "progress=True", "pass progress=False")
-    return tqdm(total=total, unit="step", desc=_CALL, dynamic_ncols=True)

@@ -12,13 +12,20 @@ to a constant.
 
 The callbacks are unordered (ordered effects would not run on several devices),
 so the host side tolerates reports that arrive permuted (see ``_Bar``).
+
+``scanax.fit`` takes the same ``progress=`` values and opens its bar with
+``open_bar``. Its compiled loop is shared by every ``fit`` call of the same
+structure, so it cannot close over one bar: it reports with ``tick_newest`` to the
+newest bar that ``showing`` holds open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools as ft
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -41,9 +48,12 @@ class Progress:
         desc: the bar's label.
         leave: keep the finished bar on screen (tqdm's ``leave``).
         position: tqdm's ``position`` (the line, for nested bars).
-        unit: tqdm's ``unit``.
+        unit: tqdm's ``unit``; ``None`` (default): ``"it"``, or ``"step"`` in
+            ``scanax.fit``.
 
     ``progress=True`` is ``Progress()``; ``progress=n`` is ``Progress(every=n)``.
+    ``scanax.fit(..., progress=...)`` takes the same values; there ``every=None``
+    means about 10 updates a second (its calls vary in length).
 
     Example:
         >>> import scanax
@@ -54,7 +64,7 @@ class Progress:
     desc: str | None = None
     leave: bool = True
     position: int | None = None
-    unit: str = "it"
+    unit: str | None = None
 
 
 def resolve(call: str, progress: Any) -> Progress | None:
@@ -87,16 +97,79 @@ def resolve(call: str, progress: Any) -> Progress | None:
     return spec
 
 
-def load_tqdm(call: str, option: str = "`progress=`", off: str = "drop it") -> Any:
+def load_tqdm(call: str) -> Any:
     """``tqdm.auto.tqdm``, or an ImportError saying how to get it or turn it off."""
     try:
         from tqdm.auto import tqdm
     except ImportError as err:
         raise ImportError(
-            f"{call}: {option} needs tqdm, which is not installed.\nFix: `pip "
-            f"install tqdm` (or `pip install scanax[progress]`), or {off}."
+            f"{call}: `progress=` needs tqdm, which is not installed.\nFix: `pip "
+            "install tqdm` (or `pip install scanax[progress]`), or pass "
+            "progress=False."
         ) from err
     return tqdm
+
+
+def open_bar(
+    spec: Progress,
+    total: int,
+    call: str,
+    *,
+    desc: str | None = None,
+    unit: str = "it",
+    initial: int = 0,
+) -> Any:
+    """A new tqdm bar as ``spec`` asks; ``desc`` and ``unit`` are the caller's
+    defaults for what ``spec`` leaves as None."""
+    tqdm = load_tqdm(call)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=spec.desc if spec.desc is not None else desc,
+        leave=spec.leave,
+        position=spec.position,
+        unit=spec.unit if spec.unit is not None else unit,
+        dynamic_ncols=True,
+    )
+
+
+# ------------------------------------------------------- bars of shared compiled loops
+
+_OPEN: list[Any] = []  # bars that ``tick_newest`` reports to, newest last
+
+
+@contextlib.contextmanager
+def showing(bar: Any) -> Iterator[Any]:
+    """Hold ``bar`` open as the newest one while the block runs, then close it."""
+    _OPEN.append(bar)
+    try:
+        yield bar
+    finally:
+        _OPEN.remove(bar)
+        bar.close()
+
+
+def report_newest(done: Any, loss: Any) -> None:
+    """Host side of ``tick_newest``: move the newest bar to ``done`` steps and show
+    ``loss``. Reports may arrive out of order, so the bar never moves back."""
+    if _OPEN:
+        bar, done = _OPEN[-1], int(done)
+        if done > bar.n:
+            bar.update(done - bar.n)
+            bar.set_postfix(loss=f"{float(loss):.4g}")
+
+
+def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:
+    """In a compiled loop: if ``when``, report ``done`` and ``loss`` to the newest
+    bar (``report_newest``)."""
+    with jax.named_scope("scanax.progress"):
+        jax.lax.cond(
+            when,
+            lambda d, v: jax.debug.callback(lambda d, v: report_newest(d, v), d, v),
+            lambda d, v: None,
+            done,
+            loss,
+        )
 
 
 def default_every(length: int) -> int:
@@ -120,15 +193,7 @@ class _Bar:
 
     def report(self, done: Any, last: Any) -> None:
         if self.bar is None:
-            tqdm = load_tqdm("scanax.scan")
-            self.bar = tqdm(
-                total=self.total,
-                desc=self.spec.desc,
-                leave=self.spec.leave,
-                position=self.spec.position,
-                unit=self.spec.unit,
-                dynamic_ncols=True,
-            )
+            self.bar = open_bar(self.spec, self.total, "scanax.scan")
             self.received = 0
         done = self.total if bool(last) else int(done)
         if done > self.bar.n:

@@ -291,10 +291,12 @@ def test_progress_reports_from_inside_the_loop(monkeypatch):
     """With a bar, each compiled call reports every few steps from inside the loop
     (a call of 60 steps with unknown speed: every 6th step), and the result is the
     same as without a bar."""
-    import scanax._fit as fit_module
+    import scanax._progress as progress_module
 
     seen = []
-    monkeypatch.setattr(fit_module, "_report_step", lambda d, loss: seen.append(int(d)))
+    monkeypatch.setattr(
+        progress_module, "report_newest", lambda d, loss: seen.append(int(d))
+    )
     model, opt = nnx_pair()
     kwargs = dict(steps=60, batch_size=BS, key=KEY, steps_per_call=60)
     with_bar = scanax.fit(model, opt, nnx_loss, (X, Y), progress=True, **kwargs)
@@ -304,6 +306,39 @@ def test_progress_reports_from_inside_the_loop(monkeypatch):
     without = fit_quiet(model2, opt2, nnx_loss, (X, Y), **kwargs)
     np.testing.assert_array_equal(with_bar.history["loss"], without.history["loss"])
     leaves_equal(nnx.state(model), nnx.state(model2))
+
+
+def test_progress_spec_as_in_scan(monkeypatch, capsys):
+    """fit takes scan's progress values: an int or a scanax.Progress sets the
+    in-loop cadence exactly (here every 5 steps, over calls of 7), its label and
+    unit; bad values get scan's error."""
+    import scanax._progress as progress_module
+
+    seen = []
+    report = progress_module.report_newest
+    monkeypatch.setattr(
+        progress_module,
+        "report_newest",
+        lambda d, loss: (seen.append(int(d)), report(d, loss)),
+    )
+    kwargs = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=7)
+    spec = scanax.Progress(every=5, desc="train", unit="batch")
+    model, opt = nnx_pair()
+    scanax.fit(model, opt, nnx_loss, (X, Y), progress=spec, **kwargs)
+    jax.effects_barrier()
+    assert sorted(seen) == list(range(5, STEPS + 1, 5))
+    err = capsys.readouterr().err
+    assert "train: 100%" in err and f"{STEPS}/{STEPS}" in err and "batch/s" in err
+    seen.clear()
+    scanax.fit(*nnx_pair(), nnx_loss, (X, Y), progress=4, **kwargs)
+    jax.effects_barrier()
+    assert sorted(seen) == list(range(4, STEPS + 1, 4))
+    with pytest.raises(
+        TypeError, match=r"^scanax\.fit: `progress` must be False, True, a positive"
+    ):
+        scanax.fit(*nnx_pair(), nnx_loss, (X, Y), progress="yes", **kwargs)
+    with pytest.raises(ValueError, match=r"^scanax\.fit: the progress bar's `every`"):
+        scanax.fit(*nnx_pair(), nnx_loss, (X, Y), progress=0, **kwargs)
 
 
 def test_progress_false_is_silent(capsys):
@@ -327,7 +362,7 @@ def test_progress_without_tqdm(monkeypatch):
     model, opt = nnx_pair()
     with pytest.raises(
         ImportError,
-        match=r"(?s)scanax.fit: progress=True needs tqdm.*or pass progress=False",
+        match=r"(?s)scanax.fit: `progress=` needs tqdm.*or pass progress=False",
     ):
         scanax.fit(model, opt, nnx_loss, (X, Y), steps=3, batch_size=BS)
 

@@ -194,6 +194,6 @@ def test_missing_tqdm(monkeypatch):
     with pytest.raises(
         ImportError,
         match=r"(?s)scanax.scan: `progress=` needs tqdm, which is not installed.*"
-        r"Fix: `pip install tqdm`.*or drop it",
+        r"Fix: `pip install tqdm`.*or pass progress=False",
     ):
         scanax.scan(lambda c, _: (c, None), 0.0, length=3, progress=True)
