@@ -417,8 +417,7 @@ class _Run:
                 batch_size=self.source.batch_size,
                 shuffle=self.source.shuffle,
             )
-        paths = [p for p, _ in jtu.tree_flatten_with_path(self.adapter.state)[0]]
-        names = [self.adapter.name(p) for p in paths]
+        names = self.adapter.names()
         self.ckpt = _checkpoint.Checkpoints(directory, every, names, desc)
         found = self.ckpt.restore(self.leaves, self.key)
         if found is None:
@@ -477,6 +476,8 @@ class _Run:
 
     def _go(self) -> FitResult:
         pending = None
+        first = self.good = self.leaves  # the last state checked to be finite
+        handed = False  # the model may hold a state not yet checked
         try:
             chunks = self._chunks()
             nxt = next(chunks, None)
@@ -509,15 +510,28 @@ class _Run:
                 # prepared while this one trains.
                 nxt = next(chunks, None)
             if pending is not None:
+                # Hand the result over while the last call runs (an NNX update
+                # then overlaps it); a bad step found below replaces it.
+                handed = True
+                model, optimizer = self._finish(self.leaves)
                 self._collect(*pending)
             if self.ckpt is not None:
                 self.ckpt.save(self.done, self.leaves, self.key, self._history())
+        except BaseException:
+            # Interrupted or failed: NNX objects keep the last checked state.
+            if handed or self.good is not first:
+                self._finish(self.good)
+            raise
         finally:
             if self.ckpt is not None:
                 self.ckpt.close()
-        state = jtu.tree_unflatten(self.treedef, self.leaves)
-        model, optimizer = self.adapter.finish(state)
+        if not handed or self.halted:
+            model, optimizer = self._finish(self.leaves)
         return FitResult(model, optimizer, self._history(), self.done)
+
+    def _finish(self, leaves: list) -> tuple[Any, Any]:
+        """The model and optimizer holding ``leaves`` (NNX: written in place)."""
+        return self.adapter.finish(jtu.tree_unflatten(self.treedef, leaves))
 
     def _history(self) -> dict[str, np.ndarray]:
         return {
@@ -560,6 +574,7 @@ class _Run:
             and end % self.ckpt.every == 0
         ):
             self.ckpt.save(end, leaves, self.key, self._history())
+        self.good = self.leaves if self.halted else leaves
 
     def _redo(self, inputs: tuple, count: int) -> list:
         """The state after the ``count`` good steps of a call that hit a bad one."""
@@ -618,5 +633,5 @@ class _Run:
             f"{_CALL}: step {t} gave {' and '.join(what)}; training stopped before "
             f"applying it. The result holds the state after {self.done} good steps.",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=6,  # the user's fit(...) line
         )

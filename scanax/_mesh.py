@@ -69,7 +69,7 @@ def state_shardings(mesh: Any, adapter: Any, leaves: list) -> list:
     specs = None
     nnx = sys.modules.get("flax.nnx")
     if adapter.kind == "nnx" and nnx is not None:
-        tree = nnx.get_partition_spec(adapter.state)
+        tree = adapter.partition_specs()
         specs = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
         if len(specs) != len(leaves):
             specs = None

@@ -61,26 +61,40 @@ def split_loss(call: str, out: Any) -> tuple[Any, dict]:
 
 
 class NNXAdapter:
-    """``(nnx.Module, nnx.Optimizer)``: both carried as one ``nnx.split`` state."""
+    """``(nnx.Module, nnx.Optimizer)``: both carried as one flat list of Variable
+    values, written back into the same Variables at the end."""
 
     kind = "nnx"
 
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
-        self.graphdef, self.state = _nnx.split([model, optimizer])
+        self.graphdef, self.variables, self.paths = _nnx.flatten([model, optimizer])
+        nnx = sys.modules["flax.nnx"]
+        self.writable = all(isinstance(v, nnx.Variable) for v in self.variables)
+        self.state = [
+            v.get_value() if isinstance(v, nnx.Variable) else v for v in self.variables
+        ]
         self.static = ("nnx", self.graphdef)
 
-    def name(self, path: tuple) -> str:
-        """``model['l1']['kernel']`` for a path into the joint state."""
-        head = ("model", "optimizer")[path[0].key]
-        return head + jtu.keystr(path[1:]).removesuffix(".value")
+    def names(self) -> list[str]:
+        """``model['l1']['kernel']`` for each leaf of the state."""
+        out = []
+        for path, _ in jtu.tree_flatten_with_path(self.state)[0]:
+            head, *rest = self.paths[path[0].idx]
+            keys = "".join(f"[{k!r}]" for k in rest)
+            out.append(("model", "optimizer")[head] + keys + jtu.keystr(path[1:]))
+        return out
+
+    def partition_specs(self) -> Any:
+        """The Variables' sharding annotations, one per leaf of the state."""
+        return sys.modules["flax.nnx"].get_partition_spec(self.variables)
 
     def make_step(self, loss_fn: Callable) -> Callable:
         nnx = sys.modules["flax.nnx"]
         graphdef = self.graphdef
 
         def step(state, batch):
-            model, optimizer = nnx.merge(graphdef, state)
+            model, optimizer = _nnx.unflatten(graphdef, state)
             grad_fn = nnx.value_and_grad(
                 lambda m, b: split_loss(_CALL, loss_fn(m, b)),
                 argnums=nnx.DiffState(0, optimizer.wrt),
@@ -88,12 +102,17 @@ class NNXAdapter:
             )
             (loss, metrics), grads = grad_fn(model, batch)
             optimizer.update(model, grads)
-            return nnx.split([model, optimizer])[1], loss, metrics, grads
+            return _nnx.values([model, optimizer]), loss, metrics, grads
 
         return step
 
     def finish(self, state: Any) -> tuple[Any, Any]:
-        _nnx.update(list(self.objects), state)
+        if self.writable:
+            for var, value in zip(self.variables, state, strict=True):
+                var.set_value(value)
+        else:  # a leaf outside a Variable: let NNX put everything back
+            new = _nnx.unflatten(self.graphdef, state)
+            _nnx.update(list(self.objects), _nnx.split(new)[1])
         return self.objects
 
 
@@ -128,8 +147,9 @@ class OptaxAdapter:
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
         self.static = ("optax", treedef, train, other, statics, tx)
 
-    def name(self, path: tuple) -> str:
-        return _optax_name(self, path)
+    def names(self) -> list[str]:
+        flat = jtu.tree_flatten_with_path(self.state)[0]
+        return [_optax_name(self, path) for path, _ in flat]
 
     def make_step(self, loss_fn: Callable) -> Callable:
         tx, layout = self.tx, self.layout  # no arrays: the step is cached
@@ -189,8 +209,9 @@ class TrainStateAdapter:
         self.state = state
         self.static = ("trainstate", jtu.tree_structure(state))
 
-    def name(self, path: tuple) -> str:
-        return "state" + jtu.keystr(path)
+    def names(self) -> list[str]:
+        flat = jtu.tree_flatten_with_path(self.state)[0]
+        return ["state" + jtu.keystr(path) for path, _ in flat]
 
     def make_step(self, loss_fn: Callable) -> Callable:
         def step(state, batch):

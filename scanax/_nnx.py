@@ -34,6 +34,23 @@ def split(nodes: list[Any]) -> tuple[Any, Any]:
     return _nnx().split(nodes)
 
 
+def flatten(nodes: list[Any]) -> tuple[Any, list[Any], list[tuple]]:
+    """``(graphdef, leaves, paths)`` of NNX nodes, jointly: the leaves are the
+    Variables themselves (about half the cost of ``nnx.split``)."""
+    graphdef, flat = _nnx().graph.flatten(nodes, with_paths=True)
+    return graphdef, list(flat.leaves), list(flat.paths)
+
+
+def values(nodes: list[Any]) -> list[Any]:
+    """The values of the nodes' Variables, in ``flatten``'s order."""
+    return _nnx().graph.flatten(nodes, with_paths=False)[1]
+
+
+def unflatten(graphdef: Any, values: list[Any]) -> list[Any]:
+    """New nodes from ``flatten``'s graphdef and a list of values."""
+    return _nnx().graph.unflatten(graphdef, values)
+
+
 def merge(graphdef: Any, state: Any) -> list[Any]:
     return _nnx().merge(graphdef, state)
 

@@ -440,6 +440,31 @@ def test_nan_loss_stops_and_keeps_last_good_state(bad_step):
     leaves_equal(nnx.state(opt), nnx.state(ref_opt))
 
 
+def test_interrupt_keeps_the_last_checked_state(monkeypatch):
+    """Ctrl-C while fit waits for a call: the NNX objects hold the state after the
+    calls already checked (here the first 7 steps), exactly, not a half-run one."""
+    import scanax._fit as fit_module
+
+    batches = [batch_at(t) for t in range(STEPS)]
+    real_get, calls = jax.device_get, []
+
+    def interrupted(x):
+        calls.append(1)
+        if len(calls) == 2:  # waiting for the second call of 7 steps
+            raise KeyboardInterrupt
+        return real_get(x)
+
+    monkeypatch.setattr(fit_module.jax, "device_get", interrupted)
+    model, opt = nnx_pair()
+    with pytest.raises(KeyboardInterrupt):
+        fit_quiet(model, opt, nnx_loss, batches, steps=STEPS, steps_per_call=7)
+    monkeypatch.setattr(fit_module.jax, "device_get", real_get)
+    ref_model, ref_opt = nnx_pair()
+    fit_quiet(ref_model, ref_opt, nnx_loss, batches[:7], steps=7, steps_per_call=7)
+    leaves_equal(nnx.state(model), nnx.state(ref_model))
+    leaves_equal(nnx.state(opt), nnx.state(ref_opt))
+
+
 @jax.custom_jvp
 def poison(b, bad):
     """0 in value; a NaN gradient for ``b`` where ``bad``."""
