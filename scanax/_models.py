@@ -69,10 +69,16 @@ class NNXAdapter:
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
         self.graphdef, self.variables, self.paths = _nnx.flatten([model, optimizer])
+        # Plain Variables are read and written directly; anything else (a leaf
+        # outside a Variable, an array ref) goes through nnx.update at the end.
         nnx = sys.modules["flax.nnx"]
-        self.writable = all(isinstance(v, nnx.Variable) for v in self.variables)
+        self.writable = all(
+            isinstance(v, nnx.Variable) and isinstance(v.get_raw_value(), jax.Array)
+            for v in self.variables
+        )
         self.state = [
-            v.get_value() if isinstance(v, nnx.Variable) else v for v in self.variables
+            v.get_raw_value() if isinstance(v, nnx.Variable) else v
+            for v in self.variables
         ]
         self.static = ("nnx", self.graphdef)
 
@@ -109,8 +115,8 @@ class NNXAdapter:
     def finish(self, state: Any) -> tuple[Any, Any]:
         if self.writable:
             for var, value in zip(self.variables, state, strict=True):
-                var.set_value(value)
-        else:  # a leaf outside a Variable: let NNX put everything back
+                var.set_raw_value(value)
+        else:
             new = _nnx.unflatten(self.graphdef, state)
             _nnx.update(list(self.objects), _nnx.split(new)[1])
         return self.objects

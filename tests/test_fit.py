@@ -440,6 +440,30 @@ def test_nan_loss_stops_and_keeps_last_good_state(bad_step):
     leaves_equal(nnx.state(opt), nnx.state(ref_opt))
 
 
+class WithData(nnx.Module):
+    """An NNX model with an array outside any Variable (``nnx.data``)."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        self.scale = nnx.data(jnp.full((1,), 0.5))
+
+    def __call__(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_nnx_array_outside_a_variable():
+    """Such a leaf is carried unchanged and written back with the rest, and the
+    Variables are trained as in a Python loop."""
+    model, ref = WithData(), WithData()
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, TX, wrt=nnx.Param)
+    result = fit_quiet(model, opt, nnx_loss, (X, Y), steps=9, batch_size=BS)
+    losses = [nnx_step(ref, ref_opt, batch_at(t, key=None)) for t in range(9)]
+    np.testing.assert_allclose(result.history["loss"], losses, rtol=1e-5)
+    leaves_close(nnx.state(model), nnx.state(ref))
+    assert model.scale is not None and float(model.scale[0]) == 0.5
+
+
 def test_interrupt_keeps_the_last_checked_state(monkeypatch):
     """Ctrl-C while fit waits for a call: the NNX objects hold the state after the
     calls already checked (here the first 7 steps), exactly, not a half-run one."""
