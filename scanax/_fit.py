@@ -124,6 +124,8 @@ def fit(
     A step whose loss or gradients are not finite is not applied: training stops
     there with a ``RuntimeWarning`` naming the step, and the result holds the last
     good state.
+    If ``fit`` is interrupted (Ctrl-C) or fails, NNX objects hold the state after
+    the last call checked to be finite, and the exception propagates.
 
     Example:
         >>> import jax.numpy as jnp, optax, scanax

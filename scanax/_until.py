@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors
-from ._scan import _call_lowering, move_out_axes, prepare
+from . import _errors, _remat
+from ._scan import Loop, _call_lowering, move_out_axes, prepare
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -46,6 +46,7 @@ def scan_until(
     until: Callable[[Carry], Any],
     in_axes: Any = 0,
     out_axes: Any = 0,
+    remat: Any = False,
 ) -> tuple[Carry, Y, jax.Array]:
     """``scanax.scan`` that ends after the first step whose new carry satisfies
     ``until``.
@@ -79,6 +80,9 @@ def scan_until(
     Arguments:
         f, init, xs, length, reverse, unroll, in_axes, out_axes: as in
             ``scanax.scan`` (``unroll`` applies to the differentiated scan).
+        remat: as in ``scanax.scan``, for the differentiated scan: ``True`` or a
+            ``jax.checkpoint_policies`` policy checkpoints each step; ``"sqrt"``
+            nests it in √T checkpointed chunks (O(√T) carries stored).
         until: ``until(carry) -> bool``: a function of the carry returning a scalar
             boolean (a Python bool or a ``bool[]`` array).
 
@@ -101,6 +105,7 @@ def scan_until(
         (16.0, 4, [1.0, 2.0, 4.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     """
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
+    remat = _remat.resolve(_CALL, remat)
     if not callable(until):
         raise TypeError(
             f"{_CALL}: `until` must be a function until(carry) -> bool, got "
@@ -118,9 +123,21 @@ def scan_until(
         new, y = loop.body(dynamic, x)
         return new, y, jnp.asarray(stop(new))
 
+    if remat is not None and remat != "sqrt":
+        policy = None if remat is True else remat
+        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+
     def lowering():
         with jax.named_scope("scanax.until"):
-            return run_until(step, init_arrays, loop.xs, loop.length, reverse, unroll)
+            return run_until(
+                step,
+                init_arrays,
+                loop.xs,
+                loop.length,
+                reverse,
+                unroll,
+                sqrt=remat == "sqrt",
+            )
 
     dynamic, ys, steps = _call_lowering(codec, f, lowering)
     return codec.finish(dynamic), move_out_axes(_CALL, ys, out_axes), steps
@@ -154,15 +171,22 @@ def _x_example(xs: Any) -> Any:
 
 
 def run_until(
-    step: Callable, init: Any, xs: Any, length: int, reverse: bool, unroll: Any
+    step: Callable,
+    init: Any,
+    xs: Any,
+    length: int,
+    reverse: bool,
+    unroll: Any,
+    sqrt: bool = False,
 ) -> tuple[Any, Any, jax.Array]:
-    """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``."""
+    """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``.
+    With ``sqrt``, the differentiated scan is √T-checkpointed."""
     converted, consts = jax.closure_convert(step, init, _x_example(xs))
     y_shape = jax.eval_shape(converted, init, _x_example(xs), *consts)[1]
     if length == 0:
         ys = jtu.tree_map(lambda s: jnp.zeros((0, *s.shape), s.dtype), y_shape)
         return init, ys, jnp.zeros((), jnp.int32)
-    fn = _early_exit(converted, y_shape, length, reverse, unroll)
+    fn = _early_exit(converted, y_shape, length, reverse, unroll, sqrt)
     return fn(init, xs, tuple(consts))
 
 
@@ -170,7 +194,7 @@ def _zeros(shapes: Any) -> Any:
     return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _early_exit(step, y_shape, length, reverse, unroll):
+def _early_exit(step, y_shape, length, reverse, unroll, sqrt):
     @jax.custom_jvp
     def fn(init, xs, consts):
         return _while(step, y_shape, length, reverse, init, xs, consts)
@@ -178,7 +202,9 @@ def _early_exit(step, y_shape, length, reverse, unroll):
     @fn.defjvp
     def fn_jvp(primals, tangents):
         select = _any_batched(primals)
-        scan = ft.partial(_masked_scan, step, y_shape, length, reverse, unroll, select)
+        scan = ft.partial(
+            _masked_scan, step, y_shape, length, reverse, unroll, select, sqrt
+        )
         return jax.jvp(scan, primals, tangents)
 
     return fn
@@ -222,7 +248,9 @@ def _any_batched(tree: Any) -> bool:
     return any(isinstance(x, BatchTracer) for x in jtu.tree_leaves(tree))
 
 
-def _masked_scan(step, y_shape, length, reverse, unroll, select, init, xs, consts):
+def _masked_scan(
+    step, y_shape, length, reverse, unroll, select, sqrt, init, xs, consts
+):
     """The differentiable twin: all steps, those after the stop skipped by a cond
     (or, when batched, run and discarded by a select)."""
 
@@ -248,6 +276,10 @@ def _masked_scan(step, y_shape, length, reverse, unroll, select, init, xs, const
         return (carry, done | stop, steps + (~done).astype(jnp.int32)), y
 
     state = (init, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+    if sqrt:
+        loop = Loop(body, state, xs, length)
+        (carry, _, steps), ys, _ = _remat.run_sqrt(loop, reverse, unroll)
+        return carry, ys, steps
     (carry, _, steps), ys = jax.lax.scan(
         body, state, xs, length=length, reverse=reverse, unroll=unroll
     )
