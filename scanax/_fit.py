@@ -63,6 +63,7 @@ def fit(
     key: Any = None,
     steps_per_call: int | None = None,
     progress: bool | int | _progress.Progress = True,
+    opt_state: Any = None,
     checkpoint_dir: Any = None,
     checkpoint_every: int | None = None,
     mesh: Any = None,
@@ -86,7 +87,8 @@ def fit(
         model, optimizer: one of the supported pairs:
             ``(nnx.Module, nnx.Optimizer)``: both updated in place;
             ``(Equinox module or any pytree of arrays, optax.GradientTransformation)``:
-            the floating-point arrays are trained, starting from ``tx.init``;
+            the floating-point arrays are trained, starting from ``tx.init`` (or
+            from ``opt_state``);
             ``(flax TrainState, None)``: the state's own ``tx`` is used.
         loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, metrics)``, with a
             scalar floating-point loss and a dict of array metrics. For a
@@ -107,6 +109,9 @@ def fit(
             the compiled loop and between calls. As in ``scanax.scan``: ``True``
             (about 10 updates a second), ``False`` (silent), an int (update every
             that many steps) or ``scanax.Progress(every=..., desc=..., ...)``.
+        opt_state: for an optax pair only: the optax state to start from (the
+            ``result.optimizer`` of an earlier ``fit``), to continue training exactly
+            where it stopped. Default: ``tx.init`` of the model's parameters.
         checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
             ``docs/checkpoint.md``.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
@@ -117,7 +122,8 @@ def fit(
 
     Raises:
         TypeError: an unsupported (model, optimizer) pair, a non-scalar loss,
-            ``steps`` or ``batch_size`` not an int, missing ``batch_size``.
+            ``steps`` or ``batch_size`` not an int, missing ``batch_size``,
+            ``opt_state`` with a non-optax pair or unlike ``tx.init(params)``.
         ValueError: arrays in ``data`` with different leading sizes, a
             ``batch_size`` larger than the data, a non-positive ``steps``.
 
@@ -145,7 +151,7 @@ def fit(
             f"got {_errors.short_type(loss_fn)}.\nFix: pass the loss function third: "
             "fit(model, optimizer, loss_fn, data, steps=...)."
         )
-    adapter = _models.adapt(model, optimizer)
+    adapter = _models.adapt(model, optimizer, opt_state)
     source = _data.make_source(data, batch_size, key)
     if steps_per_call is None:
         length = min(steps, _MAX_STEPS_PER_CALL[source.kind])

@@ -133,7 +133,7 @@ class OptaxAdapter:
 
     kind = "optax"
 
-    def __init__(self, model: Any, tx: Any):
+    def __init__(self, model: Any, tx: Any, opt_state: Any = None):
         flat, treedef = jtu.tree_flatten_with_path(model)
         leaves = [x for _, x in flat]
         self.paths = [p for p, _ in flat]
@@ -148,8 +148,11 @@ class OptaxAdapter:
         self.tx = tx
         params = [leaves[i] for i in train]
         others = [leaves[i] for i in other]
-        opt_state = tx.init(self.layout.filtered(params))
-        self.state = {"params": params, "other": others, "opt_state": opt_state}
+        fresh = tx.init(self.layout.filtered(params))
+        if opt_state is not None:
+            _check_opt_state(opt_state, fresh)
+            fresh = opt_state
+        self.state = {"params": params, "other": others, "opt_state": fresh}
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
         self.static = ("optax", treedef, train, other, statics, tx)
 
@@ -235,6 +238,40 @@ class TrainStateAdapter:
         return state, None
 
 
+def _check_opt_state(given: Any, fresh: Any) -> None:
+    """``given`` must look like ``tx.init(params)``: same structure, shapes, dtypes."""
+
+    def describe(tree):
+        return [
+            (jtu.keystr(p), _errors.short_type(x))
+            for p, x in jtu.tree_flatten_with_path(tree)[0]
+        ]
+
+    want, got = describe(fresh), describe(given)
+    if jtu.tree_structure(given) != jtu.tree_structure(fresh):
+        have, need = {p for p, _ in got}, {p for p, _ in want}
+        extra = [p for p, _ in got if p not in need]
+        missing = [p for p, _ in want if p not in have]
+        if extra:
+            detail = f"opt_state{extra[0]} is not in tx.init(params)"
+        elif missing:
+            detail = f"opt_state{missing[0]} is missing"
+        else:
+            detail = "the same leaves, but other static fields (e.g. layer sizes)"
+    else:
+        bad = [(p, g, w) for (p, g), (_, w) in zip(got, want) if g != w]
+        if not bad:
+            return
+        path, g, w = bad[0]
+        detail = f"opt_state{path} is {g}, expected {w}"
+    raise TypeError(
+        f"{_CALL}: `opt_state` does not match tx.init(params) of this model and "
+        f"optimizer ({detail}).\nFix: pass the `result.optimizer` of an earlier fit "
+        "with the same model structure and the same optax transformation, or drop "
+        "opt_state to start from tx.init."
+    )
+
+
 def _optax_name(adapter: OptaxAdapter, path: tuple) -> str:
     """``model[1].weight`` for a trained or carried leaf, ``opt_state...`` else."""
     part = path[0].key
@@ -264,8 +301,18 @@ def _is_nnx_optimizer(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Optimizer)
 
 
-def adapt(model: Any, optimizer: Any) -> NNXAdapter | OptaxAdapter | TrainStateAdapter:
-    """The adapter for a ``(model, optimizer)`` pair, or a TypeError naming the fix."""
+def adapt(
+    model: Any, optimizer: Any, opt_state: Any = None
+) -> NNXAdapter | OptaxAdapter | TrainStateAdapter:
+    """The adapter for a ``(model, optimizer)`` pair, or a TypeError naming the fix.
+    ``opt_state`` (optax pairs only) continues from an earlier optax state."""
+    if opt_state is not None and not _is_gradient_transformation(optimizer):
+        raise TypeError(
+            f"{_CALL}: `opt_state` is for an Equinox module or pytree trained with "
+            f"an optax transformation; here the optimizer is "
+            f"{_errors.short_type(optimizer)}.\nFix: drop opt_state (an "
+            "nnx.Optimizer and a TrainState carry their own optimizer state)."
+        )
     if _is_train_state(model):
         if optimizer is not None:
             raise _bad_pair(
@@ -298,7 +345,7 @@ def adapt(model: Any, optimizer: Any) -> NNXAdapter | OptaxAdapter | TrainStateA
                 "floating-point arrays to train.\nFix: pass an Equinox module or a "
                 "pytree whose parameters are floating-point jax arrays."
             )
-        return OptaxAdapter(model, optimizer)
+        return OptaxAdapter(model, optimizer, opt_state)
     if _is_nnx_optimizer(optimizer):
         fix = "Fix: pass the nnx.Module that the nnx.Optimizer was built for."
     else:

@@ -552,6 +552,45 @@ def test_equinox_equals_python_loop(steps_per_call):
     assert result.model.activation is model.activation  # static leaves kept
 
 
+def test_equinox_continues_from_opt_state():
+    """Two fits, the second given the first's optax state, equal one fit over all
+    the batches, exactly; the wrong state, or one for an NNX pair, is refused."""
+    batches = [batch_at(t) for t in range(STEPS)]
+    whole = fit_quiet(eqx_model(), TX, eqx_loss, batches, steps=STEPS, steps_per_call=7)
+    first = fit_quiet(eqx_model(), TX, eqx_loss, batches[:10], steps=10)
+    second = fit_quiet(
+        first.model,
+        TX,
+        eqx_loss,
+        batches[10:],
+        steps=STEPS - 10,
+        steps_per_call=7,
+        opt_state=first.optimizer,
+    )
+    both = np.concatenate([first.history["loss"], second.history["loss"]])
+    np.testing.assert_array_equal(both, whole.history["loss"])
+    leaves_equal(
+        eqx.filter(second.model, eqx.is_array), eqx.filter(whole.model, eqx.is_array)
+    )
+    leaves_equal(second.optimizer, whole.optimizer)
+    wrong_shapes = jax.tree.map(lambda a: jnp.zeros((2, *a.shape)), first.optimizer)
+    small = eqx.nn.MLP(3, 1, 3, 1, key=jr.key(0))
+    other_sizes = TX.init(eqx.filter(small, eqx.is_inexact_array))
+    for bad, detail in [
+        (wrong_shapes, r"opt_state\[0\]\.count is float32\[2\], expected int32\[\]"),
+        (other_sizes, r"the same leaves, but other static fields"),
+        (optax.sgd(0.1).init(first.model), r"opt_state\[0\]\.count is missing"),
+    ]:
+        with pytest.raises(
+            TypeError,
+            match=r"^scanax\.fit: `opt_state` does not match tx\.init\(params\) of "
+            rf"this model and optimizer \({detail}",
+        ):
+            fit_quiet(eqx_model(), TX, eqx_loss, batches, steps=2, opt_state=bad)
+    with pytest.raises(TypeError, match=r"^scanax\.fit: `opt_state` is for an Equinox"):
+        fit_quiet(*nnx_pair(), nnx_loss, batches, steps=2, opt_state=first.optimizer)
+
+
 def test_plain_pytree_params():
     params = {"w": jnp.zeros((3, 1)), "b": jnp.zeros((1,)), "n": jnp.array(3)}
 
