@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._axes import is_array, same_static
+from ._axes import is_array, is_arraylike, same_static
 from ._errors import short_type
 from ._scan import scan
 
@@ -254,19 +254,33 @@ def checkpoint_kwargs(remat: Any) -> dict:
     return {} if remat is True else {"policy": remat}
 
 
+def checkpoint_call(fn: Callable, args: tuple, remat: Any) -> Any:
+    """``fn(*args)`` under ``jax.checkpoint`` (``remat`` True or a policy). Only array
+    leaves cross the checkpoint: other leaves of ``args`` (functions, strings,
+    None) and of the result pass around it unchanged."""
+    arrays, rebuild = _split(args)
+    out_parts: list[Any] = []
+
+    def inner(arrays):
+        out_arrays, out_rebuild = _split(fn(*rebuild(arrays)))
+        out_parts.append(out_rebuild)
+        return out_arrays
+
+    out = jax.checkpoint(inner, **checkpoint_kwargs(remat))(arrays)
+    return out_parts[-1](out)
+
+
 def call_pytree_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
     if remat is False:
         return layer(x, **kwargs)
-    arrays, rebuild = _split(layer)
-    return jax.checkpoint(
-        lambda a, x: rebuild(a)(x, **kwargs), **checkpoint_kwargs(remat)
-    )(arrays, x)
+    return checkpoint_call(lambda f, x, kw: f(x, **kw), (layer, x, kwargs), remat)
 
 
 def check_carry(piece: Piece, x: Any, out: Any) -> None:
     def types(t):
         return jtu.tree_structure(t), [
-            (tuple(jnp.shape(v)), jnp.result_type(v)) for v in jtu.tree_leaves(t)
+            (tuple(jnp.shape(v)), jnp.result_type(v)) if is_arraylike(v) else "static"
+            for v in jtu.tree_leaves(t)
         ]
 
     if types(x) != types(out):

@@ -66,7 +66,7 @@ def _call_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
     graphdef, state = nnx.split(layer)
     leaves, treedef = jtu.tree_flatten(state)
     run, changed = _pure(graphdef, leaves, treedef, lambda m, x: m(x, **kwargs))
-    y, new = jax.checkpoint(run, **_stack.checkpoint_kwargs(remat))(leaves, x)
+    y, new = _stack.checkpoint_call(run, (leaves, x), remat)
     if changed:
         _write_back(layer, leaves, treedef, changed, new)
     return y

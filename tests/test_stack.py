@@ -277,6 +277,48 @@ def test_remat_default_keeps_matmuls_in_runs_only(kind):
             close(list(g), ref)
 
 
+class EqxTagged(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return {"h": jnp.tanh(x["h"] * self.w), "mode": x["mode"], "n": x["n"]}
+
+
+class NNXTagged(nnx.Module):
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.float32(w))
+
+    def __call__(self, x):
+        return {"h": jnp.tanh(x["h"] * self.w[...]), "mode": x["mode"], "n": x["n"]}
+
+
+@pytest.mark.parametrize("remat", [None, True, False])
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+def test_non_array_leaves_in_x(kind, remat):
+    """x with a string and None beside its arrays: they pass through every layer
+    (checkpointed or not) unchanged; values and gradients are the plain loop's."""
+    w = jnp.array([0.5, 1.0, 1.5, 2.0])
+    x = {"h": jnp.linspace(0.1, 1.0, 3), "mode": "train", "n": None}
+    layers = [(EqxTagged if kind == "eqx" else NNXTagged)(v) for v in w]
+    stack = scanax.Stack(layers, remat=remat)
+
+    def total(stack):
+        out = stack(x)
+        assert out["mode"] == "train" and out["n"] is None
+        return jnp.sum(out["h"])
+
+    def reference(w):
+        h = x["h"]
+        for v in w:
+            h = jnp.tanh(h * v)
+        return jnp.sum(h)
+
+    np.testing.assert_allclose(total(stack), reference(w), rtol=1e-6)
+    grad = (jax.grad if kind == "eqx" else nnx.grad)(total)(stack)
+    got = jnp.stack([g.w[...] for g in grad]) if kind == "eqx" else grad.pieces[0][0].w
+    np.testing.assert_allclose(got, jax.grad(reference)(w), rtol=1e-5)
+
+
 class Noisy(eqx.Module):
     lin: eqx.nn.Linear
 
