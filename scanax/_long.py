@@ -1,8 +1,9 @@
 """How ``scanax.scan``'s long-scan options (progress, remat, keep) compose.
 
 Each option is a transformation of the :class:`~scanax._scan.Loop` or a lowering of
-it: ``remat=True``/policy checkpoints the body; ``progress`` adds an internal
-counter to the carry and ticks it outside any checkpointed region; ``keep_every``/
+it: ``remat=True``/policy checkpoints the body; ``progress`` runs the steps in
+chunks of ``every`` and ticks an internal counter before each chunk, outside any
+checkpointed region (with thinning, once per step instead); ``keep_every``/
 ``keep`` and ``remat="sqrt"`` are nested-scan lowerings (together, the sqrt
 nesting runs the scan over kept-output chunks). With every option off,
 ``scanax.scan`` never comes here and runs the plain ``lax.scan``.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import jax
 
 from . import _progress, _remat, _thin
 from ._scan import Loop, run_lax
@@ -43,6 +46,16 @@ class Options:
                 reporter.plan(_remat.blocks(loop.length, reverse))
                 count = reporter.init()
             carry, ys, _ = _remat.run_sqrt(loop, reverse, unroll, reporter, count)
+        elif reporter is not None and not thin:
+            # Chunks of `every` steps, one tick before each: nothing per step.
+            if self.remat is not None:
+                loop = _remat.checkpoint_body(loop, self.remat)
+            blocks = _remat.blocks(loop.length, reverse, chunk=reporter.every)
+            reporter.plan(blocks)
+            with jax.named_scope("scanax.progress"):
+                carry, ys, _ = _remat.run_chunks(
+                    loop, reporter.every, reverse, unroll, reporter, reporter.init()
+                )
         else:
             if self.remat is not None and self.remat != "sqrt":
                 loop = _remat.checkpoint_body(loop, self.remat)

@@ -1,14 +1,15 @@
 """``progress=``: a tqdm bar updated from inside the compiled loop.
 
-The loop carries an internal step counter next to the user's carry. Before the
-steps ``[i, i + n)`` run, the loop calls back to the host (``jax.debug.callback``
-inside a ``lax.cond``) only if that block holds a multiple of ``every`` or is the
-last one. The callback's operands depend only on the counter: they are unbatched
-under ``vmap`` (one bar for the batch), and under ``grad`` they are known values of
-the forward loop, so the updates stay inside the forward loop (they depend on a
-carry, so they cannot be hoisted out as loop-invariant). Every report is made
-inside the loop: a report after it could run first, as XLA folds the final count
-to a constant.
+``scanax.scan`` runs the steps in chunks of ``every`` (``_remat.run_chunks``) and
+ticks once per chunk, so a bar costs nothing per step. The loop carries an internal
+step counter next to the user's carry. Before the steps ``[i, i + n)`` run, the
+loop calls back to the host (``jax.debug.callback`` inside a ``lax.cond``) only if
+that block holds a multiple of ``every`` or is the last one. The callback's
+operands depend only on the counter: they are unbatched under ``vmap`` (one bar for
+the batch), and under ``grad`` they are known values of the forward loop, so the
+updates stay inside the forward loop (they depend on a carry, so they cannot be
+hoisted out as loop-invariant). Every report is made inside the loop: a report
+after it could run first, as XLA folds the final count to a constant.
 
 The callbacks are unordered (ordered effects would not run on several devices),
 so the host side tolerates reports that arrive permuted (see ``_Bar``).
@@ -173,7 +174,13 @@ def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:
 
 
 def default_every(length: int) -> int:
-    return max(2, math.ceil(length / _DEFAULT_UPDATES))
+    """About ``_DEFAULT_UPDATES`` updates; preferably (10 to 20 updates) a divisor
+    of ``length``, so that the chunks are equal and no odd one is joined on."""
+    base = max(2, math.ceil(length / _DEFAULT_UPDATES))
+    for every in range(base, min(length, 2 * base, base + 1000) + 1):
+        if length % every == 0:
+            return every
+    return base
 
 
 class _Bar:

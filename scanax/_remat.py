@@ -57,10 +57,12 @@ def chunk_size(length: int) -> int:
     return max(1, math.isqrt(length - 1) + 1) if length > 1 else 1
 
 
-def blocks(length: int, reverse: bool, scale: int = 1) -> list[int]:
-    """The steps of each checkpointed chunk, in the order they run (times
-    ``scale``: the real steps per loop step, for a progress bar)."""
-    c = chunk_size(length)
+def blocks(
+    length: int, reverse: bool, scale: int = 1, chunk: int | None = None
+) -> list[int]:
+    """The steps of each chunk (``chunk`` steps, default √T), in the order they run
+    (times ``scale``: the real steps per loop step, for a progress bar)."""
+    c = chunk_size(length) if chunk is None else min(chunk, length)
     outer, rest = divmod(length, c)
     sizes = [c] * outer
     if rest:
@@ -83,8 +85,38 @@ def run_sqrt(
     recomputing a chunk in the backward pass does not report again. The caller
     plans the reports (see ``blocks``).
     """
+    with jax.named_scope("scanax.remat_sqrt"):
+        return run_chunks(
+            loop,
+            chunk_size(loop.length),
+            reverse,
+            unroll,
+            reporter,
+            count,
+            scale,
+            checkpoint=True,
+        )
+
+
+def run_chunks(
+    loop: Loop,
+    c: int,
+    reverse: bool,
+    unroll: int | bool,
+    reporter: Any = None,
+    count: Any = None,
+    scale: int = 1,
+    checkpoint: bool = False,
+) -> tuple[Any, Any, Any]:
+    """An outer scan over chunks of ``c`` steps (each an inner scan), then one
+    shorter chunk of the remaining steps. Returns ``(carry, ys, count)``.
+
+    With ``checkpoint``, each chunk is ``jax.checkpoint``-ed (``remat="sqrt"``).
+    A ``reporter`` ticks once per chunk, outside any checkpoint: a progress bar
+    then costs nothing per step (a per-step ``cond`` would).
+    """
     n = loop.length
-    c = chunk_size(n)
+    c = min(c, n)
     outer, rest = divmod(n, c)
 
     def run_chunk(carry, xs, start, steps):
@@ -99,9 +131,9 @@ def run_sqrt(
         carry, count = state
         if reporter is not None:
             count = reporter.tick(count, steps * scale)
-        inner = jax.checkpoint(
-            lambda c_, x_, s_: run_chunk(c_, x_, s_, steps), prevent_cse=False
-        )
+        inner = lambda c_, x_, s_: run_chunk(c_, x_, s_, steps)
+        if checkpoint:
+            inner = jax.checkpoint(inner, prevent_cse=False)
         carry, ys = inner(carry, loop.xs, start)
         return (carry, count), ys
 
@@ -117,14 +149,13 @@ def run_sqrt(
         ys = jtu.tree_map(lambda a: a.reshape(outer * c, *a.shape[2:]), ys)
         return state, ys
 
-    with jax.named_scope("scanax.remat_sqrt"):
-        state = (loop.init, count)
-        tail_start = jnp.int32(outer * c)
-        if rest and reverse:
-            state, ys_tail = segment(state, tail_start, rest)
-        state, ys = run_head(state)
-        if rest and not reverse:
-            state, ys_tail = segment(state, tail_start, rest)
-        if rest:
-            ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
+    state = (loop.init, count)
+    tail_start = jnp.int32(outer * c)
+    if rest and reverse:
+        state, ys_tail = segment(state, tail_start, rest)
+    state, ys = run_head(state)
+    if rest and not reverse:
+        state, ys_tail = segment(state, tail_start, rest)
+    if rest:
+        ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
     return state[0], ys, state[1]

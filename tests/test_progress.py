@@ -22,11 +22,22 @@ def reports(monkeypatch):
     return seen
 
 
-def expected(length, every):
-    """(count, last) of each report: every `every` steps, and the last step."""
+def per_step(length, every):
+    """(count, last) of each report when ticking per step (with thinned outputs):
+    every `every` steps, and the last step."""
     return [
         (i, i == length - 1) for i in range(length) if i % every == 0 or i == length - 1
     ]
+
+
+def expected(length, every, reverse=False):
+    """(count, last) of each report: the steps run in chunks of `every` (the odd
+    chunk first when reversed), one report before each, the last one closing."""
+    n_full, rest = divmod(length, every)
+    sizes = [every] * n_full
+    sizes = ([rest] + sizes if reverse else sizes + [rest]) if rest else sizes
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(c, i == len(starts) - 1) for i, c in enumerate(starts)]
 
 
 def step(c, x):
@@ -94,8 +105,10 @@ def test_same_results_and_counted_updates(case, every, reports):
     if case == "remat_sqrt":  # ticks once per chunk of ceil(sqrt(23)) = 5 steps
         hits = [i for i in range(0, 20, 5) if (i + 4) // every * every >= i]
         assert sorted(reports) == [(i, False) for i in hits] + [(20, True)]
+    elif case == "keep_every":  # thinned: ticks per step
+        assert sorted(reports) == per_step(23, every)
     else:  # unordered callbacks may come permuted within an unrolled group
-        assert sorted(reports) == expected(23, every)
+        assert sorted(reports) == expected(23, every, reverse=case == "reverse")
 
 
 def test_nnx_module_carry(reports):
@@ -140,10 +153,13 @@ def test_jit_runs_twice_reports_twice(reports):
     assert reports == expected(12, 6) * 2
 
 
-@pytest.mark.parametrize("length", [1, 2, 49, 1000, 10_000])
-def test_default_every(length, reports):
+@pytest.mark.parametrize(
+    "length, every", [(1, 2), (2, 2), (49, 3), (58, 3), (66, 6), (1000, 50)]
+)
+def test_default_every(length, every, reports):
+    """About 20 updates; a divisor of the length when one gives 10 to 20."""
     scanax.scan(lambda c, _: (c + 1, None), 0, length=length, progress=True)
-    every = max(2, math.ceil(length / 20))
+    assert every >= math.ceil(length / 20)
     assert reports == expected(length, every)
     assert len(reports) <= 21
     if length > 2:
