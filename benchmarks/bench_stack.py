@@ -139,7 +139,9 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     for n in sizes:
         rows += _case(
-            n, repeats=5 if quick else 15, compile_repeats=1 if quick or n > 24 else 3
+            n,
+            repeats=5 if quick else (31 if n <= 24 else 15),
+            compile_repeats=1 if quick or n > 24 else 3,
         )
     return rows
 
