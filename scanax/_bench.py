@@ -3,7 +3,9 @@
 Every ``benchmarks/bench_<name>.py`` of a source checkout exposes
 ``run(quick: bool = False) -> list[dict]``, rows made by ``benchmarks/_timing.row``
 (scanax and its baseline measured side by side in one process, interleaved medians).
-``scanax bench`` runs each of them, one after the other, and writes
+``scanax bench`` runs each of them, one after the other, each in a fresh Python
+process (what one benchmark leaves behind, allocations and compiled programs, slowed
+the next by up to 10% when they shared one), and writes
 
 * ``results.json``: ``{"machine", "date", "quick", "load_average", "rows",
   "errors", "modules"}`` (the load average before and after: other processes
@@ -23,7 +25,9 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -84,6 +88,45 @@ def _load(path: Path, bench_dir: Path, root: Path) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _run_module(path: Path, bench_dir: Path, root: Path, quick: bool) -> dict:
+    """``{"rows": [...], "error": {...} or None}`` of one benchmark module, run in a
+    fresh Python process (``_worker``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        code = "import sys; from scanax._bench import _worker; _worker(*sys.argv[1:])"
+        args = [str(path), str(bench_dir), str(root), "1" if quick else "0", str(out)]
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True
+        )
+        if out.is_file():
+            return json.loads(out.read_text())
+    return {
+        "rows": [],
+        "error": {
+            "error": f"the benchmark's process exited with code {proc.returncode}",
+            "traceback": proc.stderr[-4000:],
+        },
+    }
+
+
+def _worker(path: str, bench_dir: str, root: str, quick: str, out: str) -> None:
+    """In the benchmark's own process: run it, write its rows or its error."""
+    root_path = Path(root)
+    for p in (str(root_path), str(root_path / "benchmarks")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        module = _load(Path(path), Path(bench_dir), root_path)
+        result = {"rows": _check_rows(module.run(quick=quick == "1")), "error": None}
+    except Exception as err:  # a failing benchmark must not stop the others
+        error = {
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(),
+        }
+        result = {"rows": [], "error": error}
+    Path(out).write_text(json.dumps(_jsonable(result), allow_nan=False))
 
 
 def _check_rows(rows: Any) -> list[dict]:
@@ -166,17 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, path in sorted(found.items()):
         print(f"scanax bench: {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        try:
-            got = _check_rows(_load(path, bench_dir, root).run(quick=args.quick))
-        except Exception as err:  # a failing benchmark must not stop the others
-            got = []
-            errors.append(
-                {
-                    "module": name,
-                    "error": f"{type(err).__name__}: {err}",
-                    "traceback": traceback.format_exc(),
-                }
-            )
+        result = _run_module(path, bench_dir, root, args.quick)
+        got = result["rows"]
+        if result["error"] is not None:
+            errors.append({"module": name, **result["error"]})
             print(
                 f"scanax bench: {name} FAILED: {errors[-1]['error']}", file=sys.stderr
             )
@@ -211,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         f"JAX {machine['jax']} ({machine['backend']}: {devices})"
         + (", quick mode" if args.quick else "")
         + _load_note(result["load_average"])
-        + ". Ratio = scanax / baseline, medians of interleaved runs in one process; "
-        "lower is better for scanax.",
+        + ". Ratio = scanax / baseline, medians of interleaved runs in one process "
+        "per benchmark file; lower is better for scanax.",
         "",
         table,
     ]

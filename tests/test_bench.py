@@ -130,3 +130,21 @@ def test_bench_scan_quick(tmp_path):
     _check_schema(result, quick=True)
     assert len(result["rows"]) == 3
     assert all("jaxprs identical" in r["notes"] for r in result["rows"])
+
+
+def test_a_benchmark_that_kills_its_process(tmp_path):
+    """Each benchmark runs in its own process: one that dies is recorded with its
+    exit code, and the others still run."""
+    d = tmp_path / "suite"
+    d.mkdir()
+    (d / "bench_tiny.py").write_text(textwrap.dedent(TINY))
+    (d / "bench_dies.py").write_text(
+        "import os\n\ndef run(quick=False):\n    os._exit(3)\n"
+    )
+    out = tmp_path / "out"
+    rc = main(["bench", "--quick", "--dir", str(d), "--out", str(out)])
+    assert rc == 1
+    result = json.loads((out / "results.json").read_text())
+    assert [e["module"] for e in result["errors"]] == ["dies"]
+    assert result["errors"][0]["error"] == "the benchmark's process exited with code 3"
+    assert [r["case"] for r in result["rows"]] == ["fast", "slow"]
