@@ -480,7 +480,11 @@ class _Run:
             )
             shown = _progress.showing(self.bar)
         with shown:
-            return self._go()
+            result = self._go()
+            if self.bar is not None and self.bar.n != self.done:
+                self.bar.n = self.done  # e.g. a NaN stop: reported, not applied
+                self.bar.refresh()
+            return result
 
     def _go(self) -> FitResult:
         pending = None
@@ -564,12 +568,10 @@ class _Run:
         for name, value in ys["metrics"].items():
             self.history.setdefault(name, []).append(np.asarray(value)[:count])
         self.done += count
-        if self.bar is not None and count:
-            # In-loop reports may have moved the bar ahead already.
-            if self.done > self.bar.n:
-                self.bar.update(self.done - self.bar.n)
-            else:
-                self.bar.n = self.done
+        # In-loop reports of the next call may have moved the bar ahead already: it
+        # never moves back (go() sets the final count).
+        if self.bar is not None and count and self.done > self.bar.n:
+            self.bar.update(self.done - self.bar.n)
             self.bar.set_postfix(loss=f"{float(ys['loss'][count - 1]):.4g}")
         if not self.halted and start + count < end:
             self.halted = True
