@@ -14,6 +14,7 @@ in memory, for one extra forward pass.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,11 +47,20 @@ def resolve(call: str, remat: Any) -> Any:
     return remat
 
 
+def checkpoint(fn: Callable, remat: Any, prevent_cse: bool = False) -> Callable:
+    """``jax.checkpoint(fn)`` for ``remat`` True (save nothing) or a policy.
+
+    ``prevent_cse=False`` suits a function that runs inside a loop body (the loop
+    already keeps XLA from merging the recomputation away); outside any loop pass
+    True, as ``jax.checkpoint`` does by default.
+    """
+    policy = None if remat is True else remat
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+
 def checkpoint_body(loop: Loop, remat: Any) -> Loop:
     """The loop with a checkpointed body (``remat`` True or a policy)."""
-    policy = None if remat is True else remat
-    body = jax.checkpoint(loop.body, policy=policy, prevent_cse=False)
-    return Loop(body, loop.init, loop.xs, loop.length)
+    return Loop(checkpoint(loop.body, remat), loop.init, loop.xs, loop.length)
 
 
 def chunk_size(length: int) -> int:

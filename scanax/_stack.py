@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from . import _remat
 from ._axes import is_array, is_arraylike, same_static
 from ._errors import short_type
 from ._scan import scan
@@ -249,11 +250,6 @@ def single_remat(remat: Any) -> Any:
     return False if remat is None else remat
 
 
-def checkpoint_kwargs(remat: Any) -> dict:
-    """``jax.checkpoint``'s keyword arguments for ``remat`` True or a policy."""
-    return {} if remat is True else {"policy": remat}
-
-
 def checkpoint_call(fn: Callable, args: tuple, remat: Any) -> Any:
     """``fn(*args)`` under ``jax.checkpoint`` (``remat`` True or a policy). Only array
     leaves cross the checkpoint: other leaves of ``args`` (functions, strings,
@@ -266,7 +262,8 @@ def checkpoint_call(fn: Callable, args: tuple, remat: Any) -> Any:
         out_parts.append(out_rebuild)
         return out_arrays
 
-    out = jax.checkpoint(inner, **checkpoint_kwargs(remat))(arrays)
+    # prevent_cse as jax.checkpoint's default: single layers run outside any loop.
+    out = _remat.checkpoint(inner, remat, prevent_cse=True)(arrays)
     return out_parts[-1](out)
 
 

@@ -124,8 +124,7 @@ def scan_until(
         return new, y, jnp.asarray(stop(new))
 
     if remat is not None and remat != "sqrt":
-        policy = None if remat is True else remat
-        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        step = _remat.checkpoint(step, remat)
 
     def lowering():
         with jax.named_scope("scanax.until"):

@@ -21,6 +21,7 @@ X = jr.normal(jr.key(0), (N, 3))
 Y = jnp.sin(X @ jnp.array([[1.0], [-2.0], [0.5]]))
 KEY = jr.key(7)
 TX = optax.adam(1e-2)  # one transformation object: same tx, same compiled chunk
+CHUNKED = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=7)  # array data
 
 
 def batch_at(t, key=KEY, n=N, bs=BS):
@@ -154,16 +155,7 @@ def test_nnx_equals_python_loop(steps_per_call):
 def test_nnx_objects_updated_in_place():
     model, opt = nnx_pair()
     before = np.asarray(model.l1.kernel[...])
-    result = fit_quiet(
-        model,
-        opt,
-        nnx_loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BS,
-        key=KEY,
-        steps_per_call=7,
-    )
+    result = fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
     assert result.model is model and result.optimizer is opt
     assert int(opt.step[...]) == STEPS
     _, state = fit_once("nnx", 7)
@@ -217,16 +209,7 @@ def test_learning_happens_on_regression():
 def test_metrics_in_history():
     model, opt = nnx_pair()
     ref_model, _ = nnx_pair()
-    result = fit_quiet(
-        model,
-        opt,
-        nnx_loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BS,
-        key=KEY,
-        steps_per_call=7,
-    )
+    result = fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
     assert set(result.history) == {"loss", "mae"}
     assert result.history["mae"].dtype == np.float32
     # The first step's metrics are computed on the initial model.
@@ -242,16 +225,7 @@ def test_second_call_does_not_compile():
             compiles.append(event)
 
     model, opt = nnx_pair()
-    fit_quiet(
-        model,
-        opt,
-        nnx_loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BS,
-        key=KEY,
-        steps_per_call=7,
-    )
+    fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
     model, opt = nnx_pair(seed=3)  # new objects, same structure, new values
     x2, key2 = X + 1, jr.key(9)
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -273,16 +247,7 @@ def test_second_call_does_not_compile():
 
 def test_progress_bar(capsys):
     model, opt = nnx_pair()
-    scanax.fit(
-        model,
-        opt,
-        nnx_loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BS,
-        key=KEY,
-        steps_per_call=7,
-    )
+    scanax.fit(model, opt, nnx_loss, (X, Y), **CHUNKED)
     err = capsys.readouterr().err
     assert "23/23" in err and "step/s" in err and "loss=" in err
 
@@ -321,7 +286,7 @@ def test_progress_spec_as_in_scan(monkeypatch, capsys):
         "report_newest",
         lambda d, loss: (seen.append(int(d)), report(d, loss)),
     )
-    kwargs = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=7)
+    kwargs = CHUNKED
     spec = scanax.Progress(every=5, desc="train", unit="batch")
     model, opt = nnx_pair()
     scanax.fit(model, opt, nnx_loss, (X, Y), progress=spec, **kwargs)
@@ -343,16 +308,7 @@ def test_progress_spec_as_in_scan(monkeypatch, capsys):
 
 def test_progress_false_is_silent(capsys):
     model, opt = nnx_pair()
-    fit_quiet(
-        model,
-        opt,
-        nnx_loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BS,
-        key=KEY,
-        steps_per_call=7,
-    )
+    fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
 
