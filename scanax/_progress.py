@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import functools as ft
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -160,17 +160,22 @@ def report_newest(done: Any, loss: Any) -> None:
             bar.set_postfix(loss=f"{float(loss):.4g}")
 
 
-def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:
-    """In a compiled loop: if ``when``, report ``done`` and ``loss`` to the newest
-    bar (``report_newest``)."""
+def report_if(when: jax.Array, host: Callable[..., None], *args: jax.Array) -> None:
+    """In a compiled loop: call ``host(*args)`` on the host if ``when`` (a host
+    callback inside a ``lax.cond``: nothing is sent when it is false)."""
     with jax.named_scope("scanax.progress"):
         jax.lax.cond(
             when,
-            lambda d, v: jax.debug.callback(lambda d, v: report_newest(d, v), d, v),
-            lambda d, v: None,
-            done,
-            loss,
+            lambda *a: jax.debug.callback(host, *a),
+            lambda *a: None,
+            *args,
         )
+
+
+def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:
+    """In a compiled loop: if ``when``, report ``done`` and ``loss`` to the newest
+    bar (``report_newest``, looked up when called)."""
+    report_if(when, lambda d, v: report_newest(d, v), done, loss)
 
 
 def default_every(length: int) -> int:
@@ -253,16 +258,11 @@ class Reporter:
 
     def tick(self, count: jax.Array, n: int = 1) -> jax.Array:
         """Report (maybe) before ``n`` steps; returns the counter after them."""
-        with jax.named_scope("scanax.progress"):
-            last = count + n == self.total
-            jax.lax.cond(
-                self.hit(count, n) | last,
-                lambda c, e: jax.debug.callback(ft.partial(_dispatch, self._bar), c, e),
-                lambda c, e: None,
-                count,
-                last,
-            )
-            return count + n
+        last = count + n == self.total
+        report_if(
+            self.hit(count, n) | last, ft.partial(_dispatch, self._bar), count, last
+        )
+        return count + n
 
     def wrap(self, loop: Loop) -> Loop:
         """The loop with ``(carry, counter)`` as carry, ticking once per step."""
