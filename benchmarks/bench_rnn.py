@@ -5,9 +5,12 @@
 under ``jax.jit``, interleaved medians. The baseline is the best of two hand-written
 orderings with ``jax.lax.scan``: time-outer (one scan over time, layers unrolled
 in its step) and layer-outer (one scan per layer). Target: ≤ 1.10×. A second row
-compares with the hand-written loop of the same order as scanax's default.
+compares with the hand-written loop of the order scanax's default picks on this
+backend (``order="auto"``: layer-outer on CPU).
 
-Run alone with ``python -m benchmarks.bench_rnn``.
+Run alone with ``python -m benchmarks.bench_rnn``. ``--orders`` instead times
+``order="layer"`` against ``order="time"`` over a grid of cells and shapes (the
+measurement behind ``order="auto"``; not part of ``scanax bench``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax.random as jr
 from flax import nnx
 
 import scanax
+from scanax._rnn import resolve_order
 
 try:
     from benchmarks import _timing
@@ -82,6 +86,7 @@ def run(quick: bool = False) -> list[dict]:
     best = min(("time-outer", "layer-outer"), key=t.__getitem__)
     case = f"{LAYERS}-layer GRU, H={HIDDEN}, T={T}, B={B}, fwd+bwd"
     other = "layer-outer" if best == "time-outer" else "time-outer"
+    same = f"{resolve_order('auto')}-outer"
     return [
         _timing.row(
             "rnn",
@@ -96,11 +101,60 @@ def run(quick: bool = False) -> list[dict]:
             "rnn",
             case,
             t["scanax"],
-            "hand-written time-outer (same order)",
-            t["time-outer"],
+            f"hand-written {same} (same order)",
+            t[same],
         ),
     ]
 
 
+ORDER_GRID = [  # (cell, layers, hidden, T, B, with gradients)
+    ("GRUCell", 4, 128, 128, 32, True),
+    ("GRUCell", 2, 128, 128, 32, True),
+    ("GRUCell", 8, 128, 128, 32, True),
+    ("GRUCell", 4, 64, 128, 32, True),
+    ("GRUCell", 4, 256, 128, 32, True),
+    ("GRUCell", 4, 128, 128, 8, True),
+    ("GRUCell", 4, 128, 128, 128, True),
+    ("GRUCell", 4, 128, 512, 32, True),
+    ("LSTMCell", 4, 128, 128, 32, True),
+    ("SimpleCell", 4, 128, 128, 32, True),
+    ("GRUCell", 4, 128, 128, 32, False),
+]
+
+
+def _order_row(cell, layers, hidden, t, b, grad, repeats) -> dict:
+    rngs = nnx.Rngs(0)
+    cells = [getattr(nnx, cell)(hidden, hidden, rngs=rngs) for _ in range(layers)]
+    graphdef, state = nnx.split(cells)
+    xs = jr.normal(jr.key(1), (t, b, hidden))
+
+    def fn(order):
+        def loss(state, xs):
+            finals, ys = scanax.rnn(nnx.merge(graphdef, state), xs, order=order)
+            leaves = jax.tree.leaves(finals)
+            return jnp.mean(ys**2) + sum(jnp.mean(h**2) for h in leaves)
+
+        return jax.jit(jax.grad(loss) if grad else loss)
+
+    fns = {o: fn(o) for o in ("layer", "time")}
+    for f in fns.values():
+        _timing.block(f(state, xs))
+    times = _timing.interleaved(
+        {k: (lambda f=f: _timing.block(f(state, xs))) for k, f in fns.items()},
+        repeats=repeats,
+    )
+    case = f"{layers} × {cell}, H={hidden}, T={t}, B={b}, " + (
+        "fwd+bwd" if grad else "fwd"
+    )
+    return _timing.row("rnn order", case, times["layer"], "time", times["time"])
+
+
+def orders(repeats: int = 9) -> list[dict]:
+    """``order="layer"`` against ``order="time"``, one row per grid case."""
+    return [_order_row(*case, repeats) for case in ORDER_GRID]
+
+
 if __name__ == "__main__":
-    print(_timing.markdown(run()))
+    import sys
+
+    print(_timing.markdown(orders() if "--orders" in sys.argv[1:] else run()))

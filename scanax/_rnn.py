@@ -15,7 +15,7 @@ from ._errors import short_type
 from ._scan import scan
 
 _CALL = "scanax.rnn"
-_ORDERS = ("time", "layer")
+_ORDERS = ("auto", "time", "layer")
 
 
 # ---------------------------------------------------------------------------- errors
@@ -123,9 +123,10 @@ def err_xs(xs: Any, time_axis: Any) -> Exception:
 
 def err_order(order: Any) -> ValueError:
     return ValueError(
-        f"{_CALL}: `order` must be one of {_ORDERS}, got {order!r}.\nFix: use "
-        "order='time' (time-outer scan, layers unrolled per step; the default) or "
-        "order='layer' (one scan over time per layer)."
+        f"{_CALL}: `order` must be one of {_ORDERS}, got {order!r}.\nFix: leave it "
+        "out ('auto': the faster order for the backend), or use order='time' "
+        "(time-outer scan, layers unrolled per step) or order='layer' (one scan "
+        "over time per layer)."
     )
 
 
@@ -321,7 +322,7 @@ def rnn(
     seq_lengths: Any = None,
     reverse: bool = False,
     time_axis: int = 0,
-    order: str = "time",
+    order: str = "auto",
     unroll: int | bool = 1,
 ) -> tuple[tuple[Any, ...], Any]:
     """Run a multi-layer RNN over a sequence: layer ``i + 1`` reads layer ``i``.
@@ -362,10 +363,13 @@ def rnn(
             ``xs``. With ``seq_lengths``, each sequence starts at its own last valid
             step.
         time_axis: 0 for time-major ``[T, B, D]``, 1 for batch-major ``[B, T, D]``.
-        order: ``"time"`` (default): one scan over time with all layers unrolled in
-            its step, the fastest measured. ``"layer"``: one scan over time per layer
-            (layer ``i``'s whole output sequence feeds layer ``i + 1``). Both give
-            the same results.
+        order: ``"time"``: one scan over time with all layers unrolled in its
+            step. ``"layer"``: one scan over time per layer (layer ``i``'s whole
+            output sequence feeds layer ``i + 1``). ``"auto"`` (default): ``"layer"``
+            on CPU, the faster there (``benchmarks/bench_rnn.py``); ``"time"`` on
+            other backends (not measured), as it runs ``len(cells)`` times fewer
+            loop iterations, each with a fixed cost on GPU. All give the same
+            results.
         unroll: as in ``jax.lax.scan``.
 
     Returns:
@@ -406,10 +410,17 @@ def rnn(
         seq_lengths = _check_seq_lengths(seq_lengths, batch, xs)
     x0 = jax.ShapeDtypeStruct(xs_t.shape[1:], xs_t.dtype)
     specs, states = _plan(cells, x0, init, short_type(xs))
-    loop = _time_outer if order == "time" else _layer_outer
+    loop = _time_outer if resolve_order(order) == "time" else _layer_outer
     with jax.named_scope("scanax.rnn"):
         finals, ys = loop(specs, cells, states, xs_t, seq_lengths, reverse, unroll)
     return finals, (jnp.moveaxis(ys, 0, ax) if ax else ys)
+
+
+def resolve_order(order: str) -> str:
+    """``"time"`` or ``"layer"``; ``"auto"`` picks by the default backend."""
+    if order != "auto":
+        return order
+    return "layer" if jax.default_backend() == "cpu" else "time"
 
 
 def birnn(
@@ -420,7 +431,7 @@ def birnn(
     *,
     seq_lengths: Any = None,
     time_axis: int = 0,
-    order: str = "time",
+    order: str = "auto",
     unroll: int | bool = 1,
 ) -> tuple[tuple[tuple[Any, ...], tuple[Any, ...]], Any]:
     """Bidirectional ``scanax.rnn``: ``forward`` cells read ``xs`` first to last,

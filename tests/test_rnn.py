@@ -173,12 +173,15 @@ def test_equinox_cells_match_loops(make):
     ours = eqx_value_and_grad(lambda c, x: scanax.rnn(c, x))(cells, xs)
     close(ours, eqx_value_and_grad(ref_rnn)(cells, xs))
     if make is eqx_cells:
-        return  # order="layer" for NNX cells: test_orders_identical_with_lengths
-    # order="layer" gives the same values and gradients
-    close(
-        eqx_value_and_grad(lambda c, x: scanax.rnn(c, x, order="layer"))(cells, xs),
-        ours,
-    )
+        return  # both orders for NNX cells: test_orders_identical_with_lengths
+    # both orders give the same values and gradients as the default
+    for order in ("time", "layer"):
+        close(
+            eqx_value_and_grad(lambda c, x, o=order: scanax.rnn(c, x, order=o))(
+                cells, xs
+            ),
+            ours,
+        )
 
 
 def test_unbatched_composes_with_vmap():
@@ -232,16 +235,21 @@ def test_nnx_cells_direct_objects_and_init():
     close(*f(xs, init))
 
 
-def test_orders_identical_with_lengths():
+@pytest.mark.parametrize("reverse", [False, True])
+def test_orders_identical_with_lengths(reverse):
     cells, xs = nnx_cells(), xs_tbd()
     lengths = jnp.array([4, 2, 0])
 
     def run(order):
         return nnx_value_and_grad(
-            lambda c, x: scanax.rnn(c, x, seq_lengths=lengths, order=order), cells
+            lambda c, x: scanax.rnn(
+                c, x, seq_lengths=lengths, reverse=reverse, order=order
+            ),
+            cells,
         )(xs)
 
     close(run("time"), run("layer"), rtol=1e-6, atol=1e-6)
+    close(run("auto"), run("layer" if jax.default_backend() == "cpu" else "time"))
 
 
 # ---------------------------------------------------------------------------- seq_lengths, reverse
@@ -278,16 +286,22 @@ def test_seq_lengths_match_nnx_rnn_final_carry():
     assert not jnp.any(ys[~valid])
 
 
-def test_seq_lengths_memory_does_not_grow_with_T():
-    """The scan keeps states as a carry only: its only stacked output is ys."""
+@pytest.mark.parametrize("order", ["time", "layer"])
+def test_seq_lengths_memory_does_not_grow_with_T(order):
+    """Every scan keeps states as a carry only: its only stacked output is ys."""
     cells = seed_cells()
     lengths = jnp.ones(B, int)
-    jaxpr = jax.make_jaxpr(lambda x: scanax.rnn(cells, x, seq_lengths=lengths))(
-        xs_tbd()
-    )
-    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-    stacked = eqn.outvars[eqn.params["num_carry"] :]
-    assert [v.aval.shape for v in stacked] == [(T, B, 5)]
+    jaxpr = jax.make_jaxpr(
+        lambda x: scanax.rnn(cells, x, seq_lengths=lengths, order=order)
+    )(xs_tbd())
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    stacked = [
+        [v.aval.shape for v in e.outvars[e.params["num_carry"] :]] for e in scans
+    ]
+    if order == "time":  # one scan, the last layer's outputs
+        assert stacked == [[(T, B, 5)]]
+    else:  # one scan per layer, each layer's outputs
+        assert stacked == [[(T, B, 4)], [(T, B, 3)], [(T, B, 5)]]
 
 
 def test_reverse_matches_loop_and_nnx():
