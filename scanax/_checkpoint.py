@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from . import _errors
+from ._errors import fit as errors
 
 _CALL = "scanax.fit"
 _FORMAT = 1
@@ -31,11 +31,7 @@ def _ocp():
     try:
         import orbax.checkpoint as ocp
     except ImportError as err:
-        raise ImportError(
-            f"{_CALL}: checkpoint_dir needs orbax-checkpoint, which is not "
-            "installed.\nFix: `pip install orbax-checkpoint` (or "
-            "`scanax[checkpoint]`), or pass checkpoint_dir=None."
-        ) from err
+        raise errors.no_orbax() from err
     return ocp
 
 
@@ -160,10 +156,7 @@ class Checkpoints:
             "another checkpoint_dir (or delete this one to start over)."
         )
         if meta.get("format") != _FORMAT:
-            raise ValueError(
-                f"{_CALL}: {where} has format {meta.get('format')!r}, expected "
-                f"{_FORMAT}.\n{fix}"
-            )
+            raise errors.checkpoint_format(where, fix, meta, _FORMAT)
         saved = meta["leaves"]
         for i in range(max(len(saved), len(leaves))):
             have = saved[i] if i < len(saved) else None
@@ -174,18 +167,9 @@ class Checkpoints:
                 expected = (
                     "nothing" if want is None else f"{want[0]}: {_short(want[1:])}"
                 )
-                raise ValueError(
-                    f"{_CALL}: {where} does not fit this training state; first "
-                    f"mismatching leaf {name}:\n  checkpoint  {found}\n  expected    "
-                    f"{expected}\n{fix}"
-                )
+                raise errors.checkpoint_mismatch(where, name, found, expected, fix)
         if meta["data"] != self.data:
-            raise ValueError(
-                f"{_CALL}: {where} was written for other data: "
-                f"{_errors.short_type(meta['data'])} {meta['data']}, now "
-                f"{self.data}; a resumed run would not repeat the same batches.\n"
-                f"{fix}"
-            )
+            raise errors.checkpoint_other_data(where, fix, meta, self.data)
 
 
 def _key_data(key: Any) -> Any:
@@ -214,7 +198,4 @@ def _check_restored(step: int, restored: list, leaves: list, names: list) -> Non
     weak types in the state, so a restored carry has the type of a fresh one)."""
     for name, r, t in zip(names, restored, leaves):
         if r.shape != t.shape or r.dtype != t.dtype:
-            raise TypeError(
-                f"restored {name} is {_errors.short_type(r)}, expected "
-                f"{_errors.short_type(t)}"
-            )
+            raise errors.restored_type(step, name, r, t)

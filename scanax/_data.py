@@ -25,10 +25,8 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _errors
 from ._axes import is_array
-
-_CALL = "scanax.fit"
+from ._errors import fit as errors, listing, short_type
 
 
 def is_array_data(data: Any) -> bool:
@@ -48,33 +46,22 @@ class ArraySource:
         sizes = [x.shape[0] if x.ndim else None for x in jtu.tree_leaves(data)]
         if None in sizes or len(set(sizes)) > 1:
             rows = [
-                (jtu.keystr(p), x.shape[0] if x.ndim else None, _errors.short_type(x))
+                (jtu.keystr(p), x.shape[0] if x.ndim else None, short_type(x))
                 for p, x in jtu.tree_flatten_with_path(data)[0]
             ]
-            body = _errors.listing(
+            body = listing(
                 [
                     (f"data{p}", f"{t}: {'no leading axis' if n is None else n}")
                     for p, n, t in rows
                 ]
             )
-            raise ValueError(
-                f"{_CALL}: the arrays in `data` must share their leading (example) "
-                f"axis, found:\n{body}\nFix: give every leaf the same number of "
-                "examples along axis 0."
-            )
+            raise errors.data_leading_axes(body)
         self.n = sizes[0]
         if batch_size is None:
-            raise TypeError(
-                f"{_CALL}: `data` is a pytree of arrays ({self.n} examples) but "
-                "`batch_size` is None.\nFix: pass batch_size=... (examples per step), "
-                "or pass an iterable of ready-made batches as `data`."
-            )
+            raise errors.batch_size_missing(self.n)
         self.batch_size = positive_int("batch_size", batch_size)
         if self.batch_size > self.n:
-            raise ValueError(
-                f"{_CALL}: batch_size={self.batch_size} is larger than the data "
-                f"({self.n} examples along axis 0).\nFix: pass batch_size <= {self.n}."
-            )
+            raise errors.batch_size_too_large(self.batch_size, self.n)
         self.per_epoch = self.n // self.batch_size
         self.shuffle = key is not None
         self.key = key if key is not None else unused_key()
@@ -125,11 +112,7 @@ class IterSource:
         try:
             self.iterator: Iterator = iter(data)
         except TypeError as err:
-            raise TypeError(
-                f"{_CALL}: `data` must be a pytree of arrays (with batch_size) or an "
-                f"iterable of batches, got {_errors.short_type(data)}.\nFix: pass "
-                "arrays with a leading example axis, or an iterator of batches."
-            ) from err
+            raise errors.data_not_batches(data) from err
         self.consumed = 0  # batches taken from the iterator so far
         self.treedef = None
         self.types: list[tuple[tuple[int, ...], Any]] = []
@@ -175,26 +158,18 @@ class IterSource:
             self.types = [(x.shape, x.dtype) for x in leaves]
             return leaves
         if treedef != self.treedef:
-            raise TypeError(
-                f"{_CALL}: batch {index} of `data` has structure {treedef}, but the "
-                f"first batch had {self.treedef}.\nFix: yield batches of one "
-                "structure."
-            )
+            raise errors.batch_structure_changed(index, treedef, self.treedef)
         rows = [
             (
                 f"batch{p}",
-                f"{_errors.short_type(x)}, first batch had "
+                f"{short_type(x)}, first batch had "
                 f"{np.dtype(d).name}[{', '.join(map(str, s))}]",
             )
             for p, x, (s, d) in zip(self.paths, leaves, self.types)
             if x.shape != s or x.dtype != d
         ]
         if rows:
-            raise TypeError(
-                f"{_CALL}: batch {index} of `data` differs in shape or dtype from the "
-                f"first batch:\n{_errors.listing(rows)}\nFix: yield batches of one "
-                "shape (drop or pad an incomplete last batch)."
-            )
+            raise errors.batch_shape_changed(index, rows)
         return leaves
 
 
@@ -213,14 +188,8 @@ def positive_int(name: str, value: Any) -> int:
         else:
             if value > 0:
                 return value
-            raise ValueError(
-                f"{_CALL}: `{name}` must be a positive int, got {value}.\nFix: pass "
-                f"{name}=1 or more."
-            )
-    raise TypeError(
-        f"{_CALL}: `{name}` must be a positive int, got "
-        f"{_errors.short_type(value)}.\nFix: pass an int, e.g. {name}=100."
-    )
+            raise errors.not_positive(name, value)
+    raise errors.not_int(name, value)
 
 
 def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSource:
@@ -228,11 +197,6 @@ def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSourc
     other iterables are sequences of batches)."""
     if isinstance(data, list) or not is_array_data(data):
         if batch_size is not None:
-            raise TypeError(
-                f"{_CALL}: `batch_size` is for array data, but `data` is "
-                f"{_errors.short_type(data)}, read as an iterable of batches.\nFix: "
-                "drop batch_size for ready-made batches, or pass a tuple/dict of "
-                "arrays with a leading example axis."
-            )
+            raise errors.batch_size_with_iterable(data)
         return IterSource(data)
     return ArraySource(data, batch_size, key)

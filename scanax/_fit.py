@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _checkpoint, _data, _errors, _mesh, _models, _progress
+from . import _checkpoint, _data, _mesh, _models, _progress
+from ._errors import fit as errors
 
 _CALL = "scanax.fit"
 # Default steps_per_call: compiled lengths, and the wall time that the automatic
@@ -146,11 +147,7 @@ def fit(
     """
     steps = _data.positive_int("steps", steps)
     if not callable(loss_fn):
-        raise TypeError(
-            f"{_CALL}: `loss_fn` must be callable as loss_fn(model, batch) -> loss, "
-            f"got {_errors.short_type(loss_fn)}.\nFix: pass the loss function third: "
-            "fit(model, optimizer, loss_fn, data, steps=...)."
-        )
+        raise errors.loss_fn_not_callable(loss_fn)
     adapter = _models.adapt(model, optimizer, opt_state)
     source = _data.make_source(data, batch_size, key)
     if steps_per_call is None:
@@ -159,11 +156,7 @@ def fit(
         length = min(steps, _data.positive_int("steps_per_call", steps_per_call))
     if checkpoint_every is not None:
         if checkpoint_dir is None:
-            raise TypeError(
-                f"{_CALL}: checkpoint_every={checkpoint_every!r} is given but "
-                "checkpoint_dir is None.\nFix: pass checkpoint_dir=... (a directory) "
-                "too, or drop checkpoint_every."
-            )
+            raise errors.checkpoint_every_without_dir(checkpoint_every)
         checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
     if mesh is not None:
         _mesh.check(mesh)
@@ -283,11 +276,7 @@ def _build_chunk(
             grads_ok = grads_ok & jnp.all(jnp.isfinite(g))
         new_leaves = jtu.tree_leaves(new)
         if len(new_leaves) != len(leaves):
-            raise TypeError(
-                f"{_CALL}: the training step changed the state's structure "
-                f"({len(leaves)} arrays before, {len(new_leaves)} after).\nFix: do not "
-                "add or remove Variables or attributes in `loss_fn`."
-            )
+            raise errors.state_structure_changed(len(leaves), len(new_leaves))
         return new_leaves, {"loss": loss, "metrics": metrics}, loss_ok, grads_ok
 
     def batch_at(data, key, xs, perm, t, i):

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from . import _progress, _remat, _thin
+from ._errors import long as errors
 from ._scan import Loop, run_lax
 
 
@@ -89,12 +90,7 @@ def resolve(
     no_axis = isinstance(out_axes, int) and not isinstance(out_axes, bool)
     if keep != "all" and not (no_axis and out_axes == 0):
         name = keep if isinstance(keep, str) else "a function"
-        raise ValueError(
-            f"{call}: `out_axes` places the step axis of stacked outputs, but "
-            f"keep={name!r} reduces the outputs, so there is no step axis; got "
-            f'out_axes={out_axes!r}.\nFix: drop `out_axes`, or use keep="all" '
-            "(with keep_every to thin the outputs)."
-        )
+        raise errors.out_axes_reduced(call, name, out_axes)
     if spec is None and remat is None and not thin:
         return None
     return Options(spec, remat, keep_every, keep)

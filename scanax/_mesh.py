@@ -15,25 +15,16 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import _errors
+from ._errors import fit as errors
 
-_CALL = "scanax.fit"
 AXIS = "data"
 
 
 def check(mesh: Any) -> None:
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"{_CALL}: `mesh` must be a jax.sharding.Mesh, got "
-            f"{_errors.short_type(mesh)}.\nFix: pass e.g. "
-            "jax.make_mesh((jax.device_count(),), ('data',)), or mesh=None."
-        )
+        raise errors.mesh_type(mesh)
     if AXIS not in mesh.axis_names:
-        raise ValueError(
-            f"{_CALL}: `mesh` has axes {tuple(mesh.axis_names)}, but batches are "
-            f"sharded over an axis named {AXIS!r}.\nFix: name the batch axis of the "
-            "mesh 'data'."
-        )
+        raise errors.mesh_axis(mesh, AXIS)
 
 
 def auto(mesh: Any) -> Any:
@@ -56,10 +47,7 @@ def data_size(mesh: Any) -> int:
 def check_batch(mesh: Any, batch_size: int, what: str) -> None:
     n = data_size(mesh)
     if batch_size % n:
-        raise ValueError(
-            f"{_CALL}: {what} {batch_size} is not divisible by the mesh's 'data' "
-            f"axis ({n} devices).\nFix: use a batch size that is a multiple of {n}."
-        )
+        raise errors.batch_not_divisible(what, batch_size, n)
 
 
 def state_shardings(mesh: Any, adapter: Any, leaves: list) -> list:
@@ -116,12 +104,7 @@ def put_chunk(mesh: Any, chunk: Any) -> Any:
     """
     for path, x in jtu.tree_flatten_with_path(chunk)[0]:
         if x.ndim < 2:
-            raise ValueError(
-                f"{_CALL}: batch{jtu.keystr(path)} is "
-                f"{_errors.short_type(x[0])}, with no leading batch axis to shard "
-                "over the mesh.\nFix: give every leaf of a batch a leading batch "
-                "axis."
-            )
+            raise errors.batch_no_leading_axis(jtu.keystr(path), x)
         check_batch(mesh, x.shape[1] * jax.process_count(), "the batch size")
     sharding = NamedSharding(mesh, P(None, AXIS))
     return jtu.tree_map(

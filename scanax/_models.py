@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _nnx
+from . import _nnx
 from ._axes import is_array
+from ._errors import fit as errors, short_type
 
 _CALL = "scanax.fit"
 
@@ -33,30 +34,17 @@ def split_loss(call: str, out: Any) -> tuple[Any, dict]:
     """``loss`` or ``(loss, metrics)`` from a ``loss_fn`` result, checked."""
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
-            raise TypeError(
-                f"{call}: `loss_fn` returned a tuple of {len(out)} "
-                f"({', '.join(_errors.short_type(x) for x in out)}); expected a scalar "
-                "loss or a pair (loss, metrics) with metrics a dict of arrays.\n"
-                "Fix: return `loss` or `(loss, {'name': value, ...})`."
-            )
+            raise errors.loss_tuple(call, out)
         loss, metrics = out
     else:
         loss, metrics = out, {}
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{call}: `loss_fn` must return a scalar floating-point loss, got "
-            f"{_errors.short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
-            "over the batch."
-        )
+        raise errors.loss_not_scalar(call, loss)
     for path, leaf in jtu.tree_flatten_with_path(metrics)[0]:
         if not hasattr(leaf, "shape"):
-            raise TypeError(
-                f"{call}: metric metrics{jtu.keystr(path)} is "
-                f"{_errors.short_type(leaf)}, expected an array.\nFix: return jax "
-                "arrays (e.g. `jnp.mean(...)`) as metrics."
-            )
+            raise errors.metric_not_array(call, jtu.keystr(path), leaf)
     return loss, metrics
 
 
@@ -243,7 +231,7 @@ def _check_opt_state(given: Any, fresh: Any) -> None:
 
     def describe(tree):
         return [
-            (jtu.keystr(p), _errors.short_type(x))
+            (jtu.keystr(p), short_type(x))
             for p, x in jtu.tree_flatten_with_path(tree)[0]
         ]
 
@@ -264,12 +252,7 @@ def _check_opt_state(given: Any, fresh: Any) -> None:
             return
         path, g, w = bad[0]
         detail = f"opt_state{path} is {g}, expected {w}"
-    raise TypeError(
-        f"{_CALL}: `opt_state` does not match tx.init(params) of this model and "
-        f"optimizer ({detail}).\nFix: pass the `result.optimizer` of an earlier fit "
-        "with the same model structure and the same optax transformation, or drop "
-        "opt_state to start from tx.init."
-    )
+    raise errors.opt_state_mismatch(detail)
 
 
 def _optax_name(adapter: OptaxAdapter, path: tuple) -> str:
@@ -307,17 +290,13 @@ def adapt(
     """The adapter for a ``(model, optimizer)`` pair, or a TypeError naming the fix.
     ``opt_state`` (optax pairs only) continues from an earlier optax state."""
     if opt_state is not None and not _is_gradient_transformation(optimizer):
-        raise TypeError(
-            f"{_CALL}: `opt_state` is for an Equinox module or pytree trained with "
-            f"an optax transformation; here the optimizer is "
-            f"{_errors.short_type(optimizer)}.\nFix: drop opt_state (an "
-            "nnx.Optimizer and a TrainState carry their own optimizer state)."
-        )
+        raise errors.opt_state_not_optax(optimizer)
     if _is_train_state(model):
         if optimizer is not None:
-            raise _bad_pair(
+            raise errors.bad_pair(
                 model,
                 optimizer,
+                SUPPORTED,
                 "a TrainState carries its own optimizer (`tx`).\nFix: pass "
                 "optimizer=None.",
             )
@@ -326,36 +305,20 @@ def adapt(
         if _is_nnx_optimizer(optimizer):
             return NNXAdapter(model, optimizer)
         fix = "Fix: pass nnx.Optimizer(model, tx, wrt=nnx.Param) as the optimizer."
-        raise _bad_pair(model, optimizer, fix)
+        raise errors.bad_pair(model, optimizer, SUPPORTED, fix)
     if _is_gradient_transformation(optimizer):
         bad = [
-            (jtu.keystr(p), _errors.short_type(x))
+            (jtu.keystr(p), short_type(x))
             for p, x in jtu.tree_flatten_with_path(model, is_leaf=_nnx.is_node)[0]
             if _nnx.is_node(x)
         ]
         if bad:
-            raise TypeError(
-                f"{_CALL}: the model holds NNX objects, which an optax "
-                f"transformation cannot train:\n{_errors.listing(bad)}\nFix: pass "
-                "an nnx.Module with nnx.Optimizer(model, tx, wrt=nnx.Param)."
-            )
+            raise errors.nnx_objects_in_optax_model(bad)
         if not any(_is_inexact(x) for x in jtu.tree_leaves(model)):
-            raise TypeError(
-                f"{_CALL}: the model ({_errors.short_type(model)}) has no "
-                "floating-point arrays to train.\nFix: pass an Equinox module or a "
-                "pytree whose parameters are floating-point jax arrays."
-            )
+            raise errors.nothing_to_train(model)
         return OptaxAdapter(model, optimizer, opt_state)
     if _is_nnx_optimizer(optimizer):
         fix = "Fix: pass the nnx.Module that the nnx.Optimizer was built for."
     else:
         fix = "Fix: pass one of the supported pairs."
-    raise _bad_pair(model, optimizer, fix)
-
-
-def _bad_pair(model: Any, optimizer: Any, fix: str) -> TypeError:
-    return TypeError(
-        f"{_CALL}: unsupported (model, optimizer) pair "
-        f"({_errors.short_type(model)}, {_errors.short_type(optimizer)}); the "
-        f"supported pairs are:\n{SUPPORTED}\n{fix}"
-    )
+    raise errors.bad_pair(model, optimizer, SUPPORTED, fix)

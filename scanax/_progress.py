@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._errors import long as errors
 from ._scan import Loop
 
 _DEFAULT_UPDATES = 20
@@ -79,12 +80,7 @@ def resolve(call: str, progress: Any) -> Progress | None:
     elif isinstance(progress, int):
         spec = Progress(every=progress)
     else:
-        raise TypeError(
-            f"{call}: `progress` must be False, True, a positive int (steps between "
-            f"updates) or scanax.Progress(...), got {type(progress).__name__} "
-            f"{progress!r}.\nFix: pass progress=True, progress=100 or "
-            "progress=scanax.Progress(every=100, desc=...)."
-        )
+        raise errors.bad_progress(call, progress)
     every = spec.every
     bad_type = isinstance(every, bool) or not isinstance(every, int)
     if every is not None and (bad_type or every < 1):
@@ -103,11 +99,7 @@ def load_tqdm(call: str) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError as err:
-        raise ImportError(
-            f"{call}: `progress=` needs tqdm, which is not installed.\nFix: `pip "
-            "install tqdm` (or `pip install scanax[progress]`), or pass "
-            "progress=False."
-        ) from err
+        raise errors.no_tqdm(call) from err
     return tqdm
 
 

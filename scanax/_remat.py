@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from ._errors import long as errors
 from ._scan import Loop
 
 
@@ -31,19 +32,9 @@ def resolve(call: str, remat: Any) -> Any:
     if remat is True or remat == "sqrt":
         return remat
     if isinstance(remat, str):
-        raise ValueError(
-            f'{call}: `remat` must be False, True, "sqrt" or a '
-            f"jax.checkpoint_policies policy, got the string {remat!r}.\nFix: pass "
-            'remat="sqrt" for O(√T) gradient memory, or remat=True to checkpoint '
-            "each step."
-        )
+        raise errors.remat_string(call, remat)
     if not callable(remat):
-        raise TypeError(
-            f'{call}: `remat` must be False, True, "sqrt" or a '
-            f"jax.checkpoint_policies policy (a callable), got "
-            f"{type(remat).__name__} {remat!r}.\nFix: pass remat=True, "
-            'remat="sqrt" or e.g. remat=jax.checkpoint_policies.dots_saveable.'
-        )
+        raise errors.remat_type(call, remat)
     return remat
 
 

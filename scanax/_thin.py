@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _remat
+from . import _remat
+from ._errors import long as errors
 from ._scan import Loop
 
 _REDUCERS = ("all", "last", "sum", "mean")
@@ -31,24 +32,11 @@ _REDUCERS = ("all", "last", "sum", "mean")
 
 def resolve(call: str, keep_every: Any, keep: Any) -> tuple[int, Any]:
     if isinstance(keep_every, bool) or not isinstance(keep_every, int):
-        raise TypeError(
-            f"{call}: `keep_every` must be a positive int, got "
-            f"{type(keep_every).__name__} {keep_every!r}.\nFix: pass e.g. "
-            "keep_every=10 to keep the output of every 10th step (1 keeps all)."
-        )
+        raise errors.keep_every_type(call, keep_every)
     if keep_every < 1:
-        raise ValueError(
-            f"{call}: `keep_every` must be a positive int, got {keep_every}.\n"
-            "Fix: pass e.g. keep_every=10 to keep the output of every 10th step "
-            "(1 keeps all)."
-        )
+        raise errors.keep_every_value(call, keep_every)
     if not (keep in _REDUCERS or callable(keep)):
-        raise ValueError(
-            f'{call}: `keep` must be "all", "last", "sum", "mean" or a '
-            f"function fn(acc, y) -> acc, got {keep!r}.\nFix: pass e.g. "
-            'keep="mean" for the mean output, or keep=jnp.maximum for the running '
-            "maximum."
-        )
+        raise errors.bad_keep(call, keep)
     return keep_every, keep
 
 
@@ -57,11 +45,7 @@ def check_length(call: str, length: int, keep_every: int, keep: Any) -> None:
     if keep in ("all", "sum") or length // keep_every > 0:
         return
     name = keep if isinstance(keep, str) else "a function"
-    raise ValueError(
-        f"{call}: keep={name!r} needs at least one kept output, but the scan has "
-        f"{length} steps and keep_every={keep_every} keeps {length // keep_every}.\n"
-        'Fix: run at least keep_every steps, or use keep="all" or keep="sum".'
-    )
+    raise errors.nothing_kept(call, name, length, keep_every)
 
 
 def _no_y(body: Callable) -> Callable:
@@ -209,12 +193,7 @@ def _fold(keep: Any, acc: Any, y: Any, started: jax.Array) -> tuple[Any, Any]:
         b = jnp.asarray(b, a.dtype)
         out = jax.eval_shape(keep, a, b)
         if getattr(out, "shape", None) != a.shape or out.dtype != a.dtype:
-            raise TypeError(
-                "scanax.scan: the `keep` function must return an accumulator of "
-                f"the same shape and dtype as the output leaf, {a.dtype.name}"
-                f"{list(a.shape)}, got {_errors.short_type(out)}.\nFix: make "
-                "fn(acc, y) return an array like `y`, e.g. keep=jnp.maximum."
-            )
+            raise errors.keep_fn_output(out, a)
         return jax.lax.cond(started, keep, lambda _, b_: b_, a, b)
 
     return jtu.tree_map(fold_leaf, acc, y), None

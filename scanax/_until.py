@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _remat
+from . import _remat
+from ._errors import long as errors
 from ._scan import Loop, _call_lowering, move_out_axes, prepare
 
 Carry = TypeVar("Carry")
@@ -107,11 +108,7 @@ def scan_until(
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
     remat = _remat.resolve(_CALL, remat)
     if not callable(until):
-        raise TypeError(
-            f"{_CALL}: `until` must be a function until(carry) -> bool, got "
-            f"{_errors.short_type(until)}.\nFix: pass e.g. "
-            "until=lambda carry: carry[0] < 1e-6."
-        )
+        raise errors.until_not_callable(until)
 
     def stop(dynamic):
         return until(codec.decode(dynamic))
@@ -152,13 +149,7 @@ def _check_until(stop: Callable, init: Any) -> None:
     dtype = getattr(out, "dtype", None)
     shape = getattr(out, "shape", None)
     if shape != () or dtype != jnp.bool_:
-        got = _errors.short_type(out) if out is not None else "a non-array value"
-        raise TypeError(
-            f"{_CALL}: `until(carry)` must return a scalar bool (bool[]), got "
-            f"{got}.\nFix: return one boolean per scan, e.g. "
-            "`until=lambda c: jnp.all(jnp.abs(c.delta) < 1e-6)` (reduce arrays "
-            "with jnp.all/jnp.any, compare numbers with <, >, ==)."
-        )
+        raise errors.until_not_bool(out)
 
 
 def _x_example(xs: Any) -> Any:

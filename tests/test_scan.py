@@ -576,3 +576,28 @@ def test_errors_mention_no_private_jax_names():
         scanax.scan(lambda c, x: (c, None), 0.0, {"a": jnp.ones(2), "b": jnp.ones(3)})
     except ValueError as err:
         assert "jax._src" not in str(err)
+
+
+def test_error_messages_are_built_in_the_errors_package():
+    """STYLE: messages live in scanax/_errors/; modules raise what it builds."""
+    import ast
+    import pathlib
+
+    allowed = {
+        ("_bench.py", "TypeError"),  # the benchmark harness checks its own files
+        ("_bench.py", "ValueError"),
+        ("_fit.py", "RuntimeError"),  # an internal invariant, not a user error
+    }
+    found = []
+    for path in sorted(pathlib.Path(scanax.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Raise)
+                and isinstance(node.exc, ast.Call)
+                and isinstance(node.exc.func, ast.Name)
+                and node.exc.func.id.endswith("Error")
+                and node.exc.args
+                and (path.name, node.exc.func.id) not in allowed
+            ):
+                found.append(f"{path.name}:{node.lineno} {node.exc.func.id}")
+    assert not found, found

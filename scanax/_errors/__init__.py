@@ -2,7 +2,11 @@
 
 Every message starts with the public call (``scanax.scan: ...``), names each offending
 leaf by pytree path with a short type (``float32[5, 4]``), says what was expected and
-ends with the fix.
+ends with the fix. This module holds the shared helpers and the messages of
+``scanax.scan``; the other calls have one module each: ``stack`` (``scanax.Stack``),
+``rnn`` (``scanax.rnn``/``birnn``), ``long`` (``keep_every``/``keep``, ``remat``,
+``progress``, ``scanax.scan_until``) and ``fit`` (``scanax.fit``: arguments, models
+and optimizers, data, checkpoints, meshes).
 """
 
 from __future__ import annotations

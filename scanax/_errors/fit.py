@@ -1,0 +1,245 @@
+"""Messages of ``scanax.fit``'s errors: arguments, models and optimizers, data,
+checkpoints and meshes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import listing, short_type
+
+CALL = "scanax.fit"
+
+
+def loss_fn_not_callable(loss_fn: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` must be callable as loss_fn(model, batch) -> loss, "
+        f"got {short_type(loss_fn)}.\nFix: pass the loss function third: "
+        "fit(model, optimizer, loss_fn, data, steps=...)."
+    )
+
+
+def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: checkpoint_every={checkpoint_every!r} is given but "
+        "checkpoint_dir is None.\nFix: pass checkpoint_dir=... (a directory) "
+        "too, or drop checkpoint_every."
+    )
+
+
+def state_structure_changed(before: int, after: int) -> TypeError:
+    return TypeError(
+        f"{CALL}: the training step changed the state's structure "
+        f"({before} arrays before, {after} after).\nFix: do not "
+        "add or remove Variables or attributes in `loss_fn`."
+    )
+
+
+def loss_tuple(call: str, out: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `loss_fn` returned a tuple of {len(out)} "
+        f"({', '.join(short_type(x) for x in out)}); expected a scalar "
+        "loss or a pair (loss, metrics) with metrics a dict of arrays.\n"
+        "Fix: return `loss` or `(loss, {'name': value, ...})`."
+    )
+
+
+def loss_not_scalar(call: str, loss: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `loss_fn` must return a scalar floating-point loss, got "
+        f"{short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
+        "over the batch."
+    )
+
+
+def metric_not_array(call: str, path: str, leaf: Any) -> TypeError:
+    return TypeError(
+        f"{call}: metric metrics{path} is "
+        f"{short_type(leaf)}, expected an array.\nFix: return jax "
+        "arrays (e.g. `jnp.mean(...)`) as metrics."
+    )
+
+
+def opt_state_mismatch(detail: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `opt_state` does not match tx.init(params) of this model and "
+        f"optimizer ({detail}).\nFix: pass the `result.optimizer` of an earlier fit "
+        "with the same model structure and the same optax transformation, or drop "
+        "opt_state to start from tx.init."
+    )
+
+
+def opt_state_not_optax(optimizer: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `opt_state` is for an Equinox module or pytree trained with "
+        f"an optax transformation; here the optimizer is "
+        f"{short_type(optimizer)}.\nFix: drop opt_state (an "
+        "nnx.Optimizer and a TrainState carry their own optimizer state)."
+    )
+
+
+def nnx_objects_in_optax_model(bad: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: the model holds NNX objects, which an optax "
+        f"transformation cannot train:\n{listing(bad)}\nFix: pass "
+        "an nnx.Module with nnx.Optimizer(model, tx, wrt=nnx.Param)."
+    )
+
+
+def nothing_to_train(model: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: the model ({short_type(model)}) has no "
+        "floating-point arrays to train.\nFix: pass an Equinox module or a "
+        "pytree whose parameters are floating-point jax arrays."
+    )
+
+
+def data_leading_axes(body: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: the arrays in `data` must share their leading (example) "
+        f"axis, found:\n{body}\nFix: give every leaf the same number of "
+        "examples along axis 0."
+    )
+
+
+def batch_size_missing(n: int) -> TypeError:
+    return TypeError(
+        f"{CALL}: `data` is a pytree of arrays ({n} examples) but "
+        "`batch_size` is None.\nFix: pass batch_size=... (examples per step), "
+        "or pass an iterable of ready-made batches as `data`."
+    )
+
+
+def batch_size_too_large(batch_size: int, n: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: batch_size={batch_size} is larger than the data "
+        f"({n} examples along axis 0).\nFix: pass batch_size <= {n}."
+    )
+
+
+def data_not_batches(data: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `data` must be a pytree of arrays (with batch_size) or an "
+        f"iterable of batches, got {short_type(data)}.\nFix: pass "
+        "arrays with a leading example axis, or an iterator of batches."
+    )
+
+
+def batch_structure_changed(index: int, treedef: Any, first: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: batch {index} of `data` has structure {treedef}, but the "
+        f"first batch had {first}.\nFix: yield batches of one "
+        "structure."
+    )
+
+
+def batch_shape_changed(index: Any, rows: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: batch {index} of `data` differs in shape or dtype from the "
+        f"first batch:\n{listing(rows)}\nFix: yield batches of one "
+        "shape (drop or pad an incomplete last batch)."
+    )
+
+
+def not_positive(name: Any, value: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: `{name}` must be a positive int, got {value}.\nFix: pass "
+        f"{name}=1 or more."
+    )
+
+
+def not_int(name: Any, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `{name}` must be a positive int, got "
+        f"{short_type(value)}.\nFix: pass an int, e.g. {name}=100."
+    )
+
+
+def batch_size_with_iterable(data: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `batch_size` is for array data, but `data` is "
+        f"{short_type(data)}, read as an iterable of batches.\nFix: "
+        "drop batch_size for ready-made batches, or pass a tuple/dict of "
+        "arrays with a leading example axis."
+    )
+
+
+def no_orbax() -> ImportError:
+    return ImportError(
+        f"{CALL}: checkpoint_dir needs orbax-checkpoint, which is not "
+        "installed.\nFix: `pip install orbax-checkpoint` (or "
+        "`scanax[checkpoint]`), or pass checkpoint_dir=None."
+    )
+
+
+def checkpoint_format(where: Any, fix: Any, meta: Any, expected: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: {where} has format {meta.get('format')!r}, expected "
+        f"{expected}.\n{fix}"
+    )
+
+
+def checkpoint_mismatch(
+    where: Any, name: Any, found: Any, expected: Any, fix: Any
+) -> ValueError:
+    return ValueError(
+        f"{CALL}: {where} does not fit this training state; first "
+        f"mismatching leaf {name}:\n  checkpoint  {found}\n  expected    "
+        f"{expected}\n{fix}"
+    )
+
+
+def checkpoint_other_data(where: str, fix: str, meta: Any, data: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: {where} was written for other data: "
+        f"{short_type(meta['data'])} {meta['data']}, now "
+        f"{data}; a resumed run would not repeat the same batches.\n"
+        f"{fix}"
+    )
+
+
+def restored_type(step: int, name: str, restored: Any, expected: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: checkpoint step {step} gave back {name} as {short_type(restored)}, "
+        f"expected {short_type(expected)}.\nFix: resume with the model and optimizer "
+        "that wrote the checkpoint, or use a new checkpoint_dir."
+    )
+
+
+def mesh_type(mesh: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `mesh` must be a jax.sharding.Mesh, got "
+        f"{short_type(mesh)}.\nFix: pass e.g. "
+        "jax.make_mesh((jax.device_count(),), ('data',)), or mesh=None."
+    )
+
+
+def mesh_axis(mesh: Any, axis: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: `mesh` has axes {tuple(mesh.axis_names)}, but batches are "
+        f"sharded over an axis named {axis!r}.\nFix: name the batch axis of the "
+        f"mesh {axis!r}."
+    )
+
+
+def batch_not_divisible(what: Any, batch_size: Any, n: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: {what} {batch_size} is not divisible by the mesh's 'data' "
+        f"axis ({n} devices).\nFix: use a batch size that is a multiple of {n}."
+    )
+
+
+def batch_no_leading_axis(path: str, x: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: batch{path} is "
+        f"{short_type(x[0])}, with no leading batch axis to shard "
+        "over the mesh.\nFix: give every leaf of a batch a leading batch "
+        "axis."
+    )
+
+
+def bad_pair(model: Any, optimizer: Any, supported: str, fix: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: unsupported (model, optimizer) pair "
+        f"({short_type(model)}, {short_type(optimizer)}); the "
+        f"supported pairs are:\n{supported}\n{fix}"
+    )

@@ -1,0 +1,114 @@
+"""Messages of the long-scan options' errors: ``keep_every``/``keep``, ``remat``,
+``progress`` and ``scanax.scan_until``'s ``until``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import short_type
+
+UNTIL = "scanax.scan_until"
+
+
+def keep_every_type(call: str, keep_every: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `keep_every` must be a positive int, got "
+        f"{type(keep_every).__name__} {keep_every!r}.\nFix: pass e.g. "
+        "keep_every=10 to keep the output of every 10th step (1 keeps all)."
+    )
+
+
+def keep_every_value(call: str, keep_every: Any) -> ValueError:
+    return ValueError(
+        f"{call}: `keep_every` must be a positive int, got {keep_every}.\n"
+        "Fix: pass e.g. keep_every=10 to keep the output of every 10th step "
+        "(1 keeps all)."
+    )
+
+
+def bad_keep(call: str, keep: Any) -> ValueError:
+    return ValueError(
+        f'{call}: `keep` must be "all", "last", "sum", "mean" or a '
+        f"function fn(acc, y) -> acc, got {keep!r}.\nFix: pass e.g. "
+        'keep="mean" for the mean output, or keep=jnp.maximum for the running '
+        "maximum."
+    )
+
+
+def nothing_kept(call: str, name: Any, length: Any, keep_every: Any) -> ValueError:
+    return ValueError(
+        f"{call}: keep={name!r} needs at least one kept output, but the scan has "
+        f"{length} steps and keep_every={keep_every} keeps {length // keep_every}.\n"
+        'Fix: run at least keep_every steps, or use keep="all" or keep="sum".'
+    )
+
+
+def keep_fn_output(out: Any, a: Any) -> TypeError:
+    return TypeError(
+        "scanax.scan: the `keep` function must return an accumulator of "
+        f"the same shape and dtype as the output leaf, {a.dtype.name}"
+        f"{list(a.shape)}, got {short_type(out)}.\nFix: make "
+        "fn(acc, y) return an array like `y`, e.g. keep=jnp.maximum."
+    )
+
+
+def remat_string(call: str, remat: Any) -> ValueError:
+    return ValueError(
+        f'{call}: `remat` must be False, True, "sqrt" or a '
+        f"jax.checkpoint_policies policy, got the string {remat!r}.\nFix: pass "
+        'remat="sqrt" for O(√T) gradient memory, or remat=True to checkpoint '
+        "each step."
+    )
+
+
+def remat_type(call: str, remat: Any) -> TypeError:
+    return TypeError(
+        f'{call}: `remat` must be False, True, "sqrt" or a '
+        f"jax.checkpoint_policies policy (a callable), got "
+        f"{type(remat).__name__} {remat!r}.\nFix: pass remat=True, "
+        'remat="sqrt" or e.g. remat=jax.checkpoint_policies.dots_saveable.'
+    )
+
+
+def until_not_callable(until: Any) -> TypeError:
+    return TypeError(
+        f"{UNTIL}: `until` must be a function until(carry) -> bool, got "
+        f"{short_type(until)}.\nFix: pass e.g. "
+        "until=lambda carry: carry[0] < 1e-6."
+    )
+
+
+def until_not_bool(out: Any) -> TypeError:
+    got = short_type(out) if out is not None else "a non-array value"
+    return TypeError(
+        f"{UNTIL}: `until(carry)` must return a scalar bool (bool[]), got "
+        f"{got}.\nFix: return one boolean per scan, e.g. "
+        "`until=lambda c: jnp.all(jnp.abs(c.delta) < 1e-6)` (reduce arrays "
+        "with jnp.all/jnp.any, compare numbers with <, >, ==)."
+    )
+
+
+def out_axes_reduced(call: str, name: Any, out_axes: Any) -> ValueError:
+    return ValueError(
+        f"{call}: `out_axes` places the step axis of stacked outputs, but "
+        f"keep={name!r} reduces the outputs, so there is no step axis; got "
+        f'out_axes={out_axes!r}.\nFix: drop `out_axes`, or use keep="all" '
+        "(with keep_every to thin the outputs)."
+    )
+
+
+def bad_progress(call: str, progress: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `progress` must be False, True, a positive int (steps between "
+        f"updates) or scanax.Progress(...), got {type(progress).__name__} "
+        f"{progress!r}.\nFix: pass progress=True, progress=100 or "
+        "progress=scanax.Progress(every=100, desc=...)."
+    )
+
+
+def no_tqdm(call: str) -> ImportError:
+    return ImportError(
+        f"{call}: `progress=` needs tqdm, which is not installed.\nFix: `pip "
+        "install tqdm` (or `pip install scanax[progress]`), or pass "
+        "progress=False."
+    )
