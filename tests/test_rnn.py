@@ -477,3 +477,13 @@ def test_error_no_state_width_and_misc():
         TypeError, match=r"scanax\.birnn: `init` must be None or a pair"
     ):
         scanax.birnn(seed_cells(), seed_cells(), xs, init=(None,))
+
+
+def test_auto_order_by_backend(monkeypatch):
+    from scanax import _rnn
+
+    assert _rnn.resolve_order("time") == "time"
+    assert _rnn.resolve_order("layer") == "layer"
+    for backend, order in [("cpu", "layer"), ("gpu", "time"), ("tpu", "time")]:
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert _rnn.resolve_order("auto") == order
