@@ -247,3 +247,18 @@ def test_kill_9_at_random_moments_then_resume_is_exact(tmp_path):
     assert 0 < _steps(directory) < job.STEPS
     _run_job(directory, out)
     assert out.read_text() == job.digest(job.job(None))
+
+
+def test_checkpoint_of_another_format_is_refused(tmp_path, monkeypatch):
+    model, opt = make()
+    fit(model, opt, 6, checkpoint_dir=tmp_path, checkpoint_every=6)
+    from scanax import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_FORMAT", _checkpoint._FORMAT + 1)
+    model, opt = make()
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)scanax.fit: the checkpoint at step 6 in .* has format "
+        rf"{_checkpoint._FORMAT - 1}, expected {_checkpoint._FORMAT}\.\nFix:",
+    ):
+        fit(model, opt, 12, checkpoint_dir=tmp_path, checkpoint_every=6)

@@ -657,6 +657,10 @@ def _bad_metrics(m, b):
     return nnx_loss(m, b)[0], 1, 2
 
 
+def _str_metric(m, b):
+    return nnx_loss(m, b)[0], {"tag": "not an array"}
+
+
 ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
 
 
@@ -729,6 +733,21 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             ARRAYS,
             TypeError,
             r"`loss_fn` returned a tuple of 3",
+        ),
+        (
+            _str_metric,
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"scanax.fit: metric metrics\['tag'\] is str, expected an array",
+        ),
+        (
+            nnx_loss,
+            [batch_at(0), {"x": X[:8], "y": Y[:8]}],
+            dict(steps=2, steps_per_call=2),
+            TypeError,
+            r"scanax.fit: batch 1 of `data` has structure .*, but the first batch "
+            r"had",
         ),
         (
             nnx_loss,

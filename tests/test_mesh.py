@@ -142,6 +142,19 @@ def test_mesh_errors():
             steps=1,
             progress=False,
         )
+    with pytest.raises(
+        ValueError,
+        match=r"scanax.fit: batch\[1\] is float32\[\], with no leading batch axis",
+    ):
+        scanax.fit(
+            model,
+            opt,
+            loss_fn,
+            [(X[:8], jnp.float32(0.5))],
+            mesh=jax.make_mesh((4,), ("data",)),
+            steps=1,
+            progress=False,
+        )
 
 
 def test_mesh_checkpoint_resume(tmp_path):
