@@ -150,13 +150,10 @@ class Checkpoints:
         )
 
     def _check(self, step: int, meta: dict, leaves: list) -> None:
-        where = f"the checkpoint at step {step} in {self.directory}"
-        fix = (
-            "Fix: pass the model (and optimizer, data layout) that wrote it, or "
-            "another checkpoint_dir (or delete this one to start over)."
-        )
         if meta.get("format") != _FORMAT:
-            raise errors.checkpoint_format(where, fix, meta, _FORMAT)
+            raise errors.checkpoint_format(
+                step, self.directory, meta.get("format"), _FORMAT
+            )
         saved = meta["leaves"]
         for i in range(max(len(saved), len(leaves))):
             have = saved[i] if i < len(saved) else None
@@ -167,9 +164,13 @@ class Checkpoints:
                 expected = (
                     "nothing" if want is None else f"{want[0]}: {_short(want[1:])}"
                 )
-                raise errors.checkpoint_mismatch(where, name, found, expected, fix)
+                raise errors.checkpoint_mismatch(
+                    step, self.directory, name, found, expected
+                )
         if meta["data"] != self.data:
-            raise errors.checkpoint_other_data(where, fix, meta, self.data)
+            raise errors.checkpoint_other_data(
+                step, self.directory, meta["data"], self.data
+            )
 
 
 def _key_data(key: Any) -> Any:

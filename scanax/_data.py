@@ -26,7 +26,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._axes import is_array
-from ._errors import fit as errors, listing, short_type
+from ._errors import fit as errors, short_type
 
 
 def is_array_data(data: Any) -> bool:
@@ -45,17 +45,7 @@ class ArraySource:
     def __init__(self, data: Any, batch_size: Any, key: Any):
         sizes = [x.shape[0] if x.ndim else None for x in jtu.tree_leaves(data)]
         if None in sizes or len(set(sizes)) > 1:
-            rows = [
-                (jtu.keystr(p), x.shape[0] if x.ndim else None, short_type(x))
-                for p, x in jtu.tree_flatten_with_path(data)[0]
-            ]
-            body = listing(
-                [
-                    (f"data{p}", f"{t}: {'no leading axis' if n is None else n}")
-                    for p, n, t in rows
-                ]
-            )
-            raise errors.data_leading_axes(body)
+            raise errors.data_leading_axes(jtu.tree_flatten_with_path(data)[0])
         self.n = sizes[0]
         if batch_size is None:
             raise errors.batch_size_missing(self.n)

@@ -11,41 +11,25 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _cells
-from ._errors import short_type
-from ._errors.rnn import (
-    ORDERS,
-    cell_name,
-    err_birnn_init,
-    err_call_failed,
-    err_init_count,
-    err_init_state,
-    err_init_type,
-    err_no_cells,
-    err_no_state,
-    err_order,
-    err_seq_lengths_dtype,
-    err_seq_lengths_shape,
-    err_state_changed,
-    err_unknown_protocol,
-    err_width,
-    err_xs,
-)
+from ._errors import rnn as errors, short_type
 from ._scan import scan
+
+ORDERS = ("auto", "time", "layer")
 
 # ---------------------------------------------------------------------------- checks
 
 
 def _time_axis(xs: Any, time_axis: Any) -> int:
     if not hasattr(xs, "ndim") or xs.ndim < 2:
-        raise err_xs(xs, time_axis)
+        raise errors.bad_xs(xs, time_axis)
     if isinstance(time_axis, bool):
-        raise err_xs(xs, time_axis)
+        raise errors.bad_xs(xs, time_axis)
     try:
         ax = operator.index(time_axis)
     except TypeError as err:
-        raise err_xs(xs, time_axis) from err
+        raise errors.bad_xs(xs, time_axis) from err
     if not -xs.ndim <= ax < xs.ndim or ax % xs.ndim == xs.ndim - 1:
-        raise err_xs(xs, time_axis)
+        raise errors.bad_xs(xs, time_axis)
     return ax % xs.ndim
 
 
@@ -59,9 +43,9 @@ def _plan(
     """
     if init is not None:
         if not isinstance(init, (tuple, list)):
-            raise err_init_type(init)
+            raise errors.init_type(init)
         if len(init) != len(cells):
-            raise err_init_count(len(init), len(cells))
+            raise errors.init_count(len(init), len(cells))
     batch = tuple(x0.shape[:-1])
     specs, states = [], []
     x = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
@@ -69,29 +53,29 @@ def _plan(
     for i, cell in enumerate(cells):
         spec = _cells.detect(cell)
         if spec is None:
-            raise err_unknown_protocol(i, cell, "it is not callable")
+            raise errors.unknown_protocol(i, cell, "it is not callable")
         if spec.unbatched:
             spec.n_batch = len(batch)
         width = x.shape[-1]
         if spec.in_width is not None and spec.in_width != width:
-            raise err_width(i, cell, spec.in_width, width, source)
+            raise errors.width(i, cell, spec.in_width, width, source)
         default = spec.default_state(cell, batch, width, x0.dtype)
         if init is None:
             if default is None:
-                raise err_no_state(i, cell)
+                raise errors.no_state(i, cell)
             state = default
         else:
             state = init[i]
             if default is not None and not _same(state, default):
-                raise err_init_state(i, cell, state, default)
+                raise errors.init_state(i, cell, state, default)
         try:
             out = _cells.eval_step(spec, cell, state, x)()
         except Exception as err:
-            raise err_call_failed(i, cell, x, source) from err
+            raise errors.call_failed(i, cell, x, source) from err
         if spec.kind == "?":
             spec.kind = _cells.probe_kind(spec, state, out) or "?"
             if spec.kind == "?":
-                raise err_unknown_protocol(
+                raise errors.unknown_protocol(
                     i,
                     cell,
                     f"called as cell(h, x) with h {_cells.describe(state)} it returned "
@@ -102,11 +86,11 @@ def _plan(
                 out = (out, out)
         new_state, y = out
         if not _same(new_state, state):
-            raise err_state_changed(i, cell, state, new_state)
+            raise errors.state_changed(i, cell, state, new_state)
         specs.append(spec)
         states.append(state)
         x = y
-        source = f"the output of {cell_name(i, cell)}"
+        source = f"the output of {errors.cell_name(i, cell)}"
     return specs, tuple(states)
 
 
@@ -125,9 +109,9 @@ def _check_seq_lengths(seq_lengths: Any, batch: tuple[int, ...], xs: Any) -> Any
         jnp.asarray(seq_lengths) if not hasattr(seq_lengths, "dtype") else seq_lengths
     )
     if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
-        raise err_seq_lengths_dtype(seq_lengths)
+        raise errors.seq_lengths_dtype(seq_lengths)
     if tuple(seq_lengths.shape) != batch:
-        raise err_seq_lengths_shape(seq_lengths, batch, xs)
+        raise errors.seq_lengths_shape(seq_lengths, batch, xs)
     return seq_lengths
 
 
@@ -298,9 +282,9 @@ def rnn(
     else:
         cells = (cells,)
     if not cells:
-        raise err_no_cells()
+        raise errors.no_cells()
     if order not in ORDERS:
-        raise err_order(order)
+        raise errors.bad_order(order, ORDERS)
     ax = _time_axis(xs, time_axis)
     xs_t = jnp.moveaxis(xs, ax, 0) if ax else xs
     batch = tuple(xs_t.shape[1:-1])
@@ -357,7 +341,7 @@ def birnn(
     if init is None:
         init = (None, None)
     elif not isinstance(init, (tuple, list)) or len(init) != 2:
-        raise err_birnn_init(init)
+        raise errors.birnn_init(init)
     kw = dict(seq_lengths=seq_lengths, time_axis=time_axis, order=order, unroll=unroll)
     fwd_states, fwd_ys = rnn(forward, xs, init[0], **kw)
     bwd_states, bwd_ys = rnn(backward, xs, init[1], reverse=True, **kw)

@@ -25,15 +25,7 @@ import jax.tree_util as jtu
 
 from . import _remat
 from ._axes import is_array, is_arraylike, same_static
-from ._errors.stack import (
-    err_empty,
-    err_index,
-    err_not_callable,
-    err_not_sequence,
-    err_per_layer_leaf,
-    err_per_layer_type,
-    err_remat,
-)
+from ._errors import stack as errors
 from ._scan import scan
 
 # A plan is a tuple of pieces ``(start, period, repeats)``: layers
@@ -126,13 +118,13 @@ def plan(ids: list[int], max_period: int = 64) -> tuple[Piece, ...]:
 def locate(plan_: tuple[Piece, ...], n: int, i: Any) -> tuple[int, int, int]:
     """(piece index, block index, index in block) of layer ``i``."""
     if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
-        raise err_index(i, n)
+        raise errors.bad_index(i, n)
     i %= n
     for k, (start, period, repeats) in enumerate(plan_):
         if start <= i < start + period * repeats:
             j, m = divmod(i - start, period)
             return k, j, m
-    raise err_index(i, n)  # unreachable: i was checked above
+    raise errors.bad_index(i, n)  # unreachable: i was checked above
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -171,7 +163,7 @@ def _split(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
 def check_remat(remat: Any) -> Any:
     if remat is None or isinstance(remat, bool) or callable(remat):
         return remat
-    raise err_remat(remat)
+    raise errors.bad_remat(remat)
 
 
 def run_remat(remat: Any) -> Any:
@@ -228,10 +220,10 @@ def check_per_layer(per_layer: Any, n: int) -> dict:
     if per_layer is None:
         return {}
     if not isinstance(per_layer, dict):
-        raise err_per_layer_type(per_layer)
+        raise errors.per_layer_type(per_layer)
     for path, leaf in jtu.tree_flatten_with_path(per_layer)[0]:
         if not is_array(leaf) or leaf.ndim == 0 or leaf.shape[0] != n:
-            raise err_per_layer_leaf(jtu.keystr(path), leaf, n)
+            raise errors.per_layer_leaf(jtu.keystr(path), leaf, n)
     return per_layer
 
 
@@ -322,12 +314,12 @@ def _has_eqx(layers: Sequence[Any]) -> bool:
 
 def check_layers(layers: Any) -> list[Any]:
     if not isinstance(layers, (list, tuple)):
-        raise err_not_sequence(layers)
+        raise errors.not_sequence(layers)
     if not layers:
-        raise err_empty()
+        raise errors.empty()
     for i, layer in enumerate(layers):
         if not callable(layer):
-            raise err_not_callable(i, layer)
+            raise errors.not_callable(i, layer)
     return list(layers)
 
 

@@ -30,14 +30,14 @@ def _check_owned(layers: list[Any]) -> None:
     for i, layer in enumerate(layers):
         if not nnx.graph.is_graph_node(layer):
             if any(not callable(x) for x in jtu.tree_leaves(layer)):
-                raise errors.err_mixed(first_node, layers[first_node], i, layer)
+                raise errors.mixed(first_node, layers[first_node], i, layer)
             continue
         for path, var in nnx.graph.iter_graph(layer):
             if isinstance(var, nnx.Variable):
                 key = id(var)
                 if key in seen and seen[key][0] != i:
                     j, _ = seen[key]
-                    raise errors.err_shared(
+                    raise errors.shared(
                         j, i, jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
                     )
                 seen.setdefault(key, (i, ""))

@@ -248,8 +248,9 @@ def test_orders_identical_with_lengths(reverse):
             cells,
         )(xs)
 
-    close(run("time"), run("layer"), rtol=1e-6, atol=1e-6)
-    close(run("auto"), run("layer" if jax.default_backend() == "cpu" else "time"))
+    runs = {order: run(order) for order in ("time", "layer", "auto")}
+    close(runs["time"], runs["layer"], rtol=1e-6, atol=1e-6)
+    close(runs["auto"], runs["layer" if jax.default_backend() == "cpu" else "time"])
 
 
 # ---------------------------------------------------------------------------- seq_lengths, reverse

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.tree_util as jtu
+
 from . import listing, short_type
 
 CALL = "scanax.fit"
@@ -59,7 +61,7 @@ def metric_not_array(call: str, path: str, leaf: Any) -> TypeError:
     )
 
 
-def opt_state_mismatch(detail: Any) -> TypeError:
+def opt_state_mismatch(detail: str) -> TypeError:
     return TypeError(
         f"{CALL}: `opt_state` does not match tx.init(params) of this model and "
         f"optimizer ({detail}).\nFix: pass the `result.optimizer` of an earlier fit "
@@ -77,7 +79,7 @@ def opt_state_not_optax(optimizer: Any) -> TypeError:
     )
 
 
-def nnx_objects_in_optax_model(bad: Any) -> TypeError:
+def nnx_objects_in_optax_model(bad: list[tuple[str, str]]) -> TypeError:
     return TypeError(
         f"{CALL}: the model holds NNX objects, which an optax "
         f"transformation cannot train:\n{listing(bad)}\nFix: pass "
@@ -93,7 +95,17 @@ def nothing_to_train(model: Any) -> TypeError:
     )
 
 
-def data_leading_axes(body: Any) -> ValueError:
+def data_leading_axes(leaves: list[tuple[Any, Any]]) -> ValueError:
+    """``leaves``: ``(path, array)`` pairs of the data."""
+    body = listing(
+        [
+            (
+                f"data{jtu.keystr(p)}",
+                f"{short_type(x)}: {x.shape[0] if x.ndim else 'no leading axis'}",
+            )
+            for p, x in leaves
+        ]
+    )
     return ValueError(
         f"{CALL}: the arrays in `data` must share their leading (example) "
         f"axis, found:\n{body}\nFix: give every leaf the same number of "
@@ -132,7 +144,7 @@ def batch_structure_changed(index: int, treedef: Any, first: Any) -> TypeError:
     )
 
 
-def batch_shape_changed(index: Any, rows: Any) -> TypeError:
+def batch_shape_changed(index: int, rows: list[tuple[str, str]]) -> TypeError:
     return TypeError(
         f"{CALL}: batch {index} of `data` differs in shape or dtype from the "
         f"first batch:\n{listing(rows)}\nFix: yield batches of one "
@@ -140,14 +152,14 @@ def batch_shape_changed(index: Any, rows: Any) -> TypeError:
     )
 
 
-def not_positive(name: Any, value: Any) -> ValueError:
+def not_positive(name: str, value: int) -> ValueError:
     return ValueError(
         f"{CALL}: `{name}` must be a positive int, got {value}.\nFix: pass "
         f"{name}=1 or more."
     )
 
 
-def not_int(name: Any, value: Any) -> TypeError:
+def not_int(name: str, value: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `{name}` must be a positive int, got "
         f"{short_type(value)}.\nFix: pass an int, e.g. {name}=100."
@@ -171,29 +183,42 @@ def no_orbax() -> ImportError:
     )
 
 
-def checkpoint_format(where: Any, fix: Any, meta: Any, expected: int) -> ValueError:
+_CHECKPOINT_FIX = (
+    "Fix: pass the model (and optimizer, data layout) that wrote it, or another "
+    "checkpoint_dir (or delete this one to start over)."
+)
+
+
+def _checkpoint_at(step: int, directory: Any) -> str:
+    return f"{CALL}: the checkpoint at step {step} in {directory}"
+
+
+def checkpoint_format(
+    step: int, directory: Any, found: Any, expected: int
+) -> ValueError:
     return ValueError(
-        f"{CALL}: {where} has format {meta.get('format')!r}, expected "
-        f"{expected}.\n{fix}"
+        f"{_checkpoint_at(step, directory)} has format {found!r}, expected "
+        f"{expected}.\n{_CHECKPOINT_FIX}"
     )
 
 
 def checkpoint_mismatch(
-    where: Any, name: Any, found: Any, expected: Any, fix: Any
+    step: int, directory: Any, name: str, found: str, expected: str
 ) -> ValueError:
     return ValueError(
-        f"{CALL}: {where} does not fit this training state; first "
-        f"mismatching leaf {name}:\n  checkpoint  {found}\n  expected    "
-        f"{expected}\n{fix}"
+        f"{_checkpoint_at(step, directory)} does not fit this training state; "
+        f"first mismatching leaf {name}:\n  checkpoint  {found}\n  expected    "
+        f"{expected}\n{_CHECKPOINT_FIX}"
     )
 
 
-def checkpoint_other_data(where: str, fix: str, meta: Any, data: Any) -> ValueError:
+def checkpoint_other_data(
+    step: int, directory: Any, found: Any, data: Any
+) -> ValueError:
     return ValueError(
-        f"{CALL}: {where} was written for other data: "
-        f"{short_type(meta['data'])} {meta['data']}, now "
-        f"{data}; a resumed run would not repeat the same batches.\n"
-        f"{fix}"
+        f"{_checkpoint_at(step, directory)} was written for other data: "
+        f"{short_type(found)} {found}, now {data}; a resumed run would not repeat "
+        f"the same batches.\n{_CHECKPOINT_FIX}"
     )
 
 
@@ -221,7 +246,7 @@ def mesh_axis(mesh: Any, axis: str) -> ValueError:
     )
 
 
-def batch_not_divisible(what: Any, batch_size: Any, n: Any) -> ValueError:
+def batch_not_divisible(what: str, batch_size: int, n: int) -> ValueError:
     return ValueError(
         f"{CALL}: {what} {batch_size} is not divisible by the mesh's 'data' "
         f"axis ({n} devices).\nFix: use a batch size that is a multiple of {n}."

@@ -18,7 +18,7 @@ def keep_every_type(call: str, keep_every: Any) -> TypeError:
     )
 
 
-def keep_every_value(call: str, keep_every: Any) -> ValueError:
+def keep_every_value(call: str, keep_every: int) -> ValueError:
     return ValueError(
         f"{call}: `keep_every` must be a positive int, got {keep_every}.\n"
         "Fix: pass e.g. keep_every=10 to keep the output of every 10th step "
@@ -35,7 +35,7 @@ def bad_keep(call: str, keep: Any) -> ValueError:
     )
 
 
-def nothing_kept(call: str, name: Any, length: Any, keep_every: Any) -> ValueError:
+def nothing_kept(call: str, name: str, length: int, keep_every: int) -> ValueError:
     return ValueError(
         f"{call}: keep={name!r} needs at least one kept output, but the scan has "
         f"{length} steps and keep_every={keep_every} keeps {length // keep_every}.\n"
@@ -43,11 +43,11 @@ def nothing_kept(call: str, name: Any, length: Any, keep_every: Any) -> ValueErr
     )
 
 
-def keep_fn_output(out: Any, a: Any) -> TypeError:
+def keep_fn_output(out: Any, leaf: Any) -> TypeError:
     return TypeError(
         "scanax.scan: the `keep` function must return an accumulator of "
-        f"the same shape and dtype as the output leaf, {a.dtype.name}"
-        f"{list(a.shape)}, got {short_type(out)}.\nFix: make "
+        f"the same shape and dtype as the output leaf, {leaf.dtype.name}"
+        f"{list(leaf.shape)}, got {short_type(out)}.\nFix: make "
         "fn(acc, y) return an array like `y`, e.g. keep=jnp.maximum."
     )
 
@@ -88,7 +88,7 @@ def until_not_bool(out: Any) -> TypeError:
     )
 
 
-def out_axes_reduced(call: str, name: Any, out_axes: Any) -> ValueError:
+def out_axes_reduced(call: str, name: str, out_axes: Any) -> ValueError:
     return ValueError(
         f"{call}: `out_axes` places the step axis of stacked outputs, but "
         f"keep={name!r} reduces the outputs, so there is no step axis; got "

@@ -8,14 +8,13 @@ from .. import _cells
 from . import short_type
 
 _CALL = "scanax.rnn"
-ORDERS = ("auto", "time", "layer")
 
 
 def cell_name(i: int, cell: Any) -> str:
     return f"cells[{i}] ({type(cell).__name__})"
 
 
-def err_unknown_protocol(i: int, cell: Any, detail: str) -> TypeError:
+def unknown_protocol(i: int, cell: Any, detail: str) -> TypeError:
     return TypeError(
         f"{_CALL}: cannot tell how to call {cell_name(i, cell)}: {detail}.\n"
         f"Supported cell protocols:\n{_cells.SUPPORTED}\n"
@@ -24,7 +23,7 @@ def err_unknown_protocol(i: int, cell: Any, detail: str) -> TypeError:
     )
 
 
-def err_width(i: int, cell: Any, want: int, got: int, source: str) -> ValueError:
+def width(i: int, cell: Any, want: int, got: int, source: str) -> ValueError:
     return ValueError(
         f"{_CALL}: {cell_name(i, cell)} expects inputs of width {want}, but {source} "
         f"has width {got}.\nFix: build {cell_name(i, cell).split(' ')[0]} with input "
@@ -32,7 +31,7 @@ def err_width(i: int, cell: Any, want: int, got: int, source: str) -> ValueError
     )
 
 
-def err_call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
+def call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
     return ValueError(
         f"{_CALL}: {cell_name(i, cell)} failed on an input {short_type(x)} (width "
         f"{x.shape[-1]}, from {source}); see the error above.\nFix: check that its "
@@ -40,7 +39,7 @@ def err_call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
     )
 
 
-def err_no_state(i: int, cell: Any) -> ValueError:
+def no_state(i: int, cell: Any) -> ValueError:
     return ValueError(
         f"{_CALL}: cannot tell the state shape of {cell_name(i, cell)}: it has none of "
         f"the attributes {', '.join(_cells._OUT_ATTRS)}.\nFix: pass `init=` with one "
@@ -48,21 +47,21 @@ def err_no_state(i: int, cell: Any) -> ValueError:
     )
 
 
-def err_init_count(n_init: int, n_cells: int) -> ValueError:
+def init_count(n_init: int, n_cells: int) -> ValueError:
     return ValueError(
         f"{_CALL}: `init` has {n_init} states for {n_cells} cells.\nFix: pass one "
         "state per cell, as a tuple, or init=None for the cells' default states."
     )
 
 
-def err_init_type(init: Any) -> TypeError:
+def init_type(init: Any) -> TypeError:
     return TypeError(
         f"{_CALL}: `init` must be a tuple (or list) of per-layer states or None, got "
         f"{short_type(init)}.\nFix: pass init=(state_0, state_1, ...), one per cell."
     )
 
 
-def err_init_state(i: int, cell: Any, got: Any, want: Any) -> TypeError:
+def init_state(i: int, cell: Any, got: Any, want: Any) -> TypeError:
     return TypeError(
         f"{_CALL}: init[{i}] does not match the state of {cell_name(i, cell)}:\n"
         f"  init[{i}]  {_cells.describe(got)}\n  expected  {_cells.describe(want)}\n"
@@ -71,7 +70,7 @@ def err_init_state(i: int, cell: Any, got: Any, want: Any) -> TypeError:
     )
 
 
-def err_state_changed(i: int, cell: Any, state: Any, new: Any) -> TypeError:
+def state_changed(i: int, cell: Any, state: Any, new: Any) -> TypeError:
     return TypeError(
         f"{_CALL}: {cell_name(i, cell)} changes the type of its state:\n"
         f"  state in   {_cells.describe(state)}\n  state out  {_cells.describe(new)}\n"
@@ -80,16 +79,14 @@ def err_state_changed(i: int, cell: Any, state: Any, new: Any) -> TypeError:
     )
 
 
-def err_seq_lengths_dtype(seq_lengths: Any) -> TypeError:
+def seq_lengths_dtype(seq_lengths: Any) -> TypeError:
     return TypeError(
         f"{_CALL}: `seq_lengths` must be an integer array, got "
         f"{short_type(seq_lengths)}.\nFix: pass `jnp.asarray(lengths, jnp.int32)`."
     )
 
 
-def err_seq_lengths_shape(
-    seq_lengths: Any, batch: tuple[int, ...], xs: Any
-) -> ValueError:
+def seq_lengths_shape(seq_lengths: Any, batch: tuple[int, ...], xs: Any) -> ValueError:
     return ValueError(
         f"{_CALL}: `seq_lengths` must have one entry per sequence, shape {batch} (the "
         f"batch axes of xs {short_type(xs)}), got {short_type(seq_lengths)}.\nFix: "
@@ -97,7 +94,7 @@ def err_seq_lengths_shape(
     )
 
 
-def err_xs(xs: Any, time_axis: Any) -> Exception:
+def bad_xs(xs: Any, time_axis: Any) -> Exception:
     if not hasattr(xs, "ndim") or not hasattr(xs, "shape"):
         return TypeError(
             f"{_CALL}: `xs` must be an array with a time axis and a feature axis, "
@@ -111,20 +108,20 @@ def err_xs(xs: Any, time_axis: Any) -> Exception:
     )
 
 
-def err_order(order: Any) -> ValueError:
+def bad_order(order: Any, orders: tuple[str, ...]) -> ValueError:
     return ValueError(
-        f"{_CALL}: `order` must be one of {ORDERS}, got {order!r}.\nFix: leave it "
+        f"{_CALL}: `order` must be one of {orders}, got {order!r}.\nFix: leave it "
         "out ('auto': the faster order for the backend), or use order='time' "
         "(time-outer scan, layers unrolled per step) or order='layer' (one scan "
         "over time per layer)."
     )
 
 
-def err_no_cells() -> ValueError:
+def no_cells() -> ValueError:
     return ValueError(f"{_CALL}: `cells` is empty.\nFix: pass at least one cell.")
 
 
-def err_birnn_init(init: Any) -> TypeError:
+def birnn_init(init: Any) -> TypeError:
     return TypeError(
         "scanax.birnn: `init` must be None or a pair (forward_init, "
         f"backward_init), got {short_type(init)}.\nFix: pass init=(fwd, bwd)."

@@ -9,29 +9,29 @@ from . import short_type
 CALL = "scanax.Stack"
 
 
-def err_not_sequence(layers: Any) -> TypeError:
+def not_sequence(layers: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `layers` must be a sequence (list or tuple) of layers, got "
         f"{short_type(layers)}.\nFix: pass Stack([layer_0, layer_1, ...])."
     )
 
 
-def err_empty() -> ValueError:
+def empty() -> ValueError:
     return ValueError(f"{CALL}: `layers` is empty.\nFix: pass at least one layer.")
 
 
-def err_not_callable(i: int, layer: Any) -> TypeError:
+def not_callable(i: int, layer: Any) -> TypeError:
     return TypeError(
         f"{CALL}: layers[{i}] is not callable: got {short_type(layer)}.\n"
         "Fix: every layer must be callable as layer(x, **kwargs) -> x."
     )
 
 
-def err_index(i: Any, n: int) -> IndexError:
+def bad_index(i: Any, n: int) -> IndexError:
     return IndexError(f"{CALL}: index {i} is out of range for a Stack of {n} layers.")
 
 
-def err_shared(i: int, j: int, path: str) -> ValueError:
+def shared(i: int, j: int, path: str) -> ValueError:
     return ValueError(
         f"{CALL}: layers[{i}] and layers[{j}] share the Variable at {path}; stacked "
         "layers must own their Variables.\nFix: build each layer with its own "
@@ -39,7 +39,7 @@ def err_shared(i: int, j: int, path: str) -> ValueError:
     )
 
 
-def err_mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
+def mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
     return TypeError(
         f"{CALL}: layers[{i}] is a {type(layer).__name__} (Flax NNX) but layers[{j}] "
         f"is a {type(other).__name__} holding arrays outside NNX Variables.\nFix: "
@@ -48,7 +48,7 @@ def err_mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
     )
 
 
-def err_remat(remat: Any) -> TypeError:
+def bad_remat(remat: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `remat` must be None, False, True or a jax.checkpoint_policies "
         f"policy, got {short_type(remat)} {remat!r}.\nFix: leave it out (stacked runs "
@@ -57,7 +57,7 @@ def err_remat(remat: Any) -> TypeError:
     )
 
 
-def err_per_layer_type(per_layer: Any) -> TypeError:
+def per_layer_type(per_layer: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `per_layer` must be a dict of keyword arguments, got "
         f"{short_type(per_layer)}.\nFix: pass per_layer={{'key': keys}}, each leaf an "
@@ -65,7 +65,7 @@ def err_per_layer_type(per_layer: Any) -> TypeError:
     )
 
 
-def err_per_layer_leaf(path: str, leaf: Any, n: int) -> ValueError:
+def per_layer_leaf(path: str, leaf: Any, n: int) -> ValueError:
     return ValueError(
         f"{CALL}: per_layer{path} is {short_type(leaf)}, but it needs a leading axis "
         f"of length {n}, one entry per layer.\nFix: stack one value per layer, e.g. "
