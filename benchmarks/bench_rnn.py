@@ -61,12 +61,14 @@ def _scanax(cells, xs):
     return scanax.rnn(cells, xs)
 
 
-def _grad_fn(forward, graphdef):
+def _grad_fn(forward, graphdef, grad=True):
+    """jit(grad(loss)) of a loss over all outputs and final states (or the loss)."""
+
     def loss(state, xs):
         finals, ys = forward(nnx.merge(graphdef, state), xs)
         return jnp.mean(ys**2) + sum(jnp.mean(h**2) for h in jax.tree.leaves(finals))
 
-    return jax.jit(jax.grad(loss))
+    return jax.jit(jax.grad(loss) if grad else loss)
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -129,12 +131,7 @@ def _order_row(cell, layers, hidden, t, b, grad, repeats) -> dict:
     xs = jr.normal(jr.key(1), (t, b, hidden))
 
     def fn(order):
-        def loss(state, xs):
-            finals, ys = scanax.rnn(nnx.merge(graphdef, state), xs, order=order)
-            leaves = jax.tree.leaves(finals)
-            return jnp.mean(ys**2) + sum(jnp.mean(h**2) for h in leaves)
-
-        return jax.jit(jax.grad(loss) if grad else loss)
+        return _grad_fn(lambda c, x: scanax.rnn(c, x, order=order), graphdef, grad)
 
     fns = {o: fn(o) for o in ("layer", "time")}
     for f in fns.values():
