@@ -22,7 +22,6 @@ import numpy as np
 
 from ._errors import fit as errors
 
-_CALL = "scanax.fit"
 _FORMAT = 1
 KEEP = 3
 
@@ -142,9 +141,7 @@ class Checkpoints:
 
     def _skip(self, step: int, err: Exception) -> None:
         warnings.warn(
-            f"{_CALL}: checkpoint {step} in {self.directory} could not be read "
-            f"({type(err).__name__}: {str(err)[:200]}); falling back to an older "
-            "one.",
+            errors.checkpoint_unreadable(step, self.directory, err),
             RuntimeWarning,
             stacklevel=5,
         )

@@ -274,10 +274,12 @@ def _build_chunk(
         grads_ok = jnp.array(True)
         for g in jtu.tree_leaves(grads):
             grads_ok = grads_ok & jnp.all(jnp.isfinite(g))
-        new_leaves = jtu.tree_leaves(new)
-        if len(new_leaves) != len(leaves):
-            raise errors.state_structure_changed(len(leaves), len(new_leaves))
-        return new_leaves, {"loss": loss, "metrics": metrics}, loss_ok, grads_ok
+        return (
+            jtu.tree_leaves(new),
+            {"loss": loss, "metrics": metrics},
+            loss_ok,
+            grads_ok,
+        )
 
     def batch_at(data, key, xs, perm, t, i):
         if on_device:
@@ -623,14 +625,8 @@ class _Run:
         return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
 
     def _warn(self, t: int, loss: Any, loss_ok: Any, grads_ok: Any) -> None:
-        what = []
-        if not loss_ok:
-            what.append(f"a non-finite loss ({float(loss)})")
-        if not grads_ok:
-            what.append("non-finite gradients")
         warnings.warn(
-            f"{_CALL}: step {t} gave {' and '.join(what)}; training stopped before "
-            f"applying it. The result holds the state after {self.done} good steps.",
+            errors.nonfinite_step(t, loss, bool(loss_ok), bool(grads_ok), self.done),
             RuntimeWarning,
             stacklevel=6,  # the user's fit(...) line
         )

@@ -74,9 +74,7 @@ class NNXAdapter:
         """``model['l1']['kernel']`` for each leaf of the state."""
         out = []
         for path, _ in jtu.tree_flatten_with_path(self.state)[0]:
-            head, *rest = self.paths[path[0].idx]
-            keys = "".join(f"[{k!r}]" for k in rest)
-            out.append(("model", "optimizer")[head] + keys + jtu.keystr(path[1:]))
+            out.append(_variable_name(self.paths[path[0].idx]) + jtu.keystr(path[1:]))
         return out
 
     def partition_specs(self) -> Any:
@@ -85,7 +83,7 @@ class NNXAdapter:
 
     def make_step(self, loss_fn: Callable) -> Callable:
         nnx = sys.modules["flax.nnx"]
-        graphdef = self.graphdef
+        graphdef, known = self.graphdef, self.paths
 
         def step(state, batch):
             model, optimizer = _nnx.unflatten(graphdef, state)
@@ -96,6 +94,11 @@ class NNXAdapter:
             )
             (loss, metrics), grads = grad_fn(model, batch)
             optimizer.update(model, grads)
+            after, _, paths = _nnx.flatten([model, optimizer])
+            if after != graphdef:  # checked while tracing: costs nothing per step
+                added = [_variable_name(p) for p in paths if p not in known]
+                removed = [_variable_name(p) for p in known if p not in paths]
+                raise errors.state_structure_changed(added, removed)
             return _nnx.values([model, optimizer]), loss, metrics, grads
 
         return step
@@ -108,6 +111,12 @@ class NNXAdapter:
             new = _nnx.unflatten(self.graphdef, state)
             _nnx.update(list(self.objects), _nnx.split(new)[1])
         return self.objects
+
+
+def _variable_name(path: tuple) -> str:
+    """``model['l1']['kernel']`` from a joint ``_nnx.flatten`` path."""
+    head, *rest = path
+    return ("model", "optimizer")[head] + "".join(f"[{k!r}]" for k in rest)
 
 
 class OptaxAdapter:

@@ -653,6 +653,51 @@ def test_error_unsupported_pair():
         fit_quiet(ts_make(), TX, ts_loss, (X, Y), steps=1, batch_size=BS)
 
 
+class Sowing(MLP):
+    """MLP that stores its hidden layer with ``sow``: a new Variable per call."""
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.l1(x))
+        self.sow(nnx.Intermediate, "hidden", h)
+        return self.l2(h)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning"
+)
+def test_error_loss_fn_adds_a_variable():
+    model = Sowing(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    before = jtu.tree_map(np.asarray, nnx.state((model, opt)))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.fit: `loss_fn` changed the model's or optimizer's "
+        r"Variables \(added model\['hidden'\]\).*Fix: .*"
+        r"nnx.capture\(model, nnx.Intermediate\).*nnx.pop\(model, nnx.Intermediate\)",
+    ):
+        fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
+    # Nothing was written: no Intermediate, the same values as before.
+    leaves_equal(nnx.state((model, opt)), before)
+
+
+def test_sowing_model_trains_through_nnx_capture():
+    """The fix the message gives: the same run as the model without ``sow``."""
+
+    def loss(m, b):
+        pred, captured = nnx.capture(m, nnx.Intermediate)(b[0])
+        hidden = captured["hidden"][0]
+        return jnp.mean((pred - b[1]) ** 2), {"active": jnp.mean(hidden > 0)}
+
+    model = Sowing(nnx.Rngs(0))
+    result = fit_quiet(
+        model, nnx.Optimizer(model, TX, wrt=nnx.Param), loss, (X, Y), **CHUNKED
+    )
+    ref, _ = fit_once("nnx", 7)
+    np.testing.assert_allclose(result.history["loss"], ref.history["loss"], rtol=1e-6)
+    assert result.history["active"].shape == (STEPS,)
+    assert 0 < result.history["active"].min() <= result.history["active"].max() < 1
+
+
 def _bad_metrics(m, b):
     return nnx_loss(m, b)[0], 1, 2
 

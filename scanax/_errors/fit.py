@@ -28,11 +28,18 @@ def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
     )
 
 
-def state_structure_changed(before: int, after: int) -> TypeError:
+def state_structure_changed(added: list[str], removed: list[str]) -> TypeError:
+    changes = [f"added {', '.join(added)}"] if added else []
+    changes += [f"removed {', '.join(removed)}"] if removed else []
+    what = "; ".join(changes) or "the same paths, with a Variable's type changed"
     return TypeError(
-        f"{CALL}: the training step changed the state's structure "
-        f"({before} arrays before, {after} after).\nFix: do not "
-        "add or remove Variables or attributes in `loss_fn`."
+        f"{CALL}: `loss_fn` changed the model's or optimizer's Variables ({what}). "
+        "The state carried from step to step must keep one structure.\nFix: do "
+        "not create or delete Variables in `loss_fn`. Values stored with "
+        "`Module.sow` are new Variables: call the model through "
+        "`nnx.capture(model, nnx.Intermediate)(x)` (return what it captures as "
+        "metrics if you want it), or remove them with "
+        "`nnx.pop(model, nnx.Intermediate)` before returning the loss."
     )
 
 
@@ -267,4 +274,26 @@ def bad_pair(model: Any, optimizer: Any, supported: str, fix: str) -> TypeError:
         f"{CALL}: unsupported (model, optimizer) pair "
         f"({short_type(model)}, {short_type(optimizer)}); the "
         f"supported pairs are:\n{supported}\n{fix}"
+    )
+
+
+# ---------------------------------------------------------------------------- warnings
+
+
+def nonfinite_step(t: int, loss: Any, loss_ok: bool, grads_ok: bool, done: int) -> str:
+    what = []
+    if not loss_ok:
+        what.append(f"a non-finite loss ({float(loss)})")
+    if not grads_ok:
+        what.append("non-finite gradients")
+    return (
+        f"{CALL}: step {t} gave {' and '.join(what)}; training stopped before "
+        f"applying it. The result holds the state after {done} good steps."
+    )
+
+
+def checkpoint_unreadable(step: int, directory: Any, err: Exception) -> str:
+    return (
+        f"{CALL}: checkpoint {step} in {directory} could not be read "
+        f"({type(err).__name__}: {str(err)[:200]}); falling back to an older one."
     )
