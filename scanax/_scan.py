@@ -90,24 +90,40 @@ class _CarryCodec:
         if self.nodes:
             graphdef, state = _nnx.split([leaves[i] for i in self.node_idx])
             if graphdef != self.graphdef:
-                raise _errors.carry_structure(
+                before = self._node_paths(self.dynamic[0], variables=True)
+                after = self._node_paths(state, variables=True)
+                raise _errors.nnx_graph_changed(
                     self.call,
-                    "NNX objects " + _node_desc(self.nodes),
-                    "NNX objects with a different graph (Variables or submodules "
-                    "added, removed or re-typed)",
+                    _node_desc(self.nodes),
+                    [p for p in after if p not in before],
+                    [p for p in before if p not in after],
                 )
         arrays = [leaves[i] for i in self.dyn_idx]
         out = (state, arrays)
         self._check_types(dynamic_in, out)
         return out
 
+    def _node_paths(self, state: Any, variables: bool = False) -> list[str]:
+        """``carry[0]['l']['kernel'].value`` for each leaf of an NNX state; with
+        ``variables``, ``carry[0]['l']['kernel']`` once per Variable."""
+        names = []
+        for path, _ in jtu.tree_flatten_with_path(state)[0]:
+            inner = path[1:]
+            if variables:
+                cut = [
+                    isinstance(k, jtu.GetAttrKey) and k.name == "value" for k in inner
+                ]
+                inner = inner[: cut.index(True)] if True in cut else inner
+            node_path = self.paths[self.node_idx[path[0].key]]
+            names.append("carry" + jtu.keystr((*node_path, *inner)))
+        return list(dict.fromkeys(names)) if variables else names
+
     def _named_dynamic(self, dynamic: Any) -> list[tuple[str, Any]]:
         state, arrays = dynamic
         named = []
         if self.nodes:
-            for path, leaf in jtu.tree_flatten_with_path(state)[0]:
-                node_path = self.paths[self.node_idx[path[0].key]]
-                named.append(("carry" + jtu.keystr((*node_path, *path[1:])), leaf))
+            leaves = jtu.tree_leaves(state)
+            named += list(zip(self._node_paths(state), leaves, strict=True))
         for i, a in zip(self.dyn_idx, arrays):
             named.append(("carry" + jtu.keystr(self.paths[i]), a))
         return named

@@ -429,6 +429,44 @@ def test_error_nnx_closure_mutation_names_object_and_changes_nothing():
     close(nnx.state((model, optimizer)), before)
 
 
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
+def test_error_nnx_carry_graph_changed_names_the_variables():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Sowing(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+            self.cache = nnx.Variable(jnp.zeros(2))
+
+        def __call__(self, h):
+            self.sow(nnx.Intermediate, "h", h)
+            return h * self.w
+
+    model = Sowing()
+
+    def adds(c, x):
+        return (c[0], c[0](c[1]) + x), None
+
+    def removes(c, x):
+        del c[0].cache
+        return c, None
+
+    for f, change in [
+        (adds, r"added carry\[0\]\['h'\]"),
+        (removes, r"removed carry\[0\]\['cache'\]"),
+    ]:
+        with pytest.raises(
+            TypeError,
+            match=r"(?s)scanax.scan: the NNX objects \(Sowing\) in the carry came "
+            rf"back from `f` with a different graph \({change}\).*Fix: .*"
+            r"nnx.capture\(model, nnx.Intermediate\)",
+        ):
+            scanax.scan(f, (model, jnp.ones(2)), jnp.ones((3, 2)))
+    # The error comes while tracing: the user's object is as it was.
+    assert set(nnx.state(model)) == {"w", "cache"}
+    np.testing.assert_array_equal(model.w[...], jnp.ones(2))
+
+
 def test_error_lengths_differ_names_each_leaf():
     xs = {"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}
     with pytest.raises(

@@ -171,6 +171,22 @@ def carry_structure(call: str, init_desc: str, out_desc: str) -> TypeError:
     )
 
 
+def nnx_graph_changed(
+    call: str, nodes: str, added: list[str], removed: list[str]
+) -> TypeError:
+    changes = [f"added {', '.join(added)}"] if added else []
+    changes += [f"removed {', '.join(removed)}"] if removed else []
+    what = "; ".join(changes) or "the same Variables, with a type or submodule changed"
+    return TypeError(
+        f"{call}: the NNX objects {nodes} in the carry came back from `f` with a "
+        f"different graph ({what}).\nFix: do not create or delete Variables inside "
+        "`f`. Values stored with `Module.sow` are new Variables: call the model "
+        "through `nnx.capture(model, nnx.Intermediate)(x)` and return what it "
+        "captures in `y`, or remove them with `nnx.pop(model, nnx.Intermediate)` "
+        "before returning the carry."
+    )
+
+
 def static_changed(call: str, path: str, before: Any, after: Any) -> TypeError:
     return TypeError(
         f"{call}: carry{path} is a non-array (static) value, which must come back "
