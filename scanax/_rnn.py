@@ -71,6 +71,8 @@ def _plan(
         try:
             out = _cells.eval_step(spec, cell, state, x)()
         except Exception as err:
+            if type(err).__name__ == "TraceContextError":  # flax: mutation in a trace
+                raise errors.cell_mutates(i, cell, err) from err
             raise errors.call_failed(i, cell, x, source) from err
         if spec.kind == "?":
             spec.kind = _cells.probe_kind(spec, state, out) or "?"

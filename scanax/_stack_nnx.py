@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,30 +44,65 @@ def _check_owned(layers: list[Any]) -> None:
                 seen.setdefault(key, (i, ""))
 
 
-def _pure(graphdef: Any, leaves: list[Any], treedef: Any, fn) -> tuple[Any, list]:
+def _leaf_paths(state: Any) -> list[tuple]:
+    """Plain keys (``('l', 'kernel')``) of each leaf of an NNX state."""
+    out = []
+    for path, _ in jtu.tree_flatten_with_path(state)[0]:
+        keys = []
+        for k in path:
+            if isinstance(k, jtu.GetAttrKey):
+                if k.name != "value":  # a Variable's own level: not part of its name
+                    keys.append(k.name)
+            else:
+                keys.append(k.key if isinstance(k, jtu.DictKey) else k.idx)
+        out.append(tuple(keys))
+    return out
+
+
+def _pure(
+    graphdef: Any, leaves: list[Any], treedef: Any, fn, name: Callable[[tuple], str]
+) -> tuple[Any, list]:
     """Run ``fn(module, x)`` on ``merge(graphdef, leaves)``; changed leaves come back.
 
     Which leaves ``fn`` changes (BatchNorm statistics, RNG counts) is found while
-    tracing, by identity; parameters are not returned, so they are not copied.
+    tracing, by identity; parameters are not returned, so they are not copied. A
+    module whose Variables or values ``fn`` adds or removes (``Module.sow``, with or
+    without ``nnx.capture``) is refused, naming them by ``name(path)``: its leaves
+    would no longer line up with the stacked ones.
     """
     changed: list[int] = []
 
     def run(leaves, x):
         module = nnx.merge(graphdef, jtu.tree_unflatten(treedef, leaves))
         y = fn(module, x)
-        new = jtu.tree_leaves(nnx.split(module)[1])
+        after_graphdef, after = nnx.split(module)
+        if after_graphdef != graphdef or jtu.tree_structure(after) != treedef:
+            before = _leaf_paths(jtu.tree_unflatten(treedef, leaves))
+            now = _leaf_paths(after)
+            raise errors.graph_changed(
+                [name(p) for p in now if p not in before],
+                [name(p) for p in before if p not in now],
+            )
+        new = jtu.tree_leaves(after)
         changed[:] = [k for k, (a, b) in enumerate(zip(leaves, new)) if a is not b]
         return y, [new[k] for k in changed]
 
     return run, changed
 
 
-def _call_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
+def _layer_name(i: int) -> Callable[[tuple], str]:
+    """``layers[i]['h']`` for a Variable path inside layer ``i``."""
+    return lambda path: f"layers[{i}]" + "".join(f"[{k!r}]" for k in path)
+
+
+def _call_layer(layer: Any, x: Any, kwargs: dict, remat: Any, i: int) -> Any:
     if remat is False or not nnx.graph.is_graph_node(layer):
         return _stack.call_pytree_layer(layer, x, kwargs, remat)
     graphdef, state = nnx.split(layer)
     leaves, treedef = jtu.tree_flatten(state)
-    run, changed = _pure(graphdef, leaves, treedef, lambda m, x: m(x, **kwargs))
+    run, changed = _pure(
+        graphdef, leaves, treedef, lambda m, x: m(x, **kwargs), _layer_name(i)
+    )
     y, new = _stack.checkpoint_call(run, (leaves, x), remat)
     if changed:
         _write_back(layer, leaves, treedef, changed, new)
@@ -78,6 +114,32 @@ def _write_back(node, leaves, treedef, changed, new) -> None:
     for k, v in zip(changed, new, strict=True):
         leaves[k] = v
     nnx.update(node, jtu.tree_unflatten(treedef, leaves))
+
+
+@contextlib.contextmanager
+def _without_captures(stack: Any, lists: list[Any]):
+    """Hide ``nnx.capture``'s ``__captures__`` from the Stack's ``nnx.List``s.
+
+    ``capture`` gives every module, lists included, a ``__captures__`` attribute;
+    next to a list's integer keys it makes the list's state unflattenable (its keys
+    cannot be sorted). Layers keep theirs: one called directly captures as usual,
+    and one in a stacked run that sows is refused (``errors.graph_changed``). On an
+    error ``capture`` leaves its attributes behind; the Stack drops its own, so that
+    it stays usable.
+    """
+    hidden = [(x, vars(x)["__captures__"]) for x in lists if "__captures__" in vars(x)]
+    for x, _ in hidden:
+        del x.__captures__
+    try:
+        yield
+    except BaseException:
+        if hidden:
+            for _, module in nnx.iter_modules(stack):
+                if "__captures__" in vars(module):
+                    del module.__captures__
+        raise
+    for x, value in hidden:
+        x.__captures__ = nnx.data(value)
 
 
 class NNXStack(nnx.Module):
@@ -116,12 +178,17 @@ class NNXStack(nnx.Module):
 
     def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
         per_layer = _stack.check_per_layer(per_layer, self.n)
-        with jax.named_scope("scanax.Stack"):
+        runs = [p for p, (_, _, r) in zip(self.pieces, self.plan, strict=True) if r > 1]
+        with (
+            jax.named_scope("scanax.Stack"),
+            _without_captures(self, [self.pieces, *runs]),
+        ):
             for piece, data in zip(self.plan, self.pieces, strict=True):
                 per = _stack.per_layer_slice(per_layer, piece)
                 if piece[2] == 1:
                     kw = _stack.layer_kwargs(kwargs, per)
-                    x = _call_layer(data, x, kw, _stack.single_remat(self.remat))
+                    remat = _stack.single_remat(self.remat)
+                    x = _call_layer(data, x, kw, remat, piece[0])
                 else:
                     x = self._run(piece, data, x, kwargs, per)
             return x
@@ -133,17 +200,23 @@ class NNXStack(nnx.Module):
         leaves, treedef = jtu.tree_flatten(state)
         remat = _stack.run_remat(self.remat)
 
+        start = piece[0]
+
         def apply(module, x, kw, per_j):
             for k, layer in enumerate(module):
-                x = _call_layer(layer, x, _stack.layer_kwargs(kw, per_j, k), remat)
+                kw_k = _stack.layer_kwargs(kw, per_j, k)
+                x = _call_layer(layer, x, kw_k, remat, start + k)
             return x
+
+        def name(path: tuple) -> str:  # a path in the run's first block
+            return _layer_name(start + path[0])(path[1:])
 
         changed: list[int] = []
 
         def body(x, inp):
             leaves_j, per_j, kw = inp
             run, found = _pure(
-                graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kw, per_j)
+                graphdef, leaves_j, treedef, lambda m, x: apply(m, x, kw, per_j), name
             )
             y, new = run(leaves_j, x)
             changed[:] = found
@@ -170,6 +243,7 @@ class NNXStack(nnx.Module):
                     leaves_j,
                     treedef,
                     lambda m, x, per_j=per_j: apply(m, x, kwargs, per_j),
+                    name,
                 )
                 x, new_j = run(leaves_j, x)
                 ys.append(new_j)

@@ -393,6 +393,24 @@ def test_error_generic_cell_fails_on_width():
     assert info.value.__cause__ is not None
 
 
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
+def test_error_cell_that_mutates_itself():
+    class Sowing(nnx.GRUCell):
+        def __call__(self, carry, x):
+            carry, y = super().__call__(carry, x)
+            self.sow(nnx.Intermediate, "y", y)
+            return carry, y
+
+    cell = Sowing(D, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.rnn: cells\[0\] \(Sowing\) changes its own attributes or "
+        r"Variables while running \(flax says: Cannot mutate.*Fix: return the value",
+    ):
+        scanax.rnn([cell], xs_tbd())
+    assert not nnx.state(cell, nnx.Intermediate)
+
+
 def test_error_init_count_and_type_and_shapes():
     cells, xs = seed_cells(), xs_tbd()
     with pytest.raises(ValueError, match=r"`init` has 2 states for 3 cells"):

@@ -434,6 +434,55 @@ def test_nnx_periodic_with_functions():
     close(nnx.state(stack[4]), nnx.state(layers[4]))
 
 
+class Sower(nnx.Module):
+    """A layer that stores its output with ``sow`` (when ``sow`` is set)."""
+
+    def __init__(self, rngs, sow=True):
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+        self.sows = sow
+
+    def __call__(self, x):
+        y = jnp.tanh(self.lin(x))
+        if self.sows:
+            self.sow(nnx.Intermediate, "y", y)
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
+@pytest.mark.parametrize("capture", [False, True])
+def test_nnx_sowing_stacked_layer_is_refused_and_nothing_changes(capture):
+    rngs = nnx.Rngs(0)
+    stack = scanax.Stack([Sower(rngs) for _ in range(4)])
+    before = jax.tree.map(np.asarray, nnx.state(stack, nnx.Param))
+    call = nnx.capture(stack, nnx.Intermediate) if capture else stack
+    where = r"\['__captures__'\]\[0\]\['y'\]" if capture else r"\['y'\]"
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.Stack: a layer of a stacked run stored new values .*"
+        rf"\(added layers\[0\]{where}.*Fix: return the value from the layer",
+    ):
+        call(X)
+    # Refused while tracing: the stacked parameters are exactly as before.
+    close(nnx.state(stack, nnx.Param), before)
+
+
+def test_nnx_capture_passes_through_a_stack():
+    """``nnx.capture`` around a model holding a Stack: layers called directly sow
+    as usual, stacked ones run as without capture."""
+    rngs = nnx.Rngs(0)
+    layers = [Sower(rngs, sow=False) for _ in range(4)] + [Sower(rngs)]
+    stack = scanax.Stack(layers)
+    assert stack.plan == ((0, 1, 4), (4, 1, 1))
+    y, captured = nnx.capture(stack, nnx.Intermediate)(X)
+    close(y, loop([lambda x, f=f: jnp.tanh(f.lin(x)) for f in layers], X))
+    (value,) = jax.tree.leaves(captured)
+    close(value, y)  # the last layer's own output
+    # Nothing of the capture stays behind, and a second capture gives the same.
+    assert not nnx.state(stack, nnx.Intermediate)
+    y2, captured2 = nnx.capture(stack, nnx.Intermediate)(X)
+    close((y2, captured2), (y, captured))
+
+
 # ---------------------------------------------------------------------------- pytrees
 
 

@@ -39,6 +39,15 @@ def call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
     )
 
 
+def cell_mutates(i: int, cell: Any, err: Exception) -> TypeError:
+    return TypeError(
+        f"{_CALL}: {cell_name(i, cell)} changes its own attributes or Variables "
+        f"while running (flax says: {str(err).split(' (http')[0]}). The cells run "
+        "read-only inside the loop.\nFix: return the value from the cell instead "
+        "of storing it on the cell (`Module.sow`, counters, caches)."
+    )
+
+
 def no_state(i: int, cell: Any) -> ValueError:
     return ValueError(
         f"{_CALL}: cannot tell the state shape of {cell_name(i, cell)}: it has none of "

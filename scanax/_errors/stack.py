@@ -71,3 +71,17 @@ def per_layer_leaf(path: str, leaf: Any, n: int) -> ValueError:
         f"of length {n}, one entry per layer.\nFix: stack one value per layer, e.g. "
         f"jax.random.split(key, {n})."
     )
+
+
+def graph_changed(added: list[str], removed: list[str]) -> TypeError:
+    changes = [f"added {', '.join(added)}"] if added else []
+    changes += [f"removed {', '.join(removed)}"] if removed else []
+    what = "; ".join(changes) or "the same values, with a Variable's type changed"
+    return TypeError(
+        f"{CALL}: a layer of a stacked run stored new values or deleted some while "
+        f"running ({what}). A stacked run carries its layers' fixed set of "
+        "Variables through one loop, so it cannot keep new ones.\nFix: return the "
+        "value from the layer instead of storing it: `Module.sow` (with or without "
+        "`nnx.capture`) stores by adding to the layer's Variables. A layer that is "
+        "not stacked (called directly) may sow."
+    )
