@@ -31,7 +31,10 @@ def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
 def state_structure_changed(added: list[str], removed: list[str]) -> TypeError:
     changes = [f"added {', '.join(added)}"] if added else []
     changes += [f"removed {', '.join(removed)}"] if removed else []
-    what = "; ".join(changes) or "the same paths, with a Variable's type changed"
+    what = (
+        "; ".join(changes)
+        or "the same paths, with a Variable's type or value structure changed"
+    )
     return TypeError(
         f"{CALL}: `loss_fn` changed the model's or optimizer's Variables ({what}). "
         "The state carried from step to step must keep one structure.\nFix: do "
