@@ -189,7 +189,8 @@ class _XsPlan:
             # would make NNX refuse any write, hiding the mutation check below).
             leaves[i] = _nnx.merge(graphdef, jtu.tree_map(lambda a: a, state))
         for (i, _, graphdef), state in zip(self.scan_nodes, x_slices[n:]):
-            leaves[i] = _nnx.merge(graphdef, state)
+            # A copy too: writes must not reach the slices check_unchanged reads.
+            leaves[i] = _nnx.merge(graphdef, jtu.tree_map(lambda a: a, state))
         return jtu.tree_unflatten(self.treedef, leaves), leaves
 
     def check_unchanged(
@@ -198,14 +199,15 @@ class _XsPlan:
         n = len(self.scanned_idx)
         given = [s for (*_, s) in self.bcast_nodes] + x_slices[n:]
         nodes = self.bcast_nodes + self.scan_nodes
-        for (i, path, *_), state in zip(nodes, given):
+        scanned = [False] * len(self.bcast_nodes) + [True] * len(self.scan_nodes)
+        for (i, path, *_), state, is_scanned in zip(nodes, given, scanned):
             _, now = _nnx.split(leaves[i])
             before = jtu.tree_leaves_with_path(state)
             after = jtu.tree_leaves(now)
             changed = [jtu.keystr(p) for (p, a), b in zip(before, after) if a is not b]
             if changed or len(before) != len(after):
-                raise _errors.nnx_broadcast_mutated(
-                    call, path, changed or ["structure"]
+                raise _errors.nnx_input_mutated(
+                    call, path, changed or ["structure"], is_scanned
                 )
 
 

@@ -412,6 +412,30 @@ def test_error_nnx_broadcast_mutated():
     np.testing.assert_array_equal(model.kernel[...], kernel)
 
 
+def test_error_nnx_scanned_mutated():
+    """A scanned NNX object that ``f`` changes (a counter, dropout's RNG count) is
+    refused like a broadcast one, not silently left as it was."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Counted(nnx.Module):
+        def __init__(self, key):
+            self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(key))
+            self.calls = nnx.Variable(jnp.array(0))
+
+        def __call__(self, x):
+            self.calls[...] += 1
+            return self.lin(x)
+
+    members = nnx.vmap(Counted, in_axes=0, out_axes=0)(jr.split(jr.key(0), 3))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)changed the NNX object xs, but it is scanned \(a slice per step\)"
+        r".*Changed: \['calls'\].*carry the part that changes",
+    ):
+        scanax.scan(lambda c, m: (c, m(c)), jnp.ones(2), members)
+    np.testing.assert_array_equal(members.calls[...], jnp.zeros(3, jnp.int32))
+
+
 def test_error_nnx_closure_mutation_names_object_and_changes_nothing():
     nnx, model, optimizer = _nnx_setup()
     before = jtu.tree_map(_np, nnx.state((model, optimizer)))

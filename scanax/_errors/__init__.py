@@ -204,13 +204,22 @@ def bad_output_leaf(call: str, path: str, leaf: Any) -> TypeError:
     )
 
 
-def nnx_broadcast_mutated(call: str, path: str, names: list[str]) -> ValueError:
+def nnx_input_mutated(
+    call: str, path: str, names: list[str], scanned: bool
+) -> ValueError:
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    how = "scanned (a slice per step)" if scanned else "broadcast (in_axes None)"
+    fix = "put the object in the carry, e.g. `scanax.scan(f, (carry, obj), xs)`, "
+    fix += "and return it from `f`" + (
+        "; for a stack of objects, carry the part that changes (an `nnx.Rngs`, a "
+        "counter) instead"
+        if scanned
+        else ""
+    )
     return ValueError(
-        f"{call}: `f` changed the NNX object {path}, but it is broadcast "
-        f"(in_axes None), so the change would be dropped after the step. Changed: "
-        f"{shown}.\nFix: put the object in the carry, e.g. "
-        "`scanax.scan(f, (carry, obj), xs)` and return it from `f`."
+        f"{call}: `f` changed the NNX object {path}, but it is {how}, an input of "
+        f"the step, so the change would be dropped after the step. Changed: "
+        f"{shown}.\nFix: {fix}."
     )
 
 
