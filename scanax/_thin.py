@@ -122,9 +122,10 @@ def run_thinned(
         return _none_kept(loop, keep, lambda c: skip_tail(c, count)[0])
     starts = loop.xs if k == 1 else jnp.arange(outer, dtype=jnp.int32) * k
     with jax.named_scope("scanax.keep"):
-        acc0 = None
+        acc0 = y_shape = None
         if keep != "all":
-            acc0 = _acc_init(keep, _kept_shape(chunk, loop.init, starts))
+            y_shape = _kept_shape(chunk, loop.init, starts)
+            acc0 = _acc_init(keep, y_shape)
         carry = loop.init
         if reverse:
             carry, count = skip_tail(carry, count)
@@ -151,6 +152,8 @@ def run_thinned(
             return carry, ys
         if keep == "mean":
             acc = jtu.tree_map(lambda a: a / outer, acc)
+        if keep in ("sum", "mean"):  # back from the wider accumulator
+            acc = jtu.tree_map(lambda a, s: a.astype(_reduced(keep, s)), acc, y_shape)
         return carry, acc
 
 
@@ -160,7 +163,7 @@ def _none_kept(loop: Loop, keep: Any, skip_tail: Callable) -> tuple[Any, Any]:
     if keep == "all":
         out = jtu.tree_map(lambda s: jnp.zeros((0, *s.shape), s.dtype), y_shape)
     else:  # "sum" (the others need a kept output: checked before)
-        out = _acc_init(keep, y_shape)
+        out = jtu.tree_map(lambda s: jnp.zeros(s.shape, _reduced(keep, s)), y_shape)
     return skip_tail(loop.init), out
 
 
@@ -170,13 +173,27 @@ def _kept_shape(chunk: Callable, init: Any, starts: Any) -> Any:
 
 
 def _acc_init(keep: Any, y_shape: Any) -> Any:
+    """The accumulator's start. Sums run in ``jnp.sum``'s dtype, widened to float32
+    for 16-bit floats (a bfloat16 running sum of ones stops at 256); the result is
+    cast back to ``jnp.sum``'s (``jnp.mean``'s) dtype at the end."""
     if keep == "all":
         return None
     if keep in ("sum", "mean"):
-        return jtu.tree_map(
-            lambda s: jnp.sum(jnp.zeros((1, *s.shape), s.dtype), axis=0), y_shape
-        )
+
+        def zero(s):
+            dtype = _reduced("sum", s)
+            if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+                dtype = jnp.float32
+            return jnp.zeros(s.shape, dtype)
+
+        return jtu.tree_map(zero, y_shape)
     return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
+
+
+def _reduced(keep: str, s: Any) -> Any:
+    """The dtype of ``jnp.sum`` (``jnp.mean``) of outputs like ``s``."""
+    reduce = jnp.mean if keep == "mean" else jnp.sum
+    return jax.eval_shape(reduce, jax.ShapeDtypeStruct((1,), s.dtype)).dtype
 
 
 def _fold(keep: Any, acc: Any, y: Any, started: jax.Array) -> tuple[Any, Any]:

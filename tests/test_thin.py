@@ -168,6 +168,26 @@ def test_python_number_outputs(keep):
     assert got == ref.get(keep, want.max()) and got.dtype == ref.get(keep, want).dtype
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("keep", ["sum", "mean"])
+def test_low_precision_sums_accumulate_wide(dtype, keep):
+    """A 16-bit running sum of 1000 ones would stop at 256 (bfloat16) or 1024
+    (float16); reducing the full outputs gives 1000 and 1."""
+
+    def body(c, x):
+        return c, (x * 3).astype(dtype)
+
+    xs = jnp.ones(1000, dtype)
+    full = jax.lax.scan(body, 0.0, xs)[1]
+    got = scanax.scan(body, 0.0, xs, keep=keep)[1]
+    want = full.sum() if keep == "sum" else full.mean()
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2)
+    np.testing.assert_allclose(
+        np.float32(got), 3000.0 if keep == "sum" else 3.0, rtol=1e-2
+    )
+
+
 def test_out_axes():
     xs = jnp.arange(12.0).reshape(6, 2)
     f = lambda c, x: (c + 1.0, x * c)
