@@ -137,14 +137,28 @@ def stack_blocks(blocks: list[tuple]) -> tuple:
     )
 
 
+def _is_stacked(x: Any) -> bool:
+    """Whether a leaf of a stacked block carries the leading ``repeats`` axis.
+
+    Only arrays were stacked. Other leaves (Python numbers, shared by the run) stay
+    as they are, but become 0-d tracers when the Stack passes through ``jax.jit``
+    or ``jax.grad``: a stacked leaf always has at least one axis.
+    """
+    return is_array(x) and jnp.ndim(x) >= 1
+
+
 def pytree_view(stacked: Any, j: int) -> Any:
-    return jtu.tree_map(lambda x: x[j] if is_array(x) else x, stacked)
+    return jtu.tree_map(lambda x: x[j] if _is_stacked(x) else x, stacked)
 
 
-def _split(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """Array leaves of ``tree``, and a function putting new arrays in their place."""
+def _split(
+    tree: Any, stacked: bool = False
+) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Array leaves of ``tree`` (with ``stacked``, those of a stacked block), and a
+    function putting new arrays in their place."""
     leaves, treedef = jtu.tree_flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if is_array(x)]
+    keep = _is_stacked if stacked else is_array
+    idx = [i for i, x in enumerate(leaves) if keep(x)]
 
     def rebuild(arrays: list[Any]) -> Any:
         new = list(leaves)
@@ -273,7 +287,7 @@ def apply_pytree(
                 data, x, layer_kwargs(kwargs, per), single_remat(remat)
             )
             continue
-        arrays, rebuild = _split(data)
+        arrays, rebuild = _split(data, stacked=True)
 
         def step(x, inp, piece=piece, rebuild=rebuild):
             arrays, per_j, kw = inp

@@ -192,6 +192,31 @@ def test_equinox_values_grads_jit_vmap():
     close(list(g1), g2)
 
 
+class Scaled(eqx.Module):
+    w: jax.Array
+    scale: float  # a Python number, not a static field: a leaf under jax.jit
+
+    def __call__(self, x):
+        return jnp.tanh(self.w @ x) * self.scale
+
+
+def test_python_number_fields_under_jax_jit_and_grad():
+    """Python numbers shared by a run stay unstacked; under ``jax.jit``/``jax.grad``
+    they become 0-d tracers, which must not be taken for stacked arrays."""
+    layers = [Scaled(jr.normal(k, (3, 3)), 0.5) for k in jr.split(jr.key(0), 4)]
+    stack = scanax.Stack(layers)
+    assert stack.plan == ((0, 1, 4),)
+    x = jnp.ones(3)
+    loss = lambda m, x: jnp.sum(m(x) ** 2)
+    close(jit(loss)(stack, x), loss(lambda x: loop(layers, x), x))
+    g = jit(jax.grad(loss))(stack, x)
+    g_ref = jax.grad(lambda ls, x: loss(lambda x: loop(ls, x), x))(layers, x)
+    close([gi.w for gi in g], [gi.w for gi in g_ref])
+    # One shared number: its gradient is the sum of the per-layer ones.
+    close(g.pieces[0][0].scale, sum(gi.scale for gi in g_ref))
+    close(jit(lambda m: m[2].w)(stack), layers[2].w)
+
+
 def test_equinox_trains_with_optax():
     layers = eqx_layers(3)
     stack = scanax.Stack(layers)
