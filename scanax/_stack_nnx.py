@@ -10,7 +10,7 @@ import jax
 import jax.tree_util as jtu
 from flax import nnx
 
-from . import _stack
+from . import _errors as base_errors, _stack
 from ._errors import stack as errors
 from ._scan import scan
 
@@ -177,6 +177,26 @@ class NNXStack(nnx.Module):
         self.n = len(layers)
 
     def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        try:
+            return self._call(x, per_layer, kwargs)
+        except Exception as err:
+            # A layer changed an NNX object among the keyword arguments (an
+            # nnx.Rngs): scan's message would speak of closures and carries.
+            nodes = [
+                f"{path[0].key}{jtu.keystr(path[1:])}"
+                for path, leaf in jtu.tree_flatten_with_path(
+                    kwargs, is_leaf=nnx.graph.is_graph_node
+                )[0]
+                if nnx.graph.is_graph_node(leaf)
+            ]
+            mutation = isinstance(err, base_errors.NNXMutation) or (
+                type(err).__name__ == "TraceContextError"
+            )
+            if nodes and mutation:
+                raise errors.kwarg_mutated(nodes, self.n) from err
+            raise
+
+    def _call(self, x: Any, per_layer: dict | None, kwargs: dict) -> Any:
         per_layer = _stack.check_per_layer(per_layer, self.n)
         runs = [p for p, (_, _, r) in zip(self.pieces, self.plan, strict=True) if r > 1]
         with (

@@ -508,6 +508,33 @@ def test_nnx_capture_passes_through_a_stack():
     close((y2, captured2), (y, captured))
 
 
+class DropBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, *, rngs=None):
+        return self.drop(self.lin(x), rngs=rngs)
+
+
+@pytest.mark.parametrize("remat", [None, False])
+def test_nnx_rngs_keyword_is_refused_with_per_layer_keys_as_the_fix(remat):
+    rngs = nnx.Rngs(0)
+    stack = scanax.Stack([DropBlock(rngs) for _ in range(3)], remat=remat)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)scanax.Stack: the layers change the NNX object passed as keyword "
+        r"argument rngs\..*per_layer=\{'rngs': jax.random.split\(key, 3\)\}",
+    ):
+        stack(X, rngs=nnx.Rngs(dropout=1))
+    keys = jr.split(jr.key(1), 3)
+    got = stack(X, per_layer={"rngs": keys})
+    want = X
+    for layer, key in zip(stack, keys, strict=True):
+        want = layer(want, rngs=key)
+    close(got, want)
+
+
 # ---------------------------------------------------------------------------- pytrees
 
 

@@ -17,6 +17,11 @@ import jax
 import numpy as np
 
 
+class NNXMutation(ValueError):
+    """``f`` changed an NNX object it does not carry: callers that passed the object
+    on the user's behalf (``scanax.Stack``'s keyword arguments) say so instead."""
+
+
 def short_type(x: Any) -> str:
     """``float32[5, 4]`` for arrays and shape/dtype structs, else the type name."""
     shape = getattr(x, "shape", None)
@@ -206,7 +211,7 @@ def bad_output_leaf(call: str, path: str, leaf: Any) -> TypeError:
 
 def nnx_input_mutated(
     call: str, path: str, names: list[str], scanned: bool
-) -> ValueError:
+) -> NNXMutation:
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     how = "scanned (a slice per step)" if scanned else "broadcast (in_axes None)"
     fix = "put the object in the carry, e.g. `scanax.scan(f, (carry, obj), xs)`, "
@@ -216,20 +221,20 @@ def nnx_input_mutated(
         if scanned
         else ""
     )
-    return ValueError(
+    return NNXMutation(
         f"{call}: `f` changed the NNX object {path}, but it is {how}, an input of "
         f"the step, so the change would be dropped after the step. Changed: "
         f"{shown}.\nFix: {fix}."
     )
 
 
-def nnx_closure_mutation(call: str, names: list[str], err: Exception) -> ValueError:
+def nnx_closure_mutation(call: str, names: list[str], err: Exception) -> NNXMutation:
     found = (
         "NNX objects `f` reaches through its closure or globals: " + ", ".join(names)
         if names
         else "an NNX object `f` reaches through its closure or globals"
     )
-    return ValueError(
+    return NNXMutation(
         f"{call}: `f` changes {found}. A scan cannot change objects it does not "
         "carry, so nothing was run and nothing was changed.\nFix: carry them and "
         "return them from `f`:\n"

@@ -85,3 +85,15 @@ def graph_changed(added: list[str], removed: list[str]) -> TypeError:
         "`nnx.capture`) stores by adding to the layer's Variables. A layer that is "
         "not stacked (called directly) may sow."
     )
+
+
+def kwarg_mutated(names: list[str], n: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: the layers change the NNX object passed as keyword argument "
+        f"{', '.join(names)}. A Stack passes keyword arguments unchanged to every "
+        "layer of its loops, so changes to them cannot persist (a Python loop "
+        "would advance a shared `nnx.Rngs` from layer to layer).\nFix: pass "
+        "one random key per layer instead, e.g. "
+        f"`stack(x, per_layer={{'rngs': jax.random.split(key, {n})}})`, or "
+        "give each layer its own `nnx.Rngs` when you build it."
+    )
