@@ -15,6 +15,7 @@ and this module's pytree class for any other callables. All three are instances 
 from __future__ import annotations
 
 import abc
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,9 +118,15 @@ def plan(ids: list[int], max_period: int = 64) -> tuple[Piece, ...]:
 
 def locate(plan_: tuple[Piece, ...], n: int, i: Any) -> tuple[int, int, int]:
     """(piece index, block index, index in block) of layer ``i``."""
-    if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
-        raise errors.bad_index(i, n)
-    i %= n
+    try:
+        index = None if isinstance(i, bool) else operator.index(i)  # np/jnp ints too
+    except TypeError:
+        index = None
+    if index is None:
+        raise errors.bad_index_type(i)
+    if not -n <= index < n:
+        raise errors.bad_index(index, n)
+    i = index % n
     for k, (start, period, repeats) in enumerate(plan_):
         if start <= i < start + period * repeats:
             j, m = divmod(i - start, period)

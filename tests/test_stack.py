@@ -609,6 +609,13 @@ def test_errors():
         r"Stack of 2 layers",
     ):
         stack[2]
+    assert stack[np.int64(1)] is jnp.cos and stack[jnp.int32(-2)] is jnp.sin
+    for bad, shown in [(1.0, "float"), (True, "bool True"), (slice(0, 1), "slice")]:
+        with pytest.raises(
+            TypeError,
+            match=rf"^scanax\.Stack: a Stack is indexed by one integer, got {shown}",
+        ):
+            stack[bad]
     shared = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     other = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
     other.kernel = shared.kernel

@@ -27,8 +27,20 @@ def not_callable(i: int, layer: Any) -> TypeError:
     )
 
 
-def bad_index(i: Any, n: int) -> IndexError:
-    return IndexError(f"{CALL}: index {i} is out of range for a Stack of {n} layers.")
+def bad_index(i: int, n: int) -> IndexError:
+    return IndexError(
+        f"{CALL}: index {i} is out of range for a Stack of {n} layers (valid: "
+        f"{-n}..{n - 1})."
+    )
+
+
+def bad_index_type(i: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: a Stack is indexed by one integer, got {short_type(i)}"
+        f"{f' {i!r}' if isinstance(i, (bool, slice)) else ''}.\nFix: use stack[i] "
+        "with an int (a traced index cannot pick a layer: layers differ in type), "
+        "or list(stack)[a:b] for several layers."
+    )
 
 
 def shared(i: int, j: int, path: str) -> ValueError:
