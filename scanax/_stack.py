@@ -226,6 +226,9 @@ def call_pytree_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
 
 
 def check_carry(piece: Piece, x: Any, out: Any) -> None:
+    """Raise ``ShapeChange`` unless ``out`` can be the scan carry ``x`` again: the
+    same structure, array shapes and dtypes, and the same non-array values."""
+
     def types(t):
         return jtu.tree_structure(t), [
             (tuple(jnp.shape(v)), jnp.result_type(v)) if is_arraylike(v) else "static"
@@ -234,6 +237,9 @@ def check_carry(piece: Piece, x: Any, out: Any) -> None:
 
     if types(x) != types(out):
         raise ShapeChange(piece)
+    for a, b in zip(jtu.tree_leaves(x), jtu.tree_leaves(out), strict=True):
+        if not is_arraylike(a) and not same_static(a, b):
+            raise ShapeChange(piece)
 
 
 def check_per_layer(per_layer: Any, n: int) -> dict:

@@ -588,6 +588,24 @@ def test_identical_layers_that_change_shape_fall_back_to_a_loop():
     assert scans(stack, x) == []
 
 
+class Tagger(eqx.Module):
+    a: jax.Array
+
+    def __call__(self, x):
+        h, tag = x
+        return h * self.a, tag + "a"  # changes a non-array part of x
+
+
+def test_identical_layers_that_change_static_parts_of_x_fall_back_to_a_loop():
+    layers = [Tagger(jnp.array(2.0)) for _ in range(3)]
+    stack = scanax.Stack(layers)
+    x = (jnp.ones(2), "")
+    got, want = stack(x), loop(layers, x)
+    assert got[1] == want[1] == "aaa"
+    close(got[0], want[0])
+    assert scans(lambda h: stack((h, ""))[0], x[0]) == []
+
+
 # ---------------------------------------------------------------------------- errors
 
 
