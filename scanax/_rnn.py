@@ -89,6 +89,8 @@ def _plan(
         new_state, y = out
         if not _same(new_state, state):
             raise errors.state_changed(i, cell, state, new_state)
+        if i + 1 < len(cells) and not isinstance(y, jax.ShapeDtypeStruct):
+            raise errors.output_not_array(i, cell, y, cells[i + 1], i + 1)
         specs.append(spec)
         states.append(state)
         x = y
@@ -297,7 +299,7 @@ def rnn(
     loop = _time_outer if resolve_order(order) == "time" else _layer_outer
     with jax.named_scope("scanax.rnn"):
         finals, ys = loop(specs, cells, states, xs_t, seq_lengths, reverse, unroll)
-    return finals, (jnp.moveaxis(ys, 0, ax) if ax else ys)
+    return finals, (jtu.tree_map(lambda a: jnp.moveaxis(a, 0, ax), ys) if ax else ys)
 
 
 def resolve_order(order: str) -> str:

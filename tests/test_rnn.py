@@ -471,6 +471,38 @@ class ShrinkingCell(nnx.Module):
         return carry[:, :1], x
 
 
+def tuple_state_cell(h, x):
+    """The seed's cell(h, x) -> h protocol with a pytree state: the output is h."""
+    a, b = h
+    return jnp.tanh(a + x), b + a
+
+
+def test_tuple_state_output_on_time_axis_1():
+    xs = xs_tbd()
+    init = ((jnp.zeros((B, D)), jnp.ones((B, D))),)
+    finals, ys = scanax.rnn([tuple_state_cell], xs, init=init)
+    finals_1, ys_1 = scanax.rnn(
+        [tuple_state_cell], jnp.swapaxes(xs, 0, 1), init=init, time_axis=1
+    )
+    close(finals_1, finals)
+    close(ys_1, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), ys))
+    h = init[0]
+    for t in range(T):  # the reference: a Python loop
+        h = tuple_state_cell(h, xs[t])
+    close(finals[0], h)
+
+
+def test_error_output_read_by_the_next_layer_is_not_an_array():
+    init = ((jnp.zeros((B, D)), jnp.ones((B, D))), jnp.zeros((B, D)))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.rnn: the output of cells\[0\] \(function\) is "
+        r"\(float32\[3, 2\], float32\[3, 2\]\), but cells\[1\] \(function\) reads it "
+        r"as its input, which must be one array.*\(new_state, y\)",
+    ):
+        scanax.rnn([tuple_state_cell, lambda h, x: h + x], xs_tbd(), init=init)
+
+
 def test_error_state_changes_type():
     with pytest.raises(
         TypeError,

@@ -48,6 +48,16 @@ def cell_mutates(i: int, cell: Any, err: Exception) -> TypeError:
     )
 
 
+def output_not_array(i: int, cell: Any, y: Any, after: Any, j: int) -> TypeError:
+    return TypeError(
+        f"{_CALL}: the output of {cell_name(i, cell)} is {_cells.describe(y)}, but "
+        f"{cell_name(j, after)} reads it as its input, which must be one array.\n"
+        "Fix: have the cell return one array as its output. A cell whose state is "
+        "not its output (a tuple state) can return the pair (new_state, y), as "
+        "Flax cells do."
+    )
+
+
 def no_state(i: int, cell: Any) -> ValueError:
     return ValueError(
         f"{_CALL}: cannot tell the state shape of {cell_name(i, cell)}: it has none of "
