@@ -139,12 +139,22 @@ def detect(cell: Any) -> Cell | None:
     return Cell("?", _attr_int(cell, _IN_ATTRS), _attr_int(cell, _OUT_ATTRS))
 
 
-def _same_types(a: Any, b: Any) -> bool:
+def _same_types(a: Any, b: Any, dtypes: bool = True) -> bool:
     la, ta = jtu.tree_flatten(a)
     lb, tb = jtu.tree_flatten(b)
     return ta == tb and all(
-        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb, strict=True)
+        x.shape == y.shape and (x.dtype == y.dtype or not dtypes)
+        for x, y in zip(la, lb, strict=True)
     )
+
+
+def dtype_only_change(state: Any, out: Any) -> Any:
+    """The new state of a cell whose output matches ``state`` (as a new h or as a
+    pair's first element) in all but dtype, else None."""
+    for new in (out, out[0] if isinstance(out, (tuple, list)) and out else None):
+        if new is not None and _same_types(state, new, dtypes=False):
+            return new
+    return None
 
 
 def probe_kind(spec: Cell, state: Any, out: Any) -> str | None:

@@ -76,6 +76,9 @@ def _plan(
             raise errors.call_failed(i, cell, x, source) from err
         if spec.kind == "?":
             spec.kind = _cells.probe_kind(spec, state, out) or "?"
+            new = _cells.dtype_only_change(state, out)
+            if spec.kind == "?" and new is not None:
+                raise errors.state_dtype(i, cell, state, new, init is None, x0.dtype)
             if spec.kind == "?":
                 raise errors.unknown_protocol(
                     i,

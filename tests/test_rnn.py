@@ -503,6 +503,17 @@ def test_error_output_read_by_the_next_layer_is_not_an_array():
         scanax.rnn([tuple_state_cell, lambda h, x: h + x], xs_tbd(), init=init)
 
 
+def test_error_default_state_in_xs_dtype_but_cell_computes_in_another():
+    cell = Rnn(D, 4, jr.key(0))  # float32 weights
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)cells\[0\] \(Rnn\) returns its state in another dtype: given h "
+        r"bfloat16\[3, 4\], it returned float32\[3, 4\]. With init=None the state "
+        r"starts in the dtype of `xs` \(bfloat16\).*Fix: give `xs` the dtype",
+    ):
+        scanax.rnn([cell], xs_tbd().astype(jnp.bfloat16))
+
+
 def test_error_state_changes_type():
     with pytest.raises(
         TypeError,

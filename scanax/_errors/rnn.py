@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import _cells
 from . import short_type
 
@@ -55,6 +57,24 @@ def output_not_array(i: int, cell: Any, y: Any, after: Any, j: int) -> TypeError
         "Fix: have the cell return one array as its output. A cell whose state is "
         "not its output (a tuple state) can return the pair (new_state, y), as "
         "Flax cells do."
+    )
+
+
+def state_dtype(
+    i: int, cell: Any, state: Any, new: Any, default: bool, xs_dtype: Any
+) -> TypeError:
+    name = np.dtype(xs_dtype).name
+    why = (
+        f"With init=None the state starts in the dtype of `xs` ({name})"
+        if default
+        else "The state is `init`'s"
+    )
+    return TypeError(
+        f"{_CALL}: {cell_name(i, cell)} returns its state in another dtype: given "
+        f"h {_cells.describe(state)}, it returned {_cells.describe(new)}. {why}, but "
+        "the cell computes in another one, so the state cannot be a loop carry.\n"
+        "Fix: give `xs` the dtype of the cell's parameters, or pass `init=` in the "
+        "dtype the cell returns."
     )
 
 
