@@ -151,8 +151,13 @@ def _same_types(a: Any, b: Any, dtypes: bool = True) -> bool:
 def dtype_only_change(state: Any, out: Any) -> Any:
     """The new state of a cell whose output matches ``state`` (as a new h or as a
     pair's first element) in all but dtype, else None."""
-    for new in (out, out[0] if isinstance(out, (tuple, list)) and out else None):
-        if new is not None and _same_types(state, new, dtypes=False):
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    for new in (out, out[0] if pair else None):
+        if (
+            new is not None
+            and _same_types(state, new, dtypes=False)
+            and not _same_types(state, new)
+        ):
             return new
     return None
 
