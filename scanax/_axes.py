@@ -25,9 +25,12 @@ def is_arraylike(x: Any) -> bool:
 
 
 def same_static(a: Any, b: Any) -> bool:
-    """Whether two static (non-array) leaves are the same value."""
+    """Whether two static (non-array) leaves are the same value, of the same type
+    (``1``, ``1.0`` and ``True`` compare equal but are not the same)."""
     if a is b:
         return True
+    if type(a) is not type(b):
+        return False
     try:
         return bool(a == b)
     except Exception:

@@ -217,6 +217,14 @@ def test_python_number_fields_under_jax_jit_and_grad():
     close(jit(lambda m: m[2].w)(stack), layers[2].w)
 
 
+def test_equal_numbers_of_different_types_are_not_grouped():
+    w = jnp.eye(3)
+    layers = [Scaled(w, 1), Scaled(w, 1.0), Scaled(w, True), Scaled(w, 1.0)]
+    stack = scanax.Stack(layers)
+    assert stack.plan == ((0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1))
+    assert [type(layer.scale) for layer in stack] == [int, float, bool, float]
+
+
 def test_equinox_trains_with_optax():
     layers = eqx_layers(3)
     stack = scanax.Stack(layers)
