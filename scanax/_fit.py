@@ -343,10 +343,15 @@ def _false() -> Any:
 
 
 def _strong(leaves: list) -> list:
-    """Drop weak types (a carry must keep its type; restored checkpoints lose them)."""
-    return [
-        jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x for x in leaves
-    ]
+    """The state as the loop carries it: JAX arrays in JAX's default dtypes (a
+    float64 NumPy array is float32 unless x64 is on; a Python int is int32), with
+    weak types dropped (a carry must keep its type; restored checkpoints lose them).
+    Checkpoints are written and checked in these types."""
+    out = []
+    for x in leaves:
+        a = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        out.append(jnp.asarray(a, a.dtype) if a.weak_type else a)
+    return out
 
 
 # ---------------------------------------------------------------------------- driver

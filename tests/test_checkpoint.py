@@ -195,6 +195,39 @@ def test_iterable_resume_and_weak_types(tmp_path):
     leaves_equal(resumed.model, straight.model)
 
 
+class Counted(nnx.Module):
+    """A NumPy float64 parameter and a Python-int Variable: state that is not yet
+    in the types the loop carries (float32, int32 without x64)."""
+
+    def __init__(self):
+        self.w = nnx.Param(np.linspace(-1.0, 1.0, 3).reshape(3, 1))
+        self.calls = nnx.Variable(0)
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return x @ self.w[...]
+
+
+def test_resume_of_numpy_float64_and_python_int_state(tmp_path):
+    def loss(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    def train(steps, directory=None):
+        model = Counted()
+        opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+        kw = dict(steps=steps, batch_size=BS, steps_per_call=3, progress=False)
+        if directory is not None:
+            kw.update(checkpoint_dir=directory, checkpoint_every=3)
+        return scanax.fit(model, opt, loss, (X, Y), **kw)
+
+    train(6, tmp_path)
+    resumed = train(12, tmp_path)  # continues from step 6
+    straight = train(12)
+    assert resumed.steps == 12 and int(resumed.model.calls[...]) == 12
+    np.testing.assert_array_equal(resumed.history["loss"], straight.history["loss"])
+    leaves_equal(nnx.state(resumed.model), nnx.state(straight.model))
+
+
 def _run_job(directory, out, kill_after=None, during_save=False):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
