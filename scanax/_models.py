@@ -42,9 +42,9 @@ def split_loss(call: str, out: Any) -> tuple[Any, dict]:
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise errors.loss_not_scalar(call, loss)
-    for path, leaf in jtu.tree_flatten_with_path(metrics)[0]:
+    for name, leaf in metrics.items():  # flat: history has one entry per name
         if not hasattr(leaf, "shape"):
-            raise errors.metric_not_array(call, jtu.keystr(path), leaf)
+            raise errors.metric_not_array(call, jtu.keystr((jtu.DictKey(name),)), leaf)
     return loss, metrics
 
 

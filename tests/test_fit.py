@@ -706,6 +706,11 @@ def _str_metric(m, b):
     return nnx_loss(m, b)[0], {"tag": "not an array"}
 
 
+def _nested_metrics(m, b):
+    loss, metrics = nnx_loss(m, b)
+    return loss, {"err": {"mae": metrics["mae"]}}
+
+
 ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
 
 
@@ -785,6 +790,14 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             ARRAYS,
             TypeError,
             r"scanax.fit: metric metrics\['tag'\] is str, expected an array",
+        ),
+        (
+            _nested_metrics,
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"(?s)scanax.fit: metric metrics\['err'\] is dict, expected an array "
+            r"\(metrics is one flat dict.*'err/mae'",
         ),
         (
             nnx_loss,

@@ -64,10 +64,13 @@ def loss_not_scalar(call: str, loss: Any) -> TypeError:
 
 
 def metric_not_array(call: str, path: str, leaf: Any) -> TypeError:
+    why, fix = "", ""
+    if isinstance(leaf, (dict, list, tuple)):
+        why = " (metrics is one flat dict: history keeps one array per name)"
+        fix = ", one name each: `{'err/mae': ..., 'err/max': ...}`"
     return TypeError(
-        f"{call}: metric metrics{path} is "
-        f"{short_type(leaf)}, expected an array.\nFix: return jax "
-        "arrays (e.g. `jnp.mean(...)`) as metrics."
+        f"{call}: metric metrics{path} is {short_type(leaf)}, expected an array"
+        f"{why}.\nFix: return jax arrays (e.g. `jnp.mean(...)`) as metrics{fix}."
     )
 
 
