@@ -9,7 +9,9 @@ framework the user has not already imported.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -224,19 +226,58 @@ class TrainStateAdapter:
         return ["state" + jtu.keystr(path) for path, _ in flat]
 
     def make_step(self, loss_fn: Callable) -> Callable:
+        """``loss_fn`` may return ``(loss, metrics, updates)``: ``updates`` replaces
+        fields of the state after ``apply_gradients`` (a linen model's new
+        ``batch_stats``, from ``apply_fn(..., mutable=["batch_stats"])``)."""
+
         def step(state, batch):
             def objective(params):
-                return split_loss(_CALL, loss_fn(state.replace(params=params), batch))
+                out = loss_fn(state.replace(params=params), batch)
+                updates: dict = {}
+                if isinstance(out, tuple) and len(out) == 3:
+                    *out, updates = out
+                    out = tuple(out)
+                loss, metrics = split_loss(_CALL, out)
+                return loss, (metrics, updates)
 
-            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
-                state.params
-            )
-            return state.apply_gradients(grads=grads), loss, metrics, grads
+            (loss, (metrics, updates)), grads = jax.value_and_grad(
+                objective, has_aux=True
+            )(state.params)
+            new = state.apply_gradients(grads=grads)
+            if updates:
+                new = new.replace(**_check_updates(state, updates))
+            elif _has_arrays(getattr(state, "batch_stats", None)):
+                warnings.warn(errors.batch_stats_not_updated(), stacklevel=2)
+            return new, loss, metrics, grads
 
         return step
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         return state, None
+
+
+_OWN_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
+
+
+def _has_arrays(tree: Any) -> bool:
+    return any(is_array(x) for x in jtu.tree_leaves(tree))
+
+
+def _check_updates(state: Any, updates: Any) -> dict:
+    """``updates`` (from ``loss_fn``) checked against the state's own fields."""
+    fields = [f.name for f in dataclasses.fields(state) if f.name not in _OWN_FIELDS]
+    if not isinstance(updates, dict):
+        raise errors.trainstate_updates_type(updates, fields)
+    for name, value in updates.items():
+        if name not in fields:
+            raise errors.trainstate_updates_field(name, fields)
+        old = getattr(state, name)
+        if jtu.tree_structure(value) != jtu.tree_structure(old) or any(
+            jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
+            for a, b in zip(jtu.tree_leaves(value), jtu.tree_leaves(old), strict=True)
+        ):
+            raise errors.trainstate_updates_changed(name, old, value)
+    return updates
 
 
 def _check_opt_state(given: Any, fresh: Any) -> None:

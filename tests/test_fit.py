@@ -608,6 +608,96 @@ def test_trainstate_equals_python_loop(steps_per_call):
     leaves_close(result.model, state)
 
 
+class BNState(train_state.TrainState):
+    batch_stats: dict
+
+
+def bn_setup():
+    linen = pytest.importorskip("flax.linen")
+
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x, train):
+            return linen.Dense(1)(linen.BatchNorm(use_running_average=not train)(x))
+
+    variables = Net().init(jr.key(1), X, train=False)
+    state = BNState.create(
+        apply_fn=Net().apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        tx=TX,
+    )
+
+    def forward(state, batch):
+        out, new = state.apply_fn(
+            {"params": state.params, "batch_stats": state.batch_stats},
+            batch[0],
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((out - batch[1]) ** 2), new
+
+    return state, forward
+
+
+def test_trainstate_batch_stats_updated_from_loss_fn():
+    state, forward = bn_setup()
+
+    def loss(state, batch):
+        value, new = forward(state, batch)
+        return value, {}, {"batch_stats": new["batch_stats"]}
+
+    result = fit_quiet(state, None, loss, (X, Y), **CHUNKED)
+
+    @jax.jit
+    def step(state, batch):
+        (value, new), grads = jax.value_and_grad(
+            lambda p: forward(state.replace(params=p), batch), has_aux=True
+        )(state.params)
+        state = state.apply_gradients(grads=grads)
+        return state.replace(batch_stats=new["batch_stats"]), value
+
+    ref, losses = state, []
+    for t in range(STEPS):
+        ref, value = step(ref, batch_at(t))
+        losses.append(value)
+    np.testing.assert_allclose(result.history["loss"], np.array(losses), rtol=1e-5)
+    leaves_close(result.model, ref)
+    assert not np.allclose(result.model.batch_stats["BatchNorm_0"]["mean"], 0.0)
+
+
+def test_trainstate_batch_stats_without_updates_warns_and_bad_updates_fail():
+    state, forward = bn_setup()
+    with pytest.warns(UserWarning, match=r"TrainState has `batch_stats`, but"):
+        fit_quiet(
+            state, None, lambda s, b: forward(s, b)[0], (X, Y), steps=2, batch_size=BS
+        )
+    for updates, err, msg in [
+        (
+            [1],
+            TypeError,
+            r"must be a dict of new values for fields of the TrainState "
+            r"\(batch_stats\), got list",
+        ),
+        ({"params": 1}, ValueError, r"an update for 'params', which is not a field"),
+        (
+            {"batch_stats": 1.0},
+            TypeError,
+            r"(?s)for state.batch_stats changes its "
+            r"structure.*BatchNorm_0",
+        ),
+    ]:
+        with pytest.raises(err, match=msg):
+            fit_quiet(
+                state,
+                None,
+                lambda s, b, u=updates: (forward(s, b)[0], {}, u),
+                (X, Y),
+                steps=2,
+                batch_size=BS,
+            )
+
+
 # ---------------------------------------------------------------------------- low level
 
 

@@ -46,6 +46,46 @@ def state_structure_changed(added: list[str], removed: list[str]) -> TypeError:
     )
 
 
+def batch_stats_not_updated() -> str:
+    return (
+        f"{CALL}: the TrainState has `batch_stats`, but `loss_fn` returns no "
+        "updates for them, so they stay as they are through training. To keep "
+        "the new statistics, return them as a third element: `return loss, "
+        "metrics, {'batch_stats': updates['batch_stats']}` (with "
+        "`apply_fn(..., mutable=['batch_stats'])`)."
+    )
+
+
+def trainstate_updates_type(updates: Any, fields: list[str]) -> TypeError:
+    return TypeError(
+        f"{CALL}: the third element `loss_fn` returned must be a dict of new "
+        f"values for fields of the TrainState ({', '.join(fields) or 'it has none'}), "
+        f"got {short_type(updates)}.\nFix: return `loss, metrics, "
+        "{'batch_stats': ...}`."
+    )
+
+
+def trainstate_updates_field(name: Any, fields: list[str]) -> ValueError:
+    return ValueError(
+        f"{CALL}: `loss_fn` returned an update for {name!r}, which is not a field "
+        f"the TrainState lets `loss_fn` replace ({', '.join(fields) or 'none'}; "
+        "step, params and opt_state come from apply_gradients).\nFix: return "
+        "updates only for fields of your TrainState subclass."
+    )
+
+
+def trainstate_updates_changed(name: str, old: Any, new: Any) -> TypeError:
+    def desc(tree):
+        return str(jtu.tree_map(short_type, tree)).replace("'", "")
+
+    return TypeError(
+        f"{CALL}: the update `loss_fn` returned for state.{name} changes its "
+        f"structure, shapes or dtypes:\n  state.{name}  {desc(old)}\n  update  "
+        f"{desc(new)}\nFix: return a value built like state.{name} (for linen "
+        f"collections: `updates['{name}']` from apply_fn(..., mutable=...))."
+    )
+
+
 def loss_tuple(call: str, out: Any) -> TypeError:
     return TypeError(
         f"{call}: `loss_fn` returned a tuple of {len(out)} "
