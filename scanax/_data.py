@@ -185,6 +185,13 @@ def positive_int(name: str, value: Any) -> int:
 def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSource:
     """Array data: a pytree of arrays that is not a list (lists, iterators and
     other iterables are sequences of batches)."""
+    if isinstance(data, (dict, tuple)) and not is_array_data(data):
+        # Arrays next to something else: meant as array data, not as an iterable
+        # (iterating a dict would give its keys).
+        flat = jtu.tree_flatten_with_path(data)[0]
+        if any(is_array(x) for _, x in flat):
+            path, leaf = next((p, x) for p, x in flat if not is_array(x))
+            raise errors.data_leaf_not_array(jtu.keystr(path), leaf)
     if isinstance(data, list) or not is_array_data(data):
         if batch_size is not None:
             raise errors.batch_size_with_iterable(data)

@@ -350,7 +350,7 @@ def _strong(leaves: list) -> list:
     out = []
     for x in leaves:
         a = x if isinstance(x, jax.Array) else jnp.asarray(x)
-        out.append(jnp.asarray(a, a.dtype) if a.weak_type else a)
+        out.append(jnp.asarray(a, a.dtype) if getattr(a, "weak_type", False) else a)
     return out
 
 

@@ -343,6 +343,9 @@ def adapt(
 ) -> NNXAdapter | OptaxAdapter | TrainStateAdapter:
     """The adapter for a ``(model, optimizer)`` pair, or a TypeError naming the fix.
     ``opt_state`` (optax pairs only) continues from an earlier optax state."""
+    to_tx = getattr(optimizer, "gradient_transformation", None)
+    if not _is_gradient_transformation(optimizer) and callable(to_tx):
+        optimizer = to_tx()  # optax.MultiSteps and other wrappers
     if opt_state is not None and not _is_gradient_transformation(optimizer):
         raise errors.opt_state_not_optax(optimizer)
     if _is_train_state(model):

@@ -567,6 +567,26 @@ def test_plain_pytree_params():
     assert result.model["n"] is not None and int(result.model["n"]) == 3
 
 
+def test_optax_multisteps_accepted_as_is():
+    """``optax.MultiSteps`` is not a GradientTransformation; fit takes its
+    ``gradient_transformation()`` (gradient accumulation over 2 steps)."""
+    params = {"w": jnp.zeros((3, 1))}
+
+    def loss_fn(p, batch):
+        return jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2)
+
+    multi = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    result = fit_quiet(params, multi, loss_fn, (X, Y), steps=6, batch_size=BS)
+    tx = multi.gradient_transformation()
+    p, state = params, tx.init(params)
+    for t in range(6):
+        g = jax.grad(loss_fn)(p, batch_at(t, key=None))
+        updates, state = tx.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+    np.testing.assert_allclose(result.model["w"], p["w"], rtol=1e-6)
+    assert not np.allclose(p["w"], 0.0)
+
+
 # ---------------------------------------------------------------------------- TrainState
 
 
@@ -880,6 +900,13 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             ARRAYS,
             TypeError,
             r"scanax.fit: metric metrics\['tag'\] is str, expected an array",
+        ),
+        (
+            lambda m, b: nnx_loss(m, (b["x"], b["y"])),
+            {"x": X, "y": Y, "name": "train"},
+            ARRAYS,
+            TypeError,
+            r"(?s)scanax.fit: data\['name'\] is str, not an array, next to arrays",
         ),
         (
             _nested_metrics,

@@ -86,6 +86,15 @@ def trainstate_updates_changed(name: str, old: Any, new: Any) -> TypeError:
     )
 
 
+def data_leaf_not_array(path: str, leaf: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: data{path} is {short_type(leaf)}, not an array, next to arrays in "
+        "`data`. Array data is a pytree of arrays sharing a leading example axis.\n"
+        f"Fix: drop data{path} from `data` (close over it in `loss_fn` instead), or "
+        "make it an array with one entry per example."
+    )
+
+
 def loss_tuple(call: str, out: Any) -> TypeError:
     return TypeError(
         f"{call}: `loss_fn` returned a tuple of {len(out)} "
