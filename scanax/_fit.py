@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -158,6 +159,13 @@ def fit(
         if checkpoint_dir is None:
             raise errors.checkpoint_every_without_dir(checkpoint_every)
         checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
+    if checkpoint_dir is not None:
+        try:
+            path = os.fspath(checkpoint_dir)
+        except TypeError:
+            raise errors.checkpoint_dir_type(checkpoint_dir) from None
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise errors.checkpoint_dir_not_dir(path)
     if mesh is not None:
         _mesh.check(mesh)
         mesh = _mesh.auto(mesh)

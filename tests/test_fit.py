@@ -939,6 +939,20 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             r"scanax.fit: checkpoint_every=5 is given but checkpoint_dir is None",
         ),
         (
+            nnx_loss,
+            (X, Y),
+            dict(ARRAYS, checkpoint_dir=__file__),
+            ValueError,
+            r"scanax.fit: checkpoint_dir '.*test_fit.py' exists and is not a directory",
+        ),
+        (
+            nnx_loss,
+            (X, Y),
+            dict(ARRAYS, checkpoint_dir=3),
+            TypeError,
+            r"scanax.fit: checkpoint_dir must be a path \(str or os.PathLike\), got int",
+        ),
+        (
             "mse",
             (X, Y),
             ARRAYS,

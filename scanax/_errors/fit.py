@@ -86,6 +86,21 @@ def trainstate_updates_changed(name: str, old: Any, new: Any) -> TypeError:
     )
 
 
+def checkpoint_dir_type(directory: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: checkpoint_dir must be a path (str or os.PathLike), got "
+        f"{short_type(directory)}.\nFix: pass a directory path, e.g. "
+        "checkpoint_dir='runs/ckpt'."
+    )
+
+
+def checkpoint_dir_not_dir(path: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: checkpoint_dir {path!r} exists and is not a directory.\nFix: "
+        "pass a directory (it is created if missing), not a file."
+    )
+
+
 def data_leaf_not_array(path: str, leaf: Any) -> TypeError:
     return TypeError(
         f"{CALL}: data{path} is {short_type(leaf)}, not an array, next to arrays in "
