@@ -402,6 +402,7 @@ class _Run:
         self.done = 0  # steps applied
         self.history: dict[str, list[np.ndarray]] = {"loss": []}
         self.halted = False
+        self.warned_metrics = False
         self.spec = spec
         self.bar = None
         if source.kind == "array":
@@ -569,8 +570,11 @@ class _Run:
         if self.auto:
             self._schedule(end - start, inputs[-1])
         self.history["loss"].append(ys["loss"][:count])
-        for name, value in ys["metrics"].items():
-            self.history.setdefault(name, []).append(np.asarray(value)[:count])
+        metrics = ys["metrics"]
+        if set(metrics) != set(self.history) - {"loss"}:
+            self._align_history(metrics, count)
+        for name, value in metrics.items():
+            self.history[name].append(np.asarray(value)[:count])
         self.done += count
         # In-loop reports of the next call may have moved the bar ahead already: it
         # never moves back (go() sets the final count).
@@ -589,6 +593,24 @@ class _Run:
         ):
             self.ckpt.save(end, leaves, self.key, self._history())
         self.good = self.leaves if self.halted else leaves
+
+    def _align_history(self, metrics: dict, count: int) -> None:
+        """Metric names differ from those of the history so far (a checkpoint of a
+        ``loss_fn`` returning other metrics): NaN where a metric has no value, so
+        that every history array keeps one entry per step."""
+        known = set(self.history) - {"loss"}
+        new, gone = sorted(set(metrics) - known), sorted(known - set(metrics))
+        if self.done and not self.warned_metrics:
+            self.warned_metrics = True
+            warnings.warn(
+                errors.metrics_changed(self.done, new, gone),
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        for name in new:
+            self.history[name] = [np.full(self.done, np.nan, np.float32)]
+        for name in gone:
+            self.history[name].append(np.full(count, np.nan, np.float32))
 
     def _redo(self, inputs: tuple, count: int) -> list:
         """The state after the ``count`` good steps of a call that hit a bad one."""

@@ -228,6 +228,38 @@ def test_resume_of_numpy_float64_and_python_int_state(tmp_path):
     leaves_equal(nnx.state(resumed.model), nnx.state(straight.model))
 
 
+def test_resume_with_other_metrics_keeps_history_aligned(tmp_path):
+    params, tx = {"w": jnp.zeros((3, 1))}, optax.sgd(0.1)
+
+    def base(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    def train(steps, name):
+        return scanax.fit(
+            params,
+            tx,
+            lambda p, b: (base(p, b), {name: base(p, b) * 2}),
+            (X, Y),
+            steps=steps,
+            batch_size=BS,
+            progress=False,
+            checkpoint_dir=tmp_path,
+        )
+
+    train(6, "a")
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"other metrics than the first 6 steps.*"
+        r"new b; no longer returned: a",
+    ):
+        result = train(10, "b")
+    h = result.history
+    assert {k: v.shape for k, v in h.items()} == {"loss": (10,), "a": (10,), "b": (10,)}
+    np.testing.assert_allclose(h["a"][:6], 2 * h["loss"][:6], rtol=1e-6)
+    np.testing.assert_allclose(h["b"][6:], 2 * h["loss"][6:], rtol=1e-6)
+    assert np.isnan(h["a"][6:]).all() and np.isnan(h["b"][:6]).all()
+
+
 def _run_job(directory, out, kill_after=None, during_save=False):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"

@@ -46,6 +46,16 @@ def state_structure_changed(added: list[str], removed: list[str]) -> TypeError:
     )
 
 
+def metrics_changed(done: int, new: list[str], gone: list[str]) -> str:
+    parts = [f"new {', '.join(new)}"] if new else []
+    parts += [f"no longer returned: {', '.join(gone)}"] if gone else []
+    return (
+        f"{CALL}: `loss_fn` returns other metrics than the first {done} steps of "
+        f"the history (from the checkpoint): {'; '.join(parts)}. Each history array "
+        "keeps one entry per step, NaN where a metric has no value."
+    )
+
+
 def batch_stats_not_updated() -> str:
     return (
         f"{CALL}: the TrainState has `batch_stats`, but `loss_fn` returns no "
