@@ -151,19 +151,23 @@ class Checkpoints:
             raise errors.checkpoint_format(
                 step, self.directory, meta.get("format"), _FORMAT
             )
-        saved = meta["leaves"]
-        for i in range(max(len(saved), len(leaves))):
-            have = saved[i] if i < len(saved) else None
-            want = [self.names[i], *describe(leaves[i])] if i < len(leaves) else None
-            if have != want:
-                name = (want or have)[0]
-                found = "nothing" if have is None else f"{have[0]}: {_short(have[1:])}"
-                expected = (
-                    "nothing" if want is None else f"{want[0]}: {_short(want[1:])}"
-                )
+        saved = {have[0]: have[1:] for have in meta["leaves"]}
+        want = {n: list(describe(x)) for n, x in zip(self.names, leaves, strict=True)}
+        only_saved = [n for n in saved if n not in want]
+        only_here = [n for n in want if n not in saved]
+        if only_saved or only_here:
+            raise errors.checkpoint_leaves_differ(
+                step, self.directory, only_saved, only_here
+            )
+        for name, types in want.items():
+            if saved[name] != types:
                 raise errors.checkpoint_mismatch(
-                    step, self.directory, name, found, expected
+                    step, self.directory, name, _short(saved[name]), _short(types)
                 )
+        if list(saved) != self.names:  # the same leaves in another order
+            raise errors.checkpoint_mismatch(
+                step, self.directory, "order", ", ".join(saved), ", ".join(self.names)
+            )
         if meta["data"] != self.data:
             raise errors.checkpoint_other_data(
                 step, self.directory, meta["data"], self.data

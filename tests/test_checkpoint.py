@@ -97,8 +97,10 @@ def test_checkpoint_without_rng_state_is_refused(tmp_path):
     model, opt = make()
     with pytest.raises(
         ValueError,
-        match=r"(?s)does not fit this training state; first mismatching leaf "
-        r"model\['drop'\]\['rngs'\].*checkpoint  model\['lin'\]",
+        match=r"(?s)does not fit this training state: it holds other arrays.\n"
+        r"  only in the checkpoint  none\n"
+        r"  only in this run        model\['drop'\]\['rngs'\]\['count'\], "
+        r"model\['drop'\]\['rngs'\]\['key'\]\n",
     ):
         fit(model, opt, 12, checkpoint_dir=tmp_path, checkpoint_every=6)
 
@@ -140,8 +142,8 @@ def test_incompatible_checkpoint_is_refused(tmp_path):
         ValueError,
         match=r"(?s)scanax.fit: the checkpoint at step 6 in .* does not fit this "
         r"training state; first mismatching leaf model\['out'\]\['bias'\]:\n"
-        r"  checkpoint  model\['out'\]\['bias'\]: float32\[1\]\n"
-        r"  expected    model\['out'\]\['bias'\]: float32\[2\].*Fix:",
+        r"  checkpoint  float32\[1\]\n"
+        r"  expected    float32\[2\].*Fix:",
     ):
         scanax.fit(
             model,

@@ -299,6 +299,24 @@ def checkpoint_mismatch(
     )
 
 
+def checkpoint_leaves_differ(
+    step: int, directory: Any, only_saved: list[str], only_here: list[str]
+) -> ValueError:
+    def shown(names):
+        return (
+            ", ".join(names[:5])
+            + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            if names
+            else "none"
+        )
+
+    return ValueError(
+        f"{_checkpoint_at(step, directory)} does not fit this training state: it "
+        f"holds other arrays.\n  only in the checkpoint  {shown(only_saved)}\n  "
+        f"only in this run        {shown(only_here)}\n{_CHECKPOINT_FIX}"
+    )
+
+
 def checkpoint_other_data(
     step: int, directory: Any, found: Any, data: Any
 ) -> ValueError:
