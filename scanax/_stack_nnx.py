@@ -54,7 +54,7 @@ def _leaf_paths(state: Any) -> list[tuple]:
                 if k.name != "value":  # a Variable's own level: not part of its name
                     keys.append(k.name)
             else:
-                keys.append(k.key if isinstance(k, jtu.DictKey) else k.idx)
+                keys.append(getattr(k, "key", getattr(k, "idx", k)))
         out.append(tuple(keys))
     return out
 
