@@ -17,6 +17,13 @@ import jax
 import numpy as np
 
 
+def added_removed(added: list[str], removed: list[str], otherwise: str) -> str:
+    """``added a, b; removed c`` for a change of names, or ``otherwise``."""
+    changes = [f"added {', '.join(added)}"] if added else []
+    changes += [f"removed {', '.join(removed)}"] if removed else []
+    return "; ".join(changes) or otherwise
+
+
 class NNXMutation(ValueError):
     """``f`` changed an NNX object it does not carry: callers that passed the object
     on the user's behalf (``scanax.Stack``'s keyword arguments) say so instead."""
@@ -179,9 +186,9 @@ def carry_structure(call: str, init_desc: str, out_desc: str) -> TypeError:
 def nnx_graph_changed(
     call: str, nodes: str, added: list[str], removed: list[str]
 ) -> TypeError:
-    changes = [f"added {', '.join(added)}"] if added else []
-    changes += [f"removed {', '.join(removed)}"] if removed else []
-    what = "; ".join(changes) or "the same Variables, with a type or submodule changed"
+    what = added_removed(
+        added, removed, "the same Variables, with a type or submodule changed"
+    )
     return TypeError(
         f"{call}: the NNX objects {nodes} in the carry came back from `f` with a "
         f"different graph ({what}).\nFix: do not create or delete Variables inside "

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from . import listing, short_type
+from . import added_removed, listing, short_type
 
 CALL = "scanax.fit"
 
@@ -29,11 +29,10 @@ def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
 
 
 def state_structure_changed(added: list[str], removed: list[str]) -> TypeError:
-    changes = [f"added {', '.join(added)}"] if added else []
-    changes += [f"removed {', '.join(removed)}"] if removed else []
-    what = (
-        "; ".join(changes)
-        or "the same paths, with a Variable's type or value structure changed"
+    what = added_removed(
+        added,
+        removed,
+        "the same paths, with a Variable's type or value structure changed",
     )
     return TypeError(
         f"{CALL}: `loss_fn` changed the model's or optimizer's Variables ({what}). "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import short_type
+from . import added_removed, short_type
 
 CALL = "scanax.Stack"
 
@@ -86,9 +86,9 @@ def per_layer_leaf(path: str, leaf: Any, n: int) -> ValueError:
 
 
 def graph_changed(added: list[str], removed: list[str]) -> TypeError:
-    changes = [f"added {', '.join(added)}"] if added else []
-    changes += [f"removed {', '.join(removed)}"] if removed else []
-    what = "; ".join(changes) or "the same values, with a Variable's type changed"
+    what = added_removed(
+        added, removed, "the same values, with a Variable's type changed"
+    )
     return TypeError(
         f"{CALL}: a layer of a stacked run stored new values or deleted some while "
         f"running ({what}). A stacked run carries its layers' fixed set of "
