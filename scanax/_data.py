@@ -142,6 +142,9 @@ class IterSource:
     def _leaves(self, batch: Any, index: int) -> list[np.ndarray]:
         flat, treedef = jtu.tree_flatten_with_path(batch)
         leaves = [np.asarray(x) for _, x in flat]
+        for (path, x), a in zip(flat, leaves, strict=True):
+            if a.dtype.kind not in "biufc":  # strings, objects: nothing JAX can carry
+                raise errors.batch_leaf_not_numeric(index, jtu.keystr(path), x)
         if self.treedef is None:
             self.treedef = treedef
             self.paths = [jtu.keystr(p) for p, _ in flat]

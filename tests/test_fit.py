@@ -909,6 +909,14 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             r"(?s)scanax.fit: data\['name'\] is str, not an array, next to arrays",
         ),
         (
+            lambda m, b: nnx_loss(m, (b["x"], b["y"])),
+            [{"x": X[:8], "y": Y[:8], "tag": "train"}] * 2,
+            dict(steps=2),
+            TypeError,
+            r"(?s)scanax.fit: batch 0 of `data` has batch\['tag'\] = str 'train', which "
+            r"is not numbers.*Fix: drop it",
+        ),
+        (
             _nested_metrics,
             (X, Y),
             ARRAYS,

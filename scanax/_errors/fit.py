@@ -110,6 +110,15 @@ def checkpoint_dir_not_dir(path: str) -> ValueError:
     )
 
 
+def batch_leaf_not_numeric(index: int, path: str, leaf: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: batch {index} of `data` has batch{path} = {short_type(leaf)}"
+        f" {str(leaf)[:40]!r}, which is not numbers: a training batch can only hold "
+        "numeric or boolean arrays.\nFix: drop it from the batches (encode strings "
+        "as integer ids first)."
+    )
+
+
 def data_leaf_not_array(path: str, leaf: Any) -> TypeError:
     return TypeError(
         f"{CALL}: data{path} is {short_type(leaf)}, not an array, next to arrays in "
