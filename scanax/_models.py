@@ -96,12 +96,12 @@ class NNXAdapter:
             )
             (loss, metrics), grads = grad_fn(model, batch)
             optimizer.update(model, grads)
-            after, _, paths = _nnx.flatten([model, optimizer])
-            values = _nnx.values([model, optimizer])
+            after, values = _nnx.values([model, optimizer])
             same = after == graphdef and (
                 jtu.tree_structure(values) == jtu.tree_structure(state)
             )
             if not same:  # checked while tracing: costs nothing per step
+                paths = _nnx.flatten([model, optimizer])[2]
                 added = [_variable_name(p) for p in paths if p not in known]
                 removed = [_variable_name(p) for p in known if p not in paths]
                 raise errors.state_structure_changed(added, removed)

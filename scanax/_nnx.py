@@ -41,9 +41,11 @@ def flatten(nodes: list[Any]) -> tuple[Any, list[Any], list[tuple]]:
     return graphdef, list(flat.leaves), list(flat.paths)
 
 
-def values(nodes: list[Any]) -> list[Any]:
-    """The values of the nodes' Variables, in ``flatten``'s order."""
-    return _nnx().graph.flatten(nodes, with_paths=False)[1]
+def values(nodes: list[Any]) -> tuple[Any, list[Any]]:
+    """``(graphdef, values)``: the values of the nodes' Variables, in ``flatten``'s
+    order, and the graphdef to check the nodes' structure against."""
+    graphdef, leaves = _nnx().graph.flatten(nodes, with_paths=False)
+    return graphdef, list(leaves)
 
 
 def unflatten(graphdef: Any, values: list[Any]) -> list[Any]:

@@ -90,8 +90,8 @@ class _CarryCodec:
         if self.nodes:
             graphdef, state = _nnx.split([leaves[i] for i in self.node_idx])
             if graphdef != self.graphdef:
-                before = self._node_paths(self.dynamic[0], variables=True)
-                after = self._node_paths(state, variables=True)
+                before = self._variable_names(self.nodes)
+                after = self._variable_names([leaves[i] for i in self.node_idx])
                 raise _errors.nnx_graph_changed(
                     self.call,
                     _node_desc(self.nodes),
@@ -103,27 +103,22 @@ class _CarryCodec:
         self._check_types(dynamic_in, out)
         return out
 
-    def _node_paths(self, state: Any, variables: bool = False) -> list[str]:
-        """``carry[0]['l']['kernel'].value`` for each leaf of an NNX state; with
-        ``variables``, ``carry[0]['l']['kernel']`` once per Variable."""
-        names = []
-        for path, _ in jtu.tree_flatten_with_path(state)[0]:
-            inner = path[1:]
-            if variables:
-                cut = [
-                    isinstance(k, jtu.GetAttrKey) and k.name == "value" for k in inner
-                ]
-                inner = inner[: cut.index(True)] if True in cut else inner
-            node_path = self.paths[self.node_idx[path[0].key]]
-            names.append("carry" + jtu.keystr((*node_path, *inner)))
-        return list(dict.fromkeys(names)) if variables else names
+    def _variable_names(self, nodes: list[Any]) -> list[str]:
+        """``carry[0]['l']['kernel']`` for each Variable of the carry's NNX nodes."""
+        return [
+            "carry"
+            + jtu.keystr(self.paths[self.node_idx[head]])
+            + "".join(f"[{k!r}]" for k in rest)
+            for head, *rest in _nnx.flatten(nodes)[2]
+        ]
 
     def _named_dynamic(self, dynamic: Any) -> list[tuple[str, Any]]:
         state, arrays = dynamic
         named = []
         if self.nodes:
-            leaves = jtu.tree_leaves(state)
-            named += list(zip(self._node_paths(state), leaves, strict=True))
+            for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+                node_path = self.paths[self.node_idx[path[0].key]]
+                named.append(("carry" + jtu.keystr((*node_path, *path[1:])), leaf))
         for i, a in zip(self.dyn_idx, arrays):
             named.append(("carry" + jtu.keystr(self.paths[i]), a))
         return named
