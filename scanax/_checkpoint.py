@@ -99,13 +99,20 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, leaves: list, key: Any) -> tuple[int, list, Any, dict] | None:
+    def steps_after(self, end: int) -> list[int]:
+        """The saved steps past ``end``, oldest first."""
+        return sorted(s for s in self.manager.all_steps() if s > end)
+
+    def restore(
+        self, leaves: list, key: Any, at_most: int
+    ) -> tuple[int, list, Any, dict] | None:
         """``(step, leaves, key, history)`` from the newest readable checkpoint
-        that fits ``leaves``, or None when there is none. An unreadable (corrupt,
-        partial) checkpoint is skipped with a warning; one from another model is
-        an error."""
+        at or before step ``at_most`` that fits ``leaves``, or None when there is
+        none. An unreadable (corrupt, partial) checkpoint is skipped with a
+        warning; one from another model is an error."""
         ocp = self.ocp
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        steps = [s for s in self.manager.all_steps() if s <= at_most]
+        for step in sorted(steps, reverse=True):
             try:
                 meta = self.manager.restore(
                     step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())

@@ -98,15 +98,17 @@ class IterSource:
 
     kind = "iter"
 
-    def __init__(self, data: Any):
+    def __init__(self, data: Any, key: Any = None):
         try:
             self.iterator: Iterator = iter(data)
         except TypeError as err:
             raise errors.data_not_batches(data) from err
+        self.key = key if key is not None else unused_key()  # per-step keys only
         self.consumed = 0  # batches taken from the iterator so far
         self.treedef = None
         self.types: list[tuple[tuple[int, ...], Any]] = []
         self.paths: list[str] = []
+        self.impls: list[Any] = []  # per leaf: the PRNG impl of a key leaf, or None
         self.static = ("iter",)
 
     def sampler(self) -> None:
@@ -139,14 +141,31 @@ class IterSource:
             stacked.append(col)
         return jtu.tree_unflatten(self.treedef, stacked), len(batches)
 
+    def on_device(self, xs: Any) -> Any:
+        """Stacked batches on device, typed PRNG keys made keys again (they travel
+        as their key data)."""
+        if not any(self.impls):
+            return xs
+        leaves = jtu.tree_leaves(xs)
+        leaves = [
+            x if impl is None else jr.wrap_key_data(x, impl=impl)
+            for x, impl in zip(leaves, self.impls)
+        ]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
     def _leaves(self, batch: Any, index: int) -> list[np.ndarray]:
         flat, treedef = jtu.tree_flatten_with_path(batch)
-        leaves = [np.asarray(x) for _, x in flat]
+        impls = [jr.key_impl(x) if _is_key(x) else None for _, x in flat]
+        leaves = [
+            np.asarray(jr.key_data(x) if impl else x)
+            for (_, x), impl in zip(flat, impls)
+        ]
         for (path, x), a in zip(flat, leaves, strict=True):
             if a.dtype.kind not in "biufc":  # strings, objects: nothing JAX can carry
                 raise errors.batch_leaf_not_numeric(index, jtu.keystr(path), x)
         if self.treedef is None:
             self.treedef = treedef
+            self.impls = impls
             self.paths = [jtu.keystr(p) for p, _ in flat]
             self.types = [(x.shape, x.dtype) for x in leaves]
             return leaves
@@ -164,6 +183,11 @@ class IterSource:
         if rows:
             raise errors.batch_shape_changed(index, rows)
         return leaves
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 @functools.cache
@@ -198,5 +222,5 @@ def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSourc
     if isinstance(data, list) or not is_array_data(data):
         if batch_size is not None:
             raise errors.batch_size_with_iterable(data)
-        return IterSource(data)
+        return IterSource(data, key)
     return ArraySource(data, batch_size, key)

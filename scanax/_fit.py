@@ -6,6 +6,8 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import inspect
 import math
 import os
 import time
@@ -15,23 +17,37 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _checkpoint, _data, _mesh, _models, _progress
+from . import (
+    _checkpoint,
+    _compile_cache,
+    _data,
+    _fingerprint,
+    _mesh,
+    _models,
+    _progress,
+)
 from ._errors import fit as errors
 
 _CALL = "scanax.fit"
-# Default steps_per_call: compiled lengths, and the wall time that the automatic
-# schedule aims each call at (array data: calls grow from 8 steps to this).
-_MAX_STEPS_PER_CALL = {"array": 1000, "iter": 100}
+# Steps per compiled call (the history buffers' length: one program for any
+# ``steps``), and the wall time that the automatic schedule aims each call at
+# (array data: calls grow from 8 steps to this).
+_LENGTH = {"array": 1000, "iter": 100}
 _SECONDS_PER_CALL = 0.25
 _REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 _CACHE_SIZE = 32
 
-# Compiled chunk functions, keyed on (loss_fn, model structure, data layout, length):
-# a second ``fit`` of a same-structured model with the same loss_fn reuses them.
-_CHUNKS: collections.OrderedDict = collections.OrderedDict()
+# Chunk programs, keyed on fingerprints of (loss_fn, model and optimizer structure,
+# data layout, length): a second ``fit`` of a same-structured model with the same
+# loss code reuses them, even when every object was rebuilt.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+# Compiled executables keyed on their lowered program: what a new structure that
+# traces to an already compiled program (a re-defined model class) reuses.
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
 
 
 @dataclasses.dataclass
@@ -149,12 +165,18 @@ def fit(
     steps = _data.positive_int("steps", steps)
     if not callable(loss_fn):
         raise errors.loss_fn_not_callable(loss_fn)
+    takes_key = _takes_key(loss_fn)
     adapter = _models.adapt(model, optimizer, opt_state)
     source = _data.make_source(data, batch_size, key)
-    if steps_per_call is None:
-        length = min(steps, _MAX_STEPS_PER_CALL[source.kind])
-    else:
-        length = min(steps, _data.positive_int("steps_per_call", steps_per_call))
+    if takes_key and key is None:
+        raise errors.loss_key_without_key()
+    length = _LENGTH[source.kind]
+    if steps_per_call is not None:
+        per_call = _data.positive_int("steps_per_call", steps_per_call)
+        # Host batches are stacked per call: their buffers are per_call long.
+        length = per_call if source.kind == "iter" else max(length, per_call)
+    elif source.kind == "iter":
+        length = min(length, 1 << (min(steps, length) - 1).bit_length())
     if checkpoint_every is not None:
         if checkpoint_dir is None:
             raise errors.checkpoint_every_without_dir(checkpoint_every)
@@ -172,18 +194,64 @@ def fit(
         if source.kind == "array":
             _mesh.check_batch(mesh, source.batch_size, "batch_size")
     spec = _progress.resolve(_CALL, progress)
-    run = _Run(adapter, source, loss_fn, steps, length, spec, mesh)
-    run.auto = steps_per_call is None and source.kind == "array"
+    start = adapter.start_step()
+    if start is None:
+        if opt_state is not None:
+            warnings.warn(errors.no_step_count(), RuntimeWarning, stacklevel=2)
+        start = 0
+    _compile_cache.enable_from_env()
+
+    leaves, treedef = jtu.tree_flatten(adapter.state)
+    leaves = _strong(leaves)
+    shardings = None
+    if mesh is not None:
+        shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves))
+        leaves = _mesh.place(leaves, shardings)
+    # In-loop bar reports only where calls are not sized to a quarter second:
+    # host batches, or a steps_per_call of the user's.
+    ticks = spec is not None and mesh is None
+    ticks = ticks and (source.kind == "iter" or steps_per_call is not None)
+    program = _program(
+        adapter, source, loss_fn, takes_key, length, treedef, mesh, shardings, ticks
+    )
+    schedule = _Schedule(
+        program,
+        length,
+        fixed=min(length, steps_per_call or length),
+        auto=steps_per_call is None and source.kind == "array",
+        checkpoint_every=checkpoint_every,
+        bar_every=spec.every if spec is not None and not ticks else None,
+    )
+    how = (start, start + steps, spec, mesh, ticks)
+    run = _Run(adapter, source, program, treedef, leaves, schedule, how)
     if checkpoint_dir is not None:
         run.resume(checkpoint_dir, checkpoint_every)
     return run.go()
+
+
+def _takes_key(loss_fn: Callable) -> bool:
+    """Whether ``loss_fn`` takes a per-step key: a third positional parameter
+    without a default (or ``*args``); more than three required is an error."""
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: call it with two
+        return False
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > 3:
+        raise errors.loss_fn_arity(len(required), [p.name for p in required])
+    if len(required) == 3:
+        return True
+    return len(positional) < 3 and any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 # ---------------------------------------------------------------------------- compile
 
 
 class _Key:
-    """A cache key hashed once (hashing an NNX GraphDef takes about a millisecond)."""
+    """A cache key hashed once (hashing a fingerprint takes about a millisecond)."""
 
     def __init__(self, parts: tuple):
         self.parts = parts
@@ -196,53 +264,86 @@ class _Key:
         return isinstance(other, _Key) and self.parts == other.parts
 
 
-class _Compiled:
-    """A jitted chunk function, and the time per step it last ran at (to size the
-    calls of the next ``fit`` with it from the start)."""
+class _Program:
+    """The chunk function of one structure: jitted, compiled once per argument
+    signature, and the time per step it last ran at (to size the calls of the
+    next ``fit`` with it from the start)."""
 
     def __init__(self, fn: Callable):
-        self.fn = fn
+        self.jitted = jax.jit(fn)
         self.seconds_per_step: float | None = None
+        self.executables: dict = {}
+
+    def executable(self, args: tuple) -> Callable:
+        """The compiled program for arguments like ``args``: one already compiled
+        for the same lowered program (by any earlier ``fit``) if there is one."""
+        leaves, treedef = jtu.tree_flatten(args)
+        signature = (treedef, *(_leaf_signature(x) for x in leaves))
+        exe = self.executables.get(signature)
+        if exe is None:
+            lowered = self.jitted.trace(*args).lower()
+            text = lowered.as_text()
+            key = (hashlib.sha256(text.encode()).digest(), signature)
+            exe = _EXECUTABLES.get(key)
+            if exe is None:
+                exe = _EXECUTABLES[key] = lowered.compile()
+                while len(_EXECUTABLES) > _CACHE_SIZE:
+                    _EXECUTABLES.popitem(last=False)
+            self.executables[signature] = exe
+        return exe
 
 
-def _chunk_function(
+def _leaf_signature(x: Any) -> tuple:
+    if isinstance(x, jax.Array):
+        return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
+    return (np.shape(x), np.result_type(x), type(x))
+
+
+def _program(
     adapter: Any,
     source: Any,
     loss_fn: Callable,
+    takes_key: bool,
     length: int,
     treedef: Any,
     mesh: Any,
     shardings: tuple | None,
-    progress: bool,
-):
-    """The jitted ``chunk(leaves, stopped, start, count, every, data, key, xs)``,
-    cached."""
+    ticks: bool,
+) -> _Program:
+    """The chunk program for this structure, from the cache when an earlier
+    ``fit`` had the same one: same loss code, same model structure and optimizer
+    (by fingerprint: a rebuilt ``optax.adam(1e-3)`` or a re-defined ``loss_fn``
+    with the same code is the same), same data layout."""
+    loss_key = _fingerprint.of(loss_fn)
+    static_key = _fingerprint.of(adapter.static)
+    parts = (
+        loss_fn if loss_key is None else loss_key,
+        adapter.static if static_key is None else static_key,
+        takes_key,
+        treedef,
+        source.static,
+        length,
+        shardings,
+        ticks,
+    )
     try:
-        parts = (
-            loss_fn,
-            adapter.static,
-            treedef,
-            source.static,
-            length,
-            shardings,
-            progress,
-        )
         cache_key = _Key(parts)
     except TypeError:  # an unhashable static part: compile for this call only
         cache_key = None
-    if cache_key is not None and cache_key in _CHUNKS:
-        _CHUNKS.move_to_end(cache_key)
-        return _CHUNKS[cache_key]
-    step = adapter.make_step(loss_fn)
+    if cache_key is not None and cache_key in _PROGRAMS:
+        _PROGRAMS.move_to_end(cache_key)
+        return _PROGRAMS[cache_key]
+    call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
+    step = adapter.make_step(call)
     sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
-    fn = _Compiled(
-        jax.jit(_build_chunk(step, sampler, length, treedef, mesh, shardings, progress))
+    program = _Program(
+        _build_chunk(step, sampler, length, treedef, mesh, shardings, ticks, takes_key)
     )
     if cache_key is not None:
-        _CHUNKS[cache_key] = fn
-        while len(_CHUNKS) > _CACHE_SIZE:
-            _CHUNKS.popitem(last=False)
-    return fn
+        _PROGRAMS[cache_key] = program
+        while len(_PROGRAMS) > _CACHE_SIZE:
+            _PROGRAMS.popitem(last=False)
+    return program
 
 
 def _build_chunk(
@@ -252,12 +353,18 @@ def _build_chunk(
     treedef: Any,
     mesh: Any,
     shardings: tuple | None,
-    progress: bool,
+    ticks: bool,
+    takes_key: bool,
 ) -> Callable:
     """``chunk(leaves, stopped, start, count, every, data, key, xs)``: up to
     ``count`` steps from global step ``start``, ending early at a non-finite step.
-    With ``progress``, every ``every``-th global step reports to the host from
-    inside the loop (``_progress.tick_newest``), so the bar moves during long calls.
+    With ``ticks`` (a bar, and calls not sized automatically: host batches or a
+    ``steps_per_call``), every ``every``-th global step reports to the host from
+    inside the loop (``_progress.tick_newest``), so the bar moves during long
+    calls. Automatically sized calls (array data) take about a quarter second
+    each, so the bar moves between them: their program has no host callback,
+    is the same with and without a bar, and can be stored in JAX's persistent
+    compilation cache.
 
     A ``lax.while_loop`` rather than a scan: the number of steps per call varies
     (the automatic schedule, the last call, a NaN) without recompiling, and steps
@@ -265,7 +372,7 @@ def _build_chunk(
     """
     on_device = source is not None
 
-    def guarded(leaves, batch):
+    def guarded(leaves, batch, key):
         """One step, and whether its loss and gradients are finite.
 
         A non-finite step is applied here and the loop stops after it; the host
@@ -277,7 +384,9 @@ def _build_chunk(
         Takes and returns flat leaves: the step gets containers of its own (an NNX
         step mutates the Variables it merges).
         """
-        new, loss, metrics, grads = step(jtu.tree_unflatten(treedef, leaves), batch)
+        new, loss, metrics, grads = step(
+            jtu.tree_unflatten(treedef, leaves), batch, key
+        )
         loss_ok = jnp.isfinite(loss)
         grads_ok = jnp.array(True)
         for g in jtu.tree_leaves(grads):
@@ -289,7 +398,7 @@ def _build_chunk(
             grads_ok,
         )
 
-    def batch_at(data, key, xs, perm, t, i):
+    def batch_at(data, xs, perm, t, i):
         if on_device:
             batch = source.batch(data, perm, t)
         else:
@@ -301,8 +410,13 @@ def _build_chunk(
     def chunk(leaves, stopped, start, count, every, data, key, xs):
         with jax.named_scope("scanax.fit"):
             perm = source.permutation(key, start) if on_device else None
-            first = batch_at(data, key, xs, perm, start, 0)
-            out_type = jax.eval_shape(guarded, leaves, first)[1]
+            root = jr.split(key)[1] if takes_key else None
+
+            def key_at(t):
+                return jr.fold_in(root, t) if takes_key else None
+
+            first = batch_at(data, xs, perm, start, 0)
+            out_type = jax.eval_shape(guarded, leaves, first, key_at(start))[1]
             # (loss_ok, grads_ok) of the last step run: the bad one, if any.
             flags = (jnp.array(True), jnp.array(True))
             bufs = jtu.tree_map(
@@ -319,7 +433,7 @@ def _build_chunk(
                 if on_device:
                     perm = source.next_permutation(key, t, perm)
                 leaves, out, loss_ok, grads_ok = guarded(
-                    leaves, batch_at(data, key, xs, perm, t, i)
+                    leaves, batch_at(data, xs, perm, t, i), key_at(t)
                 )
                 bufs = jtu.tree_map(
                     lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
@@ -327,7 +441,7 @@ def _build_chunk(
                     out,
                 )
                 stop = ~(loss_ok & grads_ok)
-                if progress:
+                if ticks:
                     _progress.tick_newest((t + 1) % every == 0, t + 1, out["loss"])
                 return i + 1, leaves, stop, perm, bufs, (loss_ok, grads_ok)
 
@@ -362,57 +476,138 @@ def _strong(leaves: list) -> list:
     return out
 
 
+# ---------------------------------------------------------------------------- history
+
+
+class _History:
+    """Per-step values of one ``fit`` call, with their global step numbers."""
+
+    def __init__(self):
+        self.arrays: dict[str, list[np.ndarray]] = {"step": [], "loss": []}
+        self.count = 0  # steps recorded
+        self.warned = False
+
+    def restore(self, saved: dict[str, np.ndarray], after: int, step: int) -> None:
+        """The history of a checkpoint at ``step``, from step ``after + 1`` on (a
+        checkpoint of an older format has no step numbers: they are counted back)."""
+        saved = dict(saved)
+        n = len(saved.get("loss", ()))
+        steps = saved.pop("step", np.arange(step - n + 1, step + 1, dtype=np.int64))
+        keep = np.asarray(steps) > after
+        self.arrays = {"step": [np.asarray(steps)[keep]]}
+        self.arrays.update({k: [np.asarray(v)[keep]] for k, v in saved.items()})
+        self.arrays.setdefault("loss", [])
+        self.count = int(keep.sum())
+
+    def add(self, first: int, ys: dict, count: int) -> None:
+        """``count`` steps from global step ``first`` (0-based; recorded 1-based,
+        as the optimizer's step count after each)."""
+        self.arrays["step"].append(np.arange(first + 1, first + count + 1))
+        self.arrays["loss"].append(ys["loss"][:count])
+        metrics = ys["metrics"]
+        if set(metrics) != set(self.arrays) - {"loss", "step"}:
+            self._align(metrics, count)
+        for name, value in metrics.items():
+            self.arrays[name].append(np.asarray(value)[:count])
+        self.count += count
+
+    def _align(self, metrics: dict, count: int) -> None:
+        """Metric names differ from those of the history so far (a checkpoint of a
+        ``loss_fn`` returning other metrics): NaN where a metric has no value, so
+        that every history array keeps one entry per step."""
+        known = set(self.arrays) - {"loss", "step"}
+        new, gone = sorted(set(metrics) - known), sorted(known - set(metrics))
+        if self.count and not self.warned:
+            self.warned = True
+            warnings.warn(
+                errors.metrics_changed(self.count, new, gone),
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        for name in new:
+            self.arrays[name] = [np.full(self.count, np.nan, np.float32)]
+        for name in gone:
+            self.arrays[name].append(np.full(count, np.nan, np.float32))
+
+    def result(self) -> dict[str, np.ndarray]:
+        empty = {"step": np.zeros((0,), np.int64)}
+        return {
+            k: np.concatenate(v) if v else empty.get(k, np.zeros((0,), np.float32))
+            for k, v in self.arrays.items()
+        }
+
+
 # ---------------------------------------------------------------------------- driver
+
+
+class _Schedule:
+    """How many steps each call runs: ``steps_per_call`` if given, else sized from
+    the speed of the last call to take about ``_SECONDS_PER_CALL`` (8 steps first,
+    to time them, when nothing is known yet); calls also end on checkpoint steps
+    and on multiples of the progress bar's ``every``."""
+
+    def __init__(self, program, length, fixed, auto, checkpoint_every, bar_every):
+        self.program, self.length, self.auto = program, length, auto
+        self.stops = [e for e in (checkpoint_every, bar_every) if e]
+        known = program.seconds_per_step
+        if not auto:
+            self.per_call = fixed
+        elif known is None:
+            self.per_call = min(length, 8)
+        else:
+            self.per_call = self._size(known)
+        self.last = None
+
+    def want(self, start: int, end: int) -> int:
+        want = min(self.per_call, end - start)
+        for every in self.stops:
+            want = min(want, every - start % every)
+        return want
+
+    @property
+    def timing(self) -> bool:
+        """Whether the next call must be timed before more are dispatched."""
+        return self.auto and self.program.seconds_per_step is None
+
+    def ran(self, steps: int, dispatched: float) -> None:
+        """Size the next calls from the time the last one ran: from when it was
+        dispatched (after compiling) or the previous one finished, to now."""
+        if not self.auto:
+            return
+        now = time.perf_counter()
+        began = max(dispatched, self.last or dispatched)
+        per_step = max(now - began, 1e-9) / steps
+        self.program.seconds_per_step = per_step
+        self.per_call = self._size(per_step)
+        self.last = now
+
+    def _size(self, seconds_per_step: float) -> int:
+        return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
 
 
 class _Run:
     """One ``fit`` call: dispatch chunks, keep one in flight, collect history."""
 
-    def __init__(self, adapter, source, loss_fn, steps, length, spec, mesh):
-        self.adapter, self.source, self.steps, self.length = (
-            adapter,
-            source,
-            steps,
-            length,
-        )
-        self.mesh = mesh
-        leaves, self.treedef = jtu.tree_flatten(adapter.state)
-        self.leaves = _strong(leaves)
-        shardings = None
-        if mesh is not None:
-            shardings = tuple(_mesh.state_shardings(mesh, adapter, self.leaves))
-            self.leaves = _mesh.place(self.leaves, shardings)
-        self.in_loop = spec is not None and mesh is None
-        self.compiled = _chunk_function(
-            adapter,
-            source,
-            loss_fn,
-            length,
-            self.treedef,
-            mesh,
-            shardings,
-            self.in_loop,
-        )
-        self.fn = self.compiled.fn
+    def __init__(self, adapter, source, program, treedef, leaves, schedule, how):
+        self.adapter, self.source, self.program = adapter, source, program
+        self.treedef, self.leaves, self.schedule = treedef, leaves, schedule
+        self.start, self.end, self.spec, self.mesh, self.ticks = how
+        self.done = self.start  # the global step reached
+        self.fn = None  # the compiled chunk, for this call's argument signature
         self.ckpt = None
-        self.auto = False  # grow steps per call towards _SECONDS_PER_CALL
-        self.per_call = length
-        self.last_collect = None
         self.stopped = _false()
-        self.done = 0  # steps applied
-        self.history: dict[str, list[np.ndarray]] = {"loss": []}
+        self.history = _History()
         self.halted = False
-        self.warned_metrics = False
-        self.spec = spec
         self.bar = None
+        self.good = leaves  # the last state checked to be finite
         if source.kind == "array":
             self.data, self.key = source.data, source.key
         else:
-            self.data, self.key = None, _data.unused_key()
-        if mesh is None:
+            self.data, self.key = None, source.key
+        if self.mesh is None:
             self.data = jax.device_put(self.data)
         else:
-            self.data, self.key = _mesh.replicate(mesh, (self.data, self.key))
+            self.data, self.key = _mesh.replicate(self.mesh, (self.data, self.key))
 
     def context(self) -> Any:
         """The mesh as context while tracing: NNX Variables with sharding
@@ -422,7 +617,8 @@ class _Run:
         return jax.set_mesh(self.mesh)
 
     def resume(self, directory: Any, every: int | None) -> None:
-        """Continue from the newest usable checkpoint in ``directory``, if any."""
+        """Continue from the newest usable checkpoint in ``directory`` that lies
+        between this call's start and end (see ``docs/checkpoint.md``)."""
         desc = {"kind": self.source.kind}
         if self.source.kind == "array":
             desc.update(
@@ -432,43 +628,46 @@ class _Run:
             )
         names = self.adapter.names()
         self.ckpt = _checkpoint.Checkpoints(directory, every, names, desc)
-        found = self.ckpt.restore(self.leaves, self.key)
-        if found is None:
+        past = self.ckpt.steps_after(self.end)
+        found = self.ckpt.restore(self.leaves, self.key, at_most=self.end)
+        if found is None or found[0] <= self.start:
+            if past and (found is None or found[0] < self.start):
+                raise errors.checkpoint_past_end(
+                    self.ckpt.directory, past, self.start, self.end
+                )
             return
         step, self.leaves, self.key, history = found
         self.ckpt.last_saved = step
-        self.done = step
-        self.history = {k: [v] for k, v in history.items()}
+        self.history.restore(history, self.start, step)
+        self.done = self.good = step
+        self.good = self.leaves
+        if step == self.end:
+            warnings.warn(
+                errors.checkpoint_at_end(self.ckpt.directory, step),
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self.source.kind == "iter":
-            self.source.skip(step)  # the batches those steps used
+            self.source.skip(step - self.start)  # the batches those steps used
 
     def _chunks(self) -> Iterator[tuple[int, int, Any]]:
         """``(start, end, xs)`` for each call; host batches are put on device here,
         which for the next chunk overlaps the previous chunk's training."""
         start = self.done
-        if self.auto:
-            known = self.compiled.seconds_per_step
-            if known is None:
-                self.per_call = min(self.length, 8)
-            else:
-                self.per_call = self._size(known)
-        while start < self.steps and not self.halted:
-            want = min(self.per_call, self.steps - start)
-            every = self.ckpt.every if self.ckpt is not None else None
-            if every:  # calls end on checkpoint steps
-                want = min(want, every - start % every)
+        while start < self.end and not self.halted:
+            want = self.schedule.want(start, self.end)
             if self.source.kind == "array":
                 yield start, start + want, None
                 start += want
                 continue
-            taken = self.source.take(want, self.length)
+            taken = self.source.take(want, self.schedule.length)
             if taken is None:
                 return
             xs, count = taken
             if self.mesh is None:
-                xs = jax.device_put(xs)
+                xs = self.source.on_device(jax.device_put(xs))
             else:
-                xs = _mesh.put_chunk(self.mesh, xs)
+                xs = self.source.on_device(_mesh.put_chunk(self.mesh, xs))
             yield start, start + count, xs
             start += count
 
@@ -477,7 +676,7 @@ class _Run:
         if self.spec is not None:
             self.bar = _progress.open_bar(
                 self.spec,
-                self.steps,
+                self.end,
                 _CALL,
                 desc=_CALL,
                 unit="step",
@@ -491,9 +690,25 @@ class _Run:
                 self.bar.refresh()
             return result
 
+    def _call(self, leaves, stopped, start, count, every, xs):
+        args = (
+            leaves,
+            stopped,
+            np.int32(start),
+            np.int32(count),
+            np.int32(every),
+            self.data,
+            self.key,
+            xs,
+        )
+        with self.context():
+            if self.fn is None:
+                self.fn = self.program.executable(args)
+            return self.fn(*args)
+
     def _go(self) -> FitResult:
         pending = None
-        first = self.good = self.leaves  # the last state checked to be finite
+        first = self.leaves
         handed = False  # the model may hold a state not yet checked
         try:
             chunks = self._chunks()
@@ -501,23 +716,20 @@ class _Run:
             while nxt is not None:
                 start, end, xs = nxt
                 inputs = (self.leaves, start, xs)
-                with self.context():
-                    self.leaves, self.stopped, applied, ys = self.fn(
-                        self.leaves,
-                        self.stopped,
-                        np.int32(start),
-                        np.int32(end - start),
-                        np.int32(self._every(end - start)),
-                        self.data,
-                        self.key,
-                        xs,
-                    )
+                self.leaves, self.stopped, applied, ys = self._call(
+                    self.leaves,
+                    self.stopped,
+                    start,
+                    end - start,
+                    self._every(end - start),
+                    xs,
+                )
                 # Compiling happens in the call above, running after it returns.
                 inputs = (*inputs, time.perf_counter())
                 if pending is not None:
                     self._collect(*pending)
                 pending = (start, end, applied, ys, self.leaves, inputs)
-                if self.auto and self.compiled.seconds_per_step is None:
+                if self.schedule.timing:
                     # Time the first call before sizing the next ones.
                     self._collect(*pending)
                     pending = None
@@ -533,7 +745,7 @@ class _Run:
                 model, optimizer = self._finish(self.leaves)
                 self._collect(*pending)
             if self.ckpt is not None:
-                self.ckpt.save(self.done, self.leaves, self.key, self._history())
+                self.ckpt.save(self.done, self.leaves, self.key, self.history.result())
         except BaseException:
             # Interrupted or failed: NNX objects keep the last checked state.
             if handed or self.good is not first:
@@ -544,17 +756,13 @@ class _Run:
                 self.ckpt.close()
         if not handed or self.halted:
             model, optimizer = self._finish(self.leaves)
-        return FitResult(model, optimizer, self._history(), self.done)
+        return FitResult(
+            model, optimizer, self.history.result(), self.done - self.start
+        )
 
     def _finish(self, leaves: list) -> tuple[Any, Any]:
         """The model and optimizer holding ``leaves`` (NNX: written in place)."""
         return self.adapter.finish(jtu.tree_unflatten(self.treedef, leaves))
-
-    def _history(self) -> dict[str, np.ndarray]:
-        return {
-            k: np.concatenate(v) if v else np.zeros((0,), np.float32)
-            for k, v in self.history.items()
-        }
 
     def _collect(
         self,
@@ -567,14 +775,8 @@ class _Run:
     ) -> None:
         applied, ys = jax.device_get((applied, ys))
         count, loss_ok, grads_ok = (int(a) for a in applied)
-        if self.auto:
-            self._schedule(end - start, inputs[-1])
-        self.history["loss"].append(ys["loss"][:count])
-        metrics = ys["metrics"]
-        if set(metrics) != set(self.history) - {"loss"}:
-            self._align_history(metrics, count)
-        for name, value in metrics.items():
-            self.history[name].append(np.asarray(value)[:count])
+        self.schedule.ran(end - start, inputs[-1])
+        self.history.add(start, ys, count)
         self.done += count
         # In-loop reports of the next call may have moved the bar ahead already: it
         # never moves back (go() sets the final count).
@@ -591,41 +793,15 @@ class _Run:
             and start + count == end
             and end % self.ckpt.every == 0
         ):
-            self.ckpt.save(end, leaves, self.key, self._history())
+            self.ckpt.save(end, leaves, self.key, self.history.result())
         self.good = self.leaves if self.halted else leaves
-
-    def _align_history(self, metrics: dict, count: int) -> None:
-        """Metric names differ from those of the history so far (a checkpoint of a
-        ``loss_fn`` returning other metrics): NaN where a metric has no value, so
-        that every history array keeps one entry per step."""
-        known = set(self.history) - {"loss"}
-        new, gone = sorted(set(metrics) - known), sorted(known - set(metrics))
-        if self.done and not self.warned_metrics:
-            self.warned_metrics = True
-            warnings.warn(
-                errors.metrics_changed(self.done, new, gone),
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        for name in new:
-            self.history[name] = [np.full(self.done, np.nan, np.float32)]
-        for name in gone:
-            self.history[name].append(np.full(count, np.nan, np.float32))
 
     def _redo(self, inputs: tuple, count: int) -> list:
         """The state after the ``count`` good steps of a call that hit a bad one."""
         leaves, start, xs, _ = inputs
-        with self.context():
-            out, _, applied, _ = self.fn(
-                leaves,
-                _false(),
-                np.int32(start),
-                np.int32(count),
-                np.int32(count + 1),  # no reports
-                self.data,
-                self.key,
-                xs,
-            )
+        out, _, applied, _ = self._call(
+            leaves, _false(), start, count, count + 1, xs
+        )  # count + 1: no reports
         if int(applied[0]) != count:  # the same program on the same inputs
             raise RuntimeError(
                 f"{_CALL}: internal error: replaying {count} good steps applied "
@@ -633,35 +809,24 @@ class _Run:
             )
         return out
 
-    def _schedule(self, steps: int, dispatched: float) -> None:
-        """Size the next calls from the time the last one ran: from when it was
-        dispatched (after compiling) or the previous one finished, to now."""
-        now = time.perf_counter()
-        began = max(dispatched, self.last_collect or dispatched)
-        per_step = max(now - began, 1e-9) / steps
-        self.compiled.seconds_per_step = per_step
-        self.per_call = self._size(per_step)
-        self.last_collect = now
-
     def _every(self, count: int) -> int:
         """Steps between in-loop reports: ``Progress.every``, or about 10 a second
-        once the speed is known, else 10 a call; more than ``count`` (none) without
-        a bar."""
-        if not self.in_loop:
+        once the speed is known, else 10 a call; more than ``count`` (none)
+        without in-loop reports."""
+        if not self.ticks:
             return count + 1
         if self.spec.every is not None:
             return self.spec.every
-        known = self.compiled.seconds_per_step
+        known = self.program.seconds_per_step
         if known is None:
             return max(1, count // 10)
         return max(1, math.ceil(_REPORT_SECONDS / known))
 
-    def _size(self, seconds_per_step: float) -> int:
-        return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
-
     def _warn(self, t: int, loss: Any, loss_ok: Any, grads_ok: Any) -> None:
         warnings.warn(
-            errors.nonfinite_step(t, loss, bool(loss_ok), bool(grads_ok), self.done),
+            errors.nonfinite_step(
+                t, loss, bool(loss_ok), bool(grads_ok), self.done - self.start
+            ),
             RuntimeWarning,
             stacklevel=6,  # the user's fit(...) line
         )

@@ -72,6 +72,10 @@ class NNXAdapter:
         ]
         self.static = ("nnx", self.graphdef)
 
+    def start_step(self) -> int:
+        """The optimizer's own step count: where this call continues from."""
+        return int(self.objects[1].step.get_raw_value())
+
     def names(self) -> list[str]:
         """``model['l1']['kernel']`` for each leaf of the state."""
         out = []
@@ -87,10 +91,10 @@ class NNXAdapter:
         nnx = sys.modules["flax.nnx"]
         graphdef, known = self.graphdef, self.paths
 
-        def step(state, batch):
+        def step(state, batch, key):
             model, optimizer = _nnx.unflatten(graphdef, state)
             grad_fn = nnx.value_and_grad(
-                lambda m, b: split_loss(_CALL, loss_fn(m, b)),
+                lambda m, b: split_loss(_CALL, loss_fn(m, b, key)),
                 argnums=nnx.DiffState(0, optimizer.wrt),
                 has_aux=True,
             )
@@ -159,6 +163,20 @@ class OptaxAdapter:
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
         self.static = ("optax", treedef, train, other, statics, tx)
 
+    def start_step(self) -> int | None:
+        """The step count kept in the optax state (``count`` of Adam, schedules,
+        ``inject_hyperparams``...): where this call continues from; None when the
+        state keeps none (plain SGD) or counts something else
+        (``optax.MultiSteps`` counts applied updates, not steps)."""
+        counts = []
+        for path, x in jtu.tree_flatten_with_path(self.state["opt_state"])[0]:
+            names = {getattr(k, "name", None) for k in path}
+            if "mini_step" in names or "gradient_step" in names:
+                return None
+            if names & {"count"} and getattr(x, "shape", None) == ():
+                counts.append(int(x))
+        return max(counts) if counts else None
+
     def names(self) -> list[str]:
         flat = jtu.tree_flatten_with_path(self.state)[0]
         return [_optax_name(self, path) for path, _ in flat]
@@ -166,11 +184,11 @@ class OptaxAdapter:
     def make_step(self, loss_fn: Callable) -> Callable:
         tx, layout = self.tx, self.layout  # no arrays: the step is cached
 
-        def step(state, batch):
+        def step(state, batch, key):
             params, others = state["params"], state["other"]
 
             def objective(p):
-                return split_loss(_CALL, loss_fn(layout.model(p, others), batch))
+                return split_loss(_CALL, loss_fn(layout.model(p, others), batch, key))
 
             (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
             updates, opt_state = tx.update(
@@ -221,6 +239,10 @@ class TrainStateAdapter:
         self.state = state
         self.static = ("trainstate", jtu.tree_structure(state))
 
+    def start_step(self) -> int:
+        """The state's own ``step``: where this call continues from."""
+        return int(self.state.step)
+
     def names(self) -> list[str]:
         flat = jtu.tree_flatten_with_path(self.state)[0]
         return ["state" + jtu.keystr(path) for path, _ in flat]
@@ -230,9 +252,9 @@ class TrainStateAdapter:
         fields of the state after ``apply_gradients`` (a linen model's new
         ``batch_stats``, from ``apply_fn(..., mutable=["batch_stats"])``)."""
 
-        def step(state, batch):
+        def step(state, batch, key):
             def objective(params):
-                out = loss_fn(state.replace(params=params), batch)
+                out = loss_fn(state.replace(params=params), batch, key)
                 updates: dict = {}
                 if isinstance(out, tuple) and len(out) == 3:
                     *out, updates = out

@@ -256,7 +256,13 @@ def test_resume_with_other_metrics_keeps_history_aligned(tmp_path):
     ):
         result = train(10, "b")
     h = result.history
-    assert {k: v.shape for k, v in h.items()} == {"loss": (10,), "a": (10,), "b": (10,)}
+    assert {k: v.shape for k, v in h.items()} == {
+        "step": (10,),
+        "loss": (10,),
+        "a": (10,),
+        "b": (10,),
+    }
+    np.testing.assert_array_equal(h["step"], np.arange(1, 11))
     np.testing.assert_allclose(h["a"][:6], 2 * h["loss"][:6], rtol=1e-6)
     np.testing.assert_allclose(h["b"][6:], 2 * h["loss"][6:], rtol=1e-6)
     assert np.isnan(h["a"][6:]).all() and np.isnan(h["b"][:6]).all()

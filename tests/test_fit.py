@@ -210,7 +210,8 @@ def test_metrics_in_history():
     model, opt = nnx_pair()
     ref_model, _ = nnx_pair()
     result = fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
-    assert set(result.history) == {"loss", "mae"}
+    assert set(result.history) == {"step", "loss", "mae"}
+    np.testing.assert_array_equal(result.history["step"], np.arange(1, STEPS + 1))
     assert result.history["mae"].dtype == np.float32
     # The first step's metrics are computed on the initial model.
     _, metrics = nnx_loss(ref_model, batch_at(0))

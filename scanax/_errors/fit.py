@@ -403,3 +403,65 @@ def checkpoint_unreadable(step: int, directory: Any, err: Exception) -> str:
         f"{CALL}: checkpoint {step} in {directory} could not be read "
         f"({type(err).__name__}: {str(err)[:200]}); falling back to an older one."
     )
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def loss_fn_arity(count: int, names: list[str]) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` takes {count} required positional arguments "
+        f"({', '.join(names)}); fit calls loss_fn(model, batch) or, for a "
+        "fresh random key at every step, loss_fn(model, batch, key).\nFix: give "
+        "the other arguments defaults, or bind them with functools.partial."
+    )
+
+
+def loss_key_without_key() -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` takes a third argument (a per-step random key), but "
+        "fit was called with key=None.\nFix: pass key=jax.random.key(seed); step t "
+        "then gets jax.random.fold_in(jax.random.split(key)[1], t)."
+    )
+
+
+def no_step_count() -> str:
+    return (
+        f"{CALL}: `opt_state` keeps no step count (e.g. plain optax.sgd, or "
+        "optax.MultiSteps), so this call cannot tell where the earlier one "
+        "stopped: the data order and per-step keys restart at step 0. Chain a "
+        "counting transform to continue exactly, e.g. "
+        "optax.chain(tx, optax.scale_by_schedule(lambda step: 1.0))."
+    )
+
+
+def checkpoint_past_end(
+    directory: Any, found: list[int], start: int, end: int
+) -> ValueError:
+    return ValueError(
+        f"{CALL}: checkpoint_dir {directory} holds step(s) "
+        f"{', '.join(map(str, found))}, past this call's end: the model is at "
+        f"step {start} and steps={end - start} ends at step {end}. The directory "
+        "was written by a longer run, so nothing here can be resumed.\nFix: ask "
+        f"for steps={found[0] - start} (or more) to continue from step {found[0]}, "
+        "or pass another checkpoint_dir to start afresh."
+    )
+
+
+def checkpoint_at_end(directory: Any, end: int) -> str:
+    return (
+        f"{CALL}: checkpoint_dir {directory} already holds step {end}, this call's "
+        "end: its state was restored and there was nothing left to train."
+    )
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def cache_dir_unusable(directory: str, err: Exception) -> str:
+    return (
+        f"scanax.compile_cache: cannot use {directory!r} for compiled programs "
+        f"({type(err).__name__}: {err}); continuing without a persistent cache. "
+        "Fix: pass a writable directory, or set SCANAX_COMPILE_CACHE=0 to turn it "
+        "off."
+    )

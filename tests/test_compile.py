@@ -1,0 +1,300 @@
+"""Compile once per structure: fit reuses its compiled loop when the model, the
+optimizer and ``loss_fn`` are rebuilt, recompiles (or traces new values) when
+anything that changes the result changes, and keeps programs on disk across
+processes with ``scanax.compile_cache``."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scanax
+from scanax import _fingerprint
+
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+eqx = pytest.importorskip("equinox")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_fit import BS, KEY, MLP, X, Y, batch_at, leaves_equal  # noqa: E402
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+STEPS = 13
+
+
+class Compiles:
+    """Counts backend compiles while the block runs."""
+
+    def __enter__(self):
+        self.count = 0
+
+        def listener(event, duration, **kwargs):
+            if event == COMPILE:
+                self.count += 1
+
+        self.listener = listener
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self.listener)
+
+
+def build(lr=1e-2, seed=0):
+    """What a notebook cell or a sweep iteration rebuilds: model, optimizer with a
+    new optax transform, and a new loss function object with the same code."""
+    model = MLP(nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2)
+
+    return model, optimizer, loss_fn
+
+
+def train(model, optimizer, loss_fn, steps=STEPS, **kwargs):
+    return scanax.fit(
+        model,
+        optimizer,
+        loss_fn,
+        (X, Y),
+        steps=steps,
+        batch_size=BS,
+        key=KEY,
+        progress=False,
+        **kwargs,
+    )
+
+
+def reference(lr, loss_fn, steps=STEPS, seed=0):
+    """A Python loop of nnx.jit steps on fit's documented batches."""
+    model = MLP(nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [step(model, optimizer, batch_at(t)) for t in range(steps)]
+    return np.asarray(losses), model
+
+
+def test_rebuilt_objects_do_not_compile():
+    """Everything rebuilt with the same structure and code: no backend compile,
+    the same result bit for bit."""
+    first = train(*build())
+    model, optimizer, loss_fn = build()
+    with Compiles() as c:
+        second = train(model, optimizer, loss_fn)
+    assert c.count == 0
+    np.testing.assert_array_equal(second.history["loss"], first.history["loss"])
+    leaves_equal(nnx.state(second.model), nnx.state(first.model))
+
+
+def test_rebuilt_objects_with_a_progress_bar_share_the_program(capsys):
+    """A bar does not make another program: the silent call compiled it."""
+    train(*build(seed=1))
+    with Compiles() as c:
+        scanax.fit(*build(seed=2), (X, Y), steps=STEPS, batch_size=BS, key=KEY)
+    assert c.count == 0
+    assert f"{STEPS}/{STEPS}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lr", [3e-2, 1e-3])
+def test_changed_learning_rate_gives_its_own_result(lr):
+    """A new hyperparameter value is never answered by a stale program."""
+    train(*build())
+    model, optimizer, loss_fn = build(lr=lr)
+    result = train(model, optimizer, loss_fn)
+    losses, ref = reference(lr, loss_fn)
+    np.testing.assert_allclose(result.history["loss"], losses, rtol=1e-5)
+    np.testing.assert_allclose(
+        model.l1.kernel[...], ref.l1.kernel[...], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_changed_loss_body_gives_its_own_result():
+    train(*build())
+    model, optimizer, _ = build()
+
+    def loss_fn(model, batch):  # same name, another body
+        x, y = batch
+        return jnp.mean(jnp.abs(model(x) - y))
+
+    result = train(model, optimizer, loss_fn)
+    losses, _ = reference(1e-2, loss_fn)
+    np.testing.assert_allclose(result.history["loss"], losses, rtol=1e-5)
+
+
+def test_changed_closure_value_gives_its_own_result():
+    """A loss that closes over a number (or a small array) is fingerprinted by
+    value: a new value is a new program, the same value is the old one."""
+
+    def make(scale):
+        def loss_fn(model, batch):
+            x, y = batch
+            return jnp.mean((model(x) - scale * y) ** 2)
+
+        return loss_fn
+
+    for scale in (1.0, jnp.array(2.0), 3.0):
+        model, optimizer, _ = build()
+        result = train(model, optimizer, make(scale))
+        losses, _ = reference(1e-2, make(scale))
+        np.testing.assert_allclose(result.history["loss"], losses, rtol=1e-5)
+    model, optimizer, _ = build()
+    with Compiles() as c:
+        train(model, optimizer, make(3.0))
+    assert c.count == 0
+
+
+def test_other_steps_values_do_not_compile():
+    """An epoch loop with a short last call, or any other steps value, runs the
+    compiled loop it has."""
+    train(*build(), steps=5)
+    with Compiles() as c:
+        for steps in (1, 17, 9):
+            train(*build(), steps=steps)
+    assert c.count == 0
+
+
+def test_equinox_rebuilt_does_not_compile():
+    def make(seed):
+        model = eqx.nn.MLP(3, 1, 8, 1, key=jax.random.key(seed))
+
+        def loss_fn(model, batch):
+            x, y = batch
+            return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+        return model, optax.adamw(1e-2, weight_decay=1e-4), loss_fn
+
+    first = train(*make(0))
+    with Compiles() as c:
+        second = train(*make(0))
+    assert c.count == 0
+    np.testing.assert_array_equal(second.history["loss"], first.history["loss"])
+
+
+def test_fingerprints():
+    """What counts as the same: equal code, equal closed-over values, equal
+    optax hyperparameters; what does not: any of those changed."""
+    of = _fingerprint.of
+    assert of(optax.adam(1e-3)) == of(optax.adam(1e-3))
+    assert of(optax.adam(1e-3)) != of(optax.adam(2e-3))
+    assert of(optax.adam(1e-3)) != of(optax.sgd(1e-3))
+    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)
+    again = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)
+    assert of(optax.adamw(sched)) == of(optax.adamw(again))
+    assert of(optax.chain(optax.clip(1.0), optax.sgd(0.1))) != of(
+        optax.chain(optax.clip(2.0), optax.sgd(0.1))
+    )
+
+    def closing_over(value):
+        return lambda: value
+
+    big = jnp.zeros(10_000)
+    assert of(closing_over(big)) == of(closing_over(big))  # large: by identity
+    assert of(closing_over(big)) != of(closing_over(jnp.zeros(10_000)))
+    assert of(closing_over(jnp.ones(3))) == of(closing_over(jnp.ones(3)))  # small
+    assert of(closing_over(jnp.ones(3))) != of(closing_over(jnp.zeros(3)))
+    assert of([1, 1.0, True]) != of([1, 1, 1])  # types count
+
+
+# ---------------------------------------------------------------- across processes
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, optax
+    from flax import nnx
+    import scanax
+
+    compiles = []  # backend compiles, less those loaded from the disk cache
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda e, d, **k: compiles.append(1) if e.endswith("backend_compile_duration")
+        else None
+    )
+    jax.monitoring.register_event_listener(
+        lambda e, **k: compiles.append(-1) if e.endswith("cache_hits") else None
+    )
+    used = scanax.compile_cache(sys.argv[1])
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(3, 16, rngs=rngs)
+            self.l2 = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (64, 3))
+    y = jnp.sin(x)
+    before = len(compiles)
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+    r = scanax.fit(model, optimizer, loss_fn, (x, y), steps=50,
+                   batch_size=8, key=jax.random.key(1), progress=False)
+    print(json.dumps({"used": used, "fit_compiles": sum(compiles[before:]),
+                      "loss": float(r.history["loss"][-1])}))
+    """
+)
+
+
+def _run_script(tmp_path, cache):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMP")}
+    out = subprocess.run(
+        [sys.executable, str(script), str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=True,
+    )
+    import json
+
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_fit_from_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    cold = _run_script(tmp_path, cache)
+    warm = _run_script(tmp_path, cache)
+    assert cold["used"] == warm["used"] == str(cache)
+    assert cold["fit_compiles"] >= 1
+    assert warm["fit_compiles"] < cold["fit_compiles"]
+    assert warm["loss"] == cold["loss"]
+    assert any(cache.iterdir())
+
+
+def test_unwritable_cache_directory_warns_and_runs(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.warns(RuntimeWarning, match=r"scanax.compile_cache: cannot use"):
+        assert scanax.compile_cache(blocker / "cache") is None
+    assert jax.config.jax_compilation_cache_dir in (None, "")
+    train(*build())  # and training goes on
+
+
+def test_compile_cache_keeps_the_users_directory(tmp_path):
+    theirs = str(tmp_path / "theirs")
+    jax.config.update("jax_compilation_cache_dir", theirs)
+    try:
+        assert scanax.compile_cache(tmp_path / "ours") == theirs
+        assert jax.config.jax_compilation_cache_dir == theirs
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert not (tmp_path / "ours").exists()
