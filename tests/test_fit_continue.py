@@ -1,0 +1,282 @@
+"""Repeated fit calls continue where the last stopped (data order, optimizer
+schedule, per-step keys, step numbers), for every model kind; checkpoint
+directories in such loops; per-step keys for ``loss_fn(model, batch, key)``."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import scanax
+
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+eqx = pytest.importorskip("equinox")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_fit import (  # noqa: E402
+    BS,
+    KEY,
+    TX,
+    X,
+    Y,
+    batch_at,
+    eqx_loss,
+    eqx_model,
+    leaves_equal,
+    nnx_loss,
+    nnx_pair,
+    ts_loss,
+    ts_make,
+)
+
+TOTAL = 23  # 6 batches per epoch: crosses 3 epoch boundaries
+PIECES = (5, 5, 7, 6)  # calls that end inside epochs
+
+
+def _fit(model, opt, loss, steps, **kwargs):
+    return scanax.fit(
+        model,
+        opt,
+        loss,
+        (X, Y),
+        steps=steps,
+        batch_size=BS,
+        key=KEY,
+        progress=False,
+        **kwargs,
+    )
+
+
+def _in_pieces(kind, pieces):
+    """(history, final state) of fit called once per piece, each call continuing
+    from the last one's result."""
+    if kind == "nnx":
+        model, opt = nnx_pair()
+        results = [_fit(model, opt, nnx_loss, n) for n in pieces]
+        state = (nnx.state(model), nnx.state(opt))
+    elif kind == "eqx":
+        model, opt_state, results = eqx_model(), None, []
+        for n in pieces:
+            r = _fit(model, TX, eqx_loss, n, opt_state=opt_state)
+            model, opt_state = r.model, r.optimizer
+            results.append(r)
+        state = (eqx.filter(model, eqx.is_array), opt_state)
+    else:
+        state, results = ts_make(), []
+        for n in pieces:
+            r = _fit(state, None, ts_loss, n)
+            state = r.model
+            results.append(r)
+    history = {
+        k: np.concatenate([r.history[k] for r in results]) for k in results[0].history
+    }
+    return history, state, results
+
+
+@pytest.mark.parametrize("kind", ["nnx", "eqx", "ts"])
+def test_repeated_calls_equal_one_long_call(kind):
+    """fit(steps=5) four times == fit(steps=23) once, bit for bit: the shuffle
+    continues its epochs, Adam its moments and count, the steps their numbers."""
+    one, state_one, _ = _in_pieces(kind, (TOTAL,))
+    many, state_many, results = _in_pieces(kind, PIECES)
+    np.testing.assert_array_equal(many["step"], np.arange(1, TOTAL + 1))
+    np.testing.assert_array_equal(many["loss"], one["loss"])
+    leaves_equal(state_many, state_one)
+    assert [r.steps for r in results] == list(PIECES)
+
+
+def test_continuing_calls_use_the_documented_batches():
+    """Each continuing call's first batch is the one step t of a single run uses."""
+    model, opt = nnx_pair()
+    _fit(model, opt, nnx_loss, 4)
+    ref_model, _ = nnx_pair()
+    ref_opt = nnx.Optimizer(ref_model, TX, wrt=nnx.Param)
+    for t in range(4):
+        (_, _), grads = nnx.value_and_grad(nnx_loss, has_aux=True)(
+            ref_model, batch_at(t)
+        )
+        ref_opt.update(ref_model, grads)
+    loss_at_4 = float(nnx_loss(ref_model, batch_at(4))[0])
+    r = _fit(model, opt, nnx_loss, 1)
+    np.testing.assert_allclose(r.history["loss"][0], loss_at_4, rtol=1e-5)
+    assert r.history["step"].tolist() == [5]
+
+
+def test_optax_state_without_a_count_warns():
+    params = {"w": jnp.zeros((3, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    r = _fit(params, optax.sgd(0.1), loss, 3)
+    with pytest.warns(RuntimeWarning, match=r"keeps no step count.*scale_by_schedule"):
+        _fit(r.model, optax.sgd(0.1), loss, 3, opt_state=r.optimizer)
+    # The fix it names continues exactly.
+    tx = optax.chain(optax.sgd(0.1), optax.scale_by_schedule(lambda step: 1.0))
+    one = _fit(params, tx, loss, 8)
+    a = _fit(params, tx, loss, 3)
+    b = _fit(a.model, tx, loss, 5, opt_state=a.optimizer)
+    np.testing.assert_array_equal(
+        np.concatenate([a.history["loss"], b.history["loss"]]), one.history["loss"]
+    )
+
+
+# ---------------------------------------------------------------- checkpoint loops
+
+
+def test_epoch_loop_with_checkpoint_dir_trains_every_call(tmp_path):
+    """Each call of an epoch loop trains its steps (it used to restore the first
+    call's checkpoint and train nothing) and equals one long call."""
+    model, opt = nnx_pair()
+    for _ in range(3):
+        _fit(model, opt, nnx_loss, 5, checkpoint_dir=tmp_path)
+    assert int(opt.step[...]) == 15
+    ref, ref_opt = nnx_pair()
+    _fit(ref, ref_opt, nnx_loss, 15)
+    leaves_equal(nnx.state(model), nnx.state(ref))
+
+    # The same loop restarted in a new process: each call finds its own end
+    # among the kept checkpoints, restores it and says so.
+    again, again_opt = nnx_pair()
+    for end in (5, 10, 15):
+        with pytest.warns(RuntimeWarning, match=rf"already holds step {end}"):
+            r = _fit(again, again_opt, nnx_loss, 5, checkpoint_dir=tmp_path)
+        assert int(again_opt.step[...]) == end  # the checkpoint's steps, restored
+        assert r.history["step"].tolist() == list(range(end - 4, end + 1))
+    leaves_equal(nnx.state(again), nnx.state(ref))
+    r = _fit(again, again_opt, nnx_loss, 2, checkpoint_dir=tmp_path)
+    assert r.steps == 2 and r.history["step"].tolist() == [16, 17]
+
+
+def test_checkpoint_past_this_calls_end_is_an_error(tmp_path):
+    model, opt = nnx_pair()
+    _fit(model, opt, nnx_loss, 12, checkpoint_dir=tmp_path, checkpoint_every=4)
+    fresh, fresh_opt = nnx_pair()
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)holds step\(s\) 4, 8, 12, past this call's end: the model is at "
+        r"step 0 and steps=3 ends at step 3.*Fix: ask for steps=4",
+    ):
+        _fit(fresh, fresh_opt, nnx_loss, 3, checkpoint_dir=tmp_path)
+    assert int(fresh_opt.step[...]) == 0
+    # Asking for enough steps resumes from the newest checkpoint it reaches.
+    r = _fit(fresh, fresh_opt, nnx_loss, 10, checkpoint_dir=tmp_path)
+    assert r.steps == 10 and r.history["step"].tolist() == list(range(1, 11))
+    ref, ref_opt = nnx_pair()
+    _fit(ref, ref_opt, nnx_loss, 10)
+    leaves_equal(nnx.state(fresh), nnx.state(ref))
+
+
+# ---------------------------------------------------------------- per-step keys
+
+
+def _noisy_loss(model, batch, key):
+    x, y = batch
+    noise = 0.1 * jr.normal(key, y.shape)
+    return jnp.mean((jax.vmap(model)(x) + noise - y) ** 2)
+
+
+def _step_key(t, key=KEY):
+    return jr.fold_in(jr.split(key)[1], t)
+
+
+def test_equinox_loss_gets_the_documented_per_step_key():
+    @eqx.filter_jit
+    def step(model, opt_state, batch, key):
+        loss, grads = eqx.filter_value_and_grad(_noisy_loss)(model, batch, key)
+        updates, opt_state = TX.update(
+            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+        )
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    model = eqx_model()
+    opt_state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+    losses = []
+    for t in range(9):
+        model, opt_state, loss = step(model, opt_state, batch_at(t), _step_key(t))
+        losses.append(loss)
+    one = _fit(eqx_model(), TX, _noisy_loss, 9)
+    np.testing.assert_allclose(one.history["loss"], losses, rtol=1e-5)
+    # Continuing calls continue the keys too.
+    a = _fit(eqx_model(), TX, _noisy_loss, 4)
+    b = _fit(a.model, TX, _noisy_loss, 5, opt_state=a.optimizer)
+    np.testing.assert_array_equal(
+        np.concatenate([a.history["loss"], b.history["loss"]]), one.history["loss"]
+    )
+
+
+def test_nnx_loss_may_take_a_key_too():
+    def loss(model, batch, key):
+        x, y = batch
+        return jnp.mean((model(x) + 0.1 * jr.normal(key, y.shape) - y) ** 2)
+
+    model, opt = nnx_pair()
+    r = _fit(model, opt, loss, 3)
+    ref, _ = nnx_pair()
+    expected = loss(ref, batch_at(0), _step_key(0))
+    np.testing.assert_allclose(r.history["loss"][0], expected, rtol=1e-5)
+
+
+def test_typed_keys_in_iterable_batches():
+    """A batch may carry typed PRNG keys; the loop gets them as keys."""
+    batches = [(*batch_at(t), jr.key(100 + t)) for t in range(7)]
+
+    def loss(model, batch):
+        x, y, key = batch
+        return _noisy_loss(model, (x, y), key)
+
+    r = scanax.fit(eqx_model(), TX, loss, iter(batches), steps=7, progress=False)
+    model = eqx_model()
+    opt_state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+    for t, (x, y, key) in enumerate(batches):
+        value, grads = eqx.filter_value_and_grad(_noisy_loss)(model, (x, y), key)
+        np.testing.assert_allclose(r.history["loss"][t], value, rtol=1e-5)
+        updates, opt_state = TX.update(
+            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+        )
+        model = eqx.apply_updates(model, updates)
+
+
+def test_typed_keys_in_array_data():
+    keys = jr.split(jr.key(3), X.shape[0])
+
+    def loss(model, batch):
+        x, y, k = batch
+        noise = 0.1 * jax.vmap(lambda k: jr.normal(k, (1,)))(k)
+        return jnp.mean((jax.vmap(model)(x) + noise - y) ** 2)
+
+    r = scanax.fit(
+        eqx_model(), TX, loss, (X, Y, keys), steps=3, batch_size=BS, progress=False
+    )
+    x, y = batch_at(0, key=None)
+    expected = loss(eqx_model(), (x, y, keys[:BS]))
+    np.testing.assert_allclose(r.history["loss"][0], expected, rtol=1e-5)
+
+
+def test_key_errors():
+    with pytest.raises(TypeError, match=r"(?s)takes a third argument.*key=None.*Fix"):
+        scanax.fit(
+            eqx_model(), TX, _noisy_loss, (X, Y), steps=2, batch_size=BS, progress=False
+        )
+
+    def four(model, batch, key, extra):
+        return 0.0
+
+    with pytest.raises(
+        TypeError,
+        match=r"takes 4 required positional arguments \(model, batch, key, extra\)",
+    ):
+        _fit(eqx_model(), TX, four, 2)
+
+    def with_default(model, batch, scale=2.0):  # not a key: called with two
+        return scale * eqx_loss(model, batch)
+
+    r = _fit(eqx_model(), TX, with_default, 1)
+    np.testing.assert_allclose(
+        r.history["loss"][0], 2 * eqx_loss(eqx_model(), batch_at(0)), rtol=1e-5
+    )
