@@ -104,6 +104,7 @@ class IterSource:
         except TypeError as err:
             raise errors.data_not_batches(data) from err
         self.key = key if key is not None else unused_key()  # per-step keys only
+        self.from_list = isinstance(data, list)
         self.consumed = 0  # batches taken from the iterator so far
         self.treedef = None
         self.types: list[tuple[tuple[int, ...], Any]] = []
@@ -181,7 +182,7 @@ class IterSource:
             if x.shape != s or x.dtype != d
         ]
         if rows:
-            raise errors.batch_shape_changed(index, rows)
+            raise errors.batch_shape_changed(index, rows, self.from_list)
         return leaves
 
 

@@ -280,3 +280,27 @@ def test_key_errors():
     np.testing.assert_allclose(
         r.history["loss"][0], 2 * eqx_loss(eqx_model(), batch_at(0)), rtol=1e-5
     )
+
+
+# ---------------------------------------------------------------- first-hour hints
+
+
+def test_dict_loss_gets_the_pair_fix():
+    def loss(model, batch):
+        return {"loss": eqx_loss(model, batch), "mae": jnp.zeros(())}
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)returned a dict \('loss', 'mae'\).*Fix: return "
+        r"`\(out\['loss'\], \{\.\.\.other metrics\}\)`",
+    ):
+        _fit(eqx_model(), TX, loss, 2)
+
+
+def test_list_of_arrays_gets_the_tuple_and_batch_size_fix():
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)`data` is a list, so each element is one batch.*"
+        r"pass a tuple or dict and a batch_size: data=\(x, y\), batch_size=32",
+    ):
+        scanax.fit(eqx_model(), TX, eqx_loss, [X, Y], steps=2, progress=False)

@@ -138,6 +138,14 @@ def loss_tuple(call: str, out: Any) -> TypeError:
 
 
 def loss_not_scalar(call: str, loss: Any) -> TypeError:
+    if isinstance(loss, dict):
+        names = ", ".join(repr(k) for k in loss)
+        return TypeError(
+            f"{call}: `loss_fn` returned a dict ({names}); expected the scalar "
+            "loss, or a pair (loss, metrics).\nFix: return "
+            "`(out['loss'], {...other metrics})`: the first element is "
+            "differentiated, the dict's arrays join the history."
+        )
     return TypeError(
         f"{call}: `loss_fn` must return a scalar floating-point loss, got "
         f"{short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
@@ -239,7 +247,16 @@ def batch_structure_changed(index: int, treedef: Any, first: Any) -> TypeError:
     )
 
 
-def batch_shape_changed(index: int, rows: list[tuple[str, str]]) -> TypeError:
+def batch_shape_changed(
+    index: int, rows: list[tuple[str, str]], from_list: bool = False
+) -> TypeError:
+    if from_list:  # data=[x, y]: meant as arrays, read as a list of batches
+        return TypeError(
+            f"{CALL}: `data` is a list, so each element is one batch, and batch "
+            f"{index} differs in shape or dtype from the first:\n{listing(rows)}"
+            "\nFix: for arrays with a leading example axis, pass a tuple or dict "
+            "and a batch_size: data=(x, y), batch_size=32."
+        )
     return TypeError(
         f"{CALL}: batch {index} of `data` differs in shape or dtype from the "
         f"first batch:\n{listing(rows)}\nFix: yield batches of one "
