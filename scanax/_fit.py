@@ -59,9 +59,12 @@ class FitResult:
             Equinox/pytree and TrainState: a new one.
         optimizer: NNX: the ``nnx.Optimizer`` passed in, updated in place; optax: the
             final optax state; TrainState: None (the state is ``model``).
-        history: per-step numpy arrays, one entry per applied step: ``"loss"`` and
-            every metric that ``loss_fn`` returns.
-        steps: the number of optimizer steps applied.
+        history: per-step numpy arrays, one entry per step of this call:
+            ``"step"`` (the global step number: the optimizer's step count after
+            that step, continuing across calls), ``"loss"`` and every metric that
+            ``loss_fn`` returns.
+        steps: the number of steps this result holds beyond the model passed in
+            (those trained, and those restored from ``checkpoint_dir``).
     """
 
     model: Any
@@ -86,47 +89,66 @@ def fit(
     checkpoint_every: int | None = None,
     mesh: Any = None,
 ) -> FitResult:
-    """Train ``model`` for ``steps`` optimizer steps, ``steps_per_call`` of them fused
-    into each compiled loop (one ``lax.while_loop`` per call).
+    """Train ``model`` for ``steps`` more optimizer steps, fused into compiled
+    loops (one ``lax.while_loop`` per call of ``steps_per_call`` steps).
 
     Conceptually equivalent to (NNX shown; the other kinds do the same with their
     own update)::
 
-        for t in range(steps):
-            batch = next_batch(data, t)
+        start = optimizer.step  # 0 for a new optimizer
+        for t in range(start, start + steps):
+            batch = batch_at(data, t)  # array data: a function of t
+            key_t = jax.random.fold_in(jax.random.split(key)[1], t)
             (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-                model, batch)
+                model, batch)  # or loss_fn(model, batch, key_t)
             if not all_finite(loss, grads):
                 warn(...); break
             optimizer.update(model, grads)
-            history.append(loss, metrics)
+            history.append(t + 1, loss, metrics)
+
+    A call continues where the model's optimizer stopped: ``fit(steps=100)`` ten
+    times gives exactly ``fit(steps=1000)`` once (the data order, the optimizer's
+    schedule and moments, the per-step keys and the step numbers all continue).
+
+    Compiling happens once per structure: a later call whose model, optimizer
+    and ``loss_fn`` have the same structure and code (rebuilt objects, a new but
+    equal ``optax.adam(1e-3)``, a re-defined ``loss_fn``), and any ``steps``,
+    reuses the compiled loop; see ``docs/compile.md``.
 
     Arguments:
         model, optimizer: one of the supported pairs:
-            ``(nnx.Module, nnx.Optimizer)``: both updated in place;
+            ``(nnx.Module, nnx.Optimizer)``: both updated in place, starting from
+            ``optimizer.step``;
             ``(Equinox module or any pytree of arrays, optax.GradientTransformation)``:
             the floating-point arrays are trained, starting from ``tx.init`` (or
-            from ``opt_state``);
-            ``(flax TrainState, None)``: the state's own ``tx`` is used.
-        loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, metrics)``, with a
-            scalar floating-point loss and a dict of array metrics. For a
-            TrainState it receives the state holding the parameters being
-            differentiated.
+            from ``opt_state``, at the step count it keeps);
+            ``(flax TrainState, None)``: the state's own ``tx`` is used, starting
+            from ``state.step``.
+        loss_fn: ``loss_fn(model, batch)`` or ``loss_fn(model, batch, key)``
+            (a fresh key per step: ``jax.random.fold_in(jax.random.split(key)[1],
+            t)`` at global step ``t``), returning a scalar floating-point loss or
+            ``(loss, metrics)`` with a dict of array metrics. For a TrainState it
+            receives the state holding the parameters being differentiated.
         data: a pytree of arrays with a leading example axis (with ``batch_size``):
             minibatches are drawn on device, reshuffled every epoch from ``key`` (in
             order when ``key`` is None), an incomplete last batch dropped; or an
             iterable (a list, generator, data loader...) of batches, consumed in
-            order; training ends early, cleanly, when it runs out.
-        steps: the number of optimizer steps (at most, for an iterable).
+            order; training ends early, cleanly, when it runs out. Typed PRNG key
+            arrays may be leaves of either.
+        steps: the number of optimizer steps to add (at most, for an iterable).
         batch_size: examples per step, for array data.
-        key: a ``jax.random`` key for shuffling array data.
+        key: a ``jax.random`` key: shuffles array data and, for a three-argument
+            ``loss_fn``, gives the per-step keys.
         steps_per_call: steps run per compiled call; the progress bar, NaN check and
             checkpoints happen between calls. Results do not depend on it. Default:
-            ``min(steps, 100)``.
-        progress: a tqdm bar with steps/s and the latest loss, updated from inside
-            the compiled loop and between calls. As in ``scanax.scan``: ``True``
-            (about 10 updates a second), ``False`` (silent), an int (update every
-            that many steps) or ``scanax.Progress(every=..., desc=..., ...)``.
+            array data: sized automatically to about a quarter second per call
+            (8 steps first, at most 1000); an iterable: 100 batches per call
+            (fewer, rounded up to a power of two, when ``steps`` is smaller).
+        progress: a tqdm bar with steps/s and the latest loss, updated between
+            calls (and, for iterables or a given ``steps_per_call``, from inside
+            the compiled loop). As in ``scanax.scan``: ``True``, ``False``
+            (silent), an int (update every that many steps) or
+            ``scanax.Progress(every=..., desc=..., ...)``.
         opt_state: for an optax pair only: the optax state to start from (the
             ``result.optimizer`` of an earlier ``fit``), to continue training exactly
             where it stopped. Default: ``tx.init`` of the model's parameters.
@@ -141,9 +163,11 @@ def fit(
     Raises:
         TypeError: an unsupported (model, optimizer) pair, a non-scalar loss,
             ``steps`` or ``batch_size`` not an int, missing ``batch_size``,
-            ``opt_state`` with a non-optax pair or unlike ``tx.init(params)``.
+            ``opt_state`` with a non-optax pair or unlike ``tx.init(params)``, a
+            three-argument ``loss_fn`` without ``key``.
         ValueError: arrays in ``data`` with different leading sizes, a
-            ``batch_size`` larger than the data, a non-positive ``steps``.
+            ``batch_size`` larger than the data, a non-positive ``steps``, a
+            ``checkpoint_dir`` holding only steps past this call's end.
 
     A step whose loss or gradients are not finite is not applied: training stops
     there with a ``RuntimeWarning`` naming the step, and the result holds the last
