@@ -339,7 +339,7 @@ def _program(
     (by fingerprint: a rebuilt ``optax.adam(1e-3)`` or a re-defined ``loss_fn``
     with the same code is the same), same data layout."""
     loss_key = _fingerprint.of(loss_fn)
-    static_key = _fingerprint.of(adapter.static)
+    static_key = adapter.fingerprint()
     parts = (
         loss_fn if loss_key is None else loss_key,
         adapter.static if static_key is None else static_key,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _nnx
+from . import _fingerprint, _nnx
 from ._axes import is_array
 from ._errors import fit as errors, short_type
 
@@ -71,6 +71,12 @@ class NNXAdapter:
             for v in self.variables
         ]
         self.static = ("nnx", self.graphdef)
+
+    def fingerprint(self) -> Any:
+        """``static`` as a fingerprint (``_fingerprint``): equal for rebuilt
+        objects of the same structure; None when it cannot be described."""
+        graphdef = _nnx.graphdef_fingerprint(self.graphdef)
+        return None if graphdef is None else ("nnx", graphdef)
 
     def start_step(self) -> int:
         """The optimizer's own step count: where this call continues from."""
@@ -163,6 +169,9 @@ class OptaxAdapter:
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
         self.static = ("optax", treedef, train, other, statics, tx)
 
+    def fingerprint(self) -> Any:
+        return _fingerprint.of(self.static)
+
     def start_step(self) -> int | None:
         """The step count kept in the optax state (``count`` of Adam, schedules,
         ``inject_hyperparams``...): where this call continues from; None when the
@@ -238,6 +247,9 @@ class TrainStateAdapter:
     def __init__(self, state: Any):
         self.state = state
         self.static = ("trainstate", jtu.tree_structure(state))
+
+    def fingerprint(self) -> Any:
+        return _fingerprint.of(self.static)
 
     def start_step(self) -> int:
         """The state's own ``step``: where this call continues from."""

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from . import _fingerprint
+
 
 def _nnx():
     return sys.modules.get("flax.nnx")
@@ -101,3 +103,21 @@ def reachable_nodes(f: Any) -> list[str]:
         if name in globs and contains_node(globs[name]):
             names.append(f"`{name}` ({type(globs[name]).__name__})")
     return names
+
+
+def graphdef_fingerprint(graphdef: Any) -> Any:
+    """``_fingerprint.of`` for an NNX GraphDef, about 20x faster: the node
+    definitions compare by their own value, only the static attribute values
+    (an ``nnx.Optimizer``'s optax transform, activation functions...) are
+    fingerprinted. None when one of them is too large to describe."""
+    graph = _nnx().graph
+    parts = []
+    for key, attr in graphdef.attributes:
+        if isinstance(attr, graph.Static):
+            value = _fingerprint.of(attr.value)
+            if value is None:
+                return None
+            parts.append((key, value))
+        else:
+            parts.append((key, attr))
+    return (type(graphdef), tuple(graphdef.nodes), tuple(parts))
