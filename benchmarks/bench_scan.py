@@ -1,6 +1,6 @@
 """``scanax.scan`` against ``jax.lax.scan`` (issue 2), side by side in one process.
 
-Three comparisons, all under ``jax.jit``, timed as interleaved medians:
+Three comparisons under ``jax.jit``, timed as interleaved medians:
 
 * a cheap body (``carry + 1`` on a small vector, 100k steps): the
   per-step overhead of the loop itself;
@@ -10,6 +10,10 @@ Three comparisons, all under ``jax.jit``, timed as interleaved medians:
 
 With no new option, ``scanax.scan`` lowers to one plain ``lax.scan``: the notes of
 each row say whether the two jaxprs print identically. Target: every ratio ≤ 1.03.
+
+And un-jitted calls (issue 18): an eager ``scanax.scan`` with a new closure per call
+(as typed at a REPL) and with the same function, against an eager ``lax.scan`` of the
+same body. Target: ≤ 3× ``lax.scan`` with the same function (its best case).
 
 Run alone with ``python -m benchmarks.bench_scan``, or with every benchmark through
 ``scanax bench``.
@@ -157,9 +161,81 @@ def _broadcast(quick: bool, budget: float) -> dict:
     )
 
 
+def _eager(quick: bool, budget: float) -> list[dict]:
+    """Un-jitted calls, as typed at a REPL: per-call wall time (trace, dispatch and
+    run; compile only when the program is new). ``lax.scan`` caches its trace on the
+    body function's identity, so it is timed with the same function every call,
+    which is its best case; scanax traces every call (a closure may read new
+    values) and reuses the compiled program."""
+    n, d = 10, 4
+    xs = jr.normal(jr.key(3), (n, d))
+    c0 = jnp.zeros(d)
+    w = jnp.full((d,), 0.5)
+
+    def body(c, x):
+        return jnp.tanh(c * w + x), c.sum()
+
+    def new_closure():  # what a REPL user writes: a new function every call
+        return lambda c, x: (jnp.tanh(c * w + x), c.sum())
+
+    def ours_new():
+        return _timing.block(scanax.scan(new_closure(), c0, xs))
+
+    def ours_same():
+        return _timing.block(scanax.scan(body, c0, xs))
+
+    def lax_same():
+        return _timing.block(jax.lax.scan(body, c0, xs))
+
+    def lax_new():
+        return _timing.block(jax.lax.scan(new_closure(), c0, xs))
+
+    _assert_equal(ours_new(), lax_same())
+    repeats = int(min(301, max(21, budget / 0.003)))
+    t = _timing.interleaved(
+        {"new": ours_new, "same": ours_same, "lax": lax_same}, repeats=repeats
+    )
+    t_lax_new = _timing.interleaved({"lax_new": lax_new}, repeats=3 if quick else 7)
+    case = f"eager call, small body (tanh(c * w + x), float32[{d}]), {n} steps"
+    notes = f"median of {repeats} alternating calls"
+    return [
+        _timing.row(
+            "scan",
+            f"{case}: a new closure per call",
+            t["new"],
+            "eager lax.scan, same function",
+            t["lax"],
+            target=3.0,
+            notes=notes,
+        ),
+        _timing.row(
+            "scan",
+            f"{case}: the same function",
+            t["same"],
+            "eager lax.scan, same function",
+            t["lax"],
+            target=3.0,
+            notes=notes,
+        ),
+        _timing.row(
+            "scan",
+            f"{case}: a new closure per call",
+            t["new"],
+            "eager lax.scan, a new closure per call (compiles every call)",
+            t_lax_new["lax_new"],
+            notes=f"lax.scan: median of {3 if quick else 7} calls",
+        ),
+    ]
+
+
 def run(quick: bool = False) -> list[dict]:
     budget = 2.0 if quick else 6.0  # seconds of timing per comparison
-    return [_cheap(quick, budget), _matmul(quick, budget), _broadcast(quick, budget)]
+    return [
+        _cheap(quick, budget),
+        _matmul(quick, budget),
+        _broadcast(quick, budget),
+        *_eager(quick, budget),
+    ]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _cells
+from . import _cells, _eager
 from ._errors import rnn as errors, short_type
 from ._scan import scan
 
@@ -282,6 +282,18 @@ def rnn(
         >>> ys.shape
         (5, 3)
     """
+    if _eager.active():  # un-jitted: compile once per distinct program
+        return _eager.call(
+            rnn,
+            cells,
+            xs,
+            init,
+            seq_lengths=seq_lengths,
+            reverse=reverse,
+            time_axis=time_axis,
+            order=order,
+            unroll=unroll,
+        )
     if isinstance(cells, (tuple, list)) or (
         not callable(cells) and isinstance(cells, Iterable)
     ):
@@ -345,6 +357,18 @@ def birnn(
     Returns:
         ``((forward_states, backward_states), ys)``.
     """
+    if _eager.active():  # un-jitted: one program for both directions
+        return _eager.call(
+            birnn,
+            forward,
+            backward,
+            xs,
+            init,
+            seq_lengths=seq_lengths,
+            time_axis=time_axis,
+            order=order,
+            unroll=unroll,
+        )
     if init is None:
         init = (None, None)
     elif not isinstance(init, (tuple, list)) or len(init) != 2:

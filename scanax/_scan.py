@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _nnx
+from . import _eager, _errors, _nnx
 from ._axes import (
     is_array,
     is_arraylike,
@@ -212,7 +212,7 @@ def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> _XsPlan:
     leaves: list[Any] = []
     scanned_idx, scanned, bcast_nodes, scan_nodes = [], [], [], []
     node_states = []
-    lengths: list[tuple[str, int, str]] = []
+    lengths: list[tuple[str, int, Any]] = []  # (name, length, leaf)
     for i, (path, axis, leaf) in enumerate(triples):
         name = "xs" + jtu.keystr(path)
         leaves.append(leaf)
@@ -225,7 +225,7 @@ def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> _XsPlan:
             for spath, a in jtu.tree_flatten_with_path(state)[0]:
                 sname = name + jtu.keystr(spath)
                 ax = _scan_axis(call, sname, a, axis)
-                lengths.append((sname, a.shape[ax], _errors.short_type(a)))
+                lengths.append((sname, a.shape[ax], a))
                 moved.append(jnp.moveaxis(a, ax, 0) if ax else a)
             scan_nodes.append((i, name, graphdef))
             node_states.append(jtu.tree_unflatten(jtu.tree_structure(state), moved))
@@ -237,7 +237,7 @@ def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> _XsPlan:
                 )  # f sees jax arrays, as for scanned leaves
             continue
         ax = _scan_axis(call, name, leaf, axis)
-        lengths.append((name, leaf.shape[ax], _errors.short_type(leaf)))
+        lengths.append((name, leaf.shape[ax], leaf))
         scanned_idx.append(i)
         scanned.append(jnp.moveaxis(leaf, ax, 0) if ax else leaf)
     n = _infer_length(call, xs, lengths, length)
@@ -253,7 +253,7 @@ def _scan_axis(call: str, name: str, leaf: Any, axis: int) -> int:
 
 
 def _infer_length(
-    call: str, xs: Any, lengths: list[tuple[str, int, str]], length: int | None
+    call: str, xs: Any, lengths: list[tuple[str, int, Any]], length: int | None
 ) -> int:
     if length is not None:
         if isinstance(length, bool):
@@ -265,12 +265,13 @@ def _infer_length(
         if length < 0:
             raise _errors.bad_length(call, length)
     found = {n for _, n, _ in lengths}
+    named = lambda: [(p, n, _errors.short_type(leaf)) for p, n, leaf in lengths]
     if len(found) > 1:
-        raise _errors.lengths_differ(call, lengths)
+        raise _errors.lengths_differ(call, named())
     if found:
         (n,) = found
         if length is not None and length != n:
-            raise _errors.length_mismatch(call, length, lengths)
+            raise _errors.length_mismatch(call, length, named())
         return n
     if length is None:
         if xs is None or not jtu.tree_leaves(xs, is_leaf=_nnx.is_node):
@@ -441,6 +442,24 @@ def scan(
         >>> float(total), partial.tolist()
         (9.0, [0.0, 3.0, 6.0])
     """
+    # Un-jitted: compile once per distinct program. Not with a progress bar: each
+    # call has its own bar for the program to report to (so its own program).
+    if progress is False and _eager.active():
+        return _eager.call(
+            scan,
+            f,
+            init,
+            xs,
+            length,
+            reverse,
+            unroll,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            progress=progress,
+            remat=remat,
+            keep_every=keep_every,
+            keep=keep,
+        )
     from . import _long
 
     options = _long.resolve(

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _remat
+from . import _eager, _remat
 from ._axes import is_array, is_arraylike, same_static
 from ._errors import stack as errors
 from ._scan import scan
@@ -429,6 +429,8 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
         self.n = len(layers)
 
     def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        if _eager.active():  # un-jitted: compile once per distinct program
+            return _eager.call(Stack.__call__, self, x, per_layer=per_layer, **kwargs)
         per_layer = check_per_layer(per_layer, self.n)
         with jax.named_scope("scanax.Stack"):
             return apply_pytree(

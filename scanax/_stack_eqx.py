@@ -8,7 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _stack
+from . import _eager, _stack
 
 
 class EqxStack(eqx.Module):
@@ -33,6 +33,10 @@ class EqxStack(eqx.Module):
         self.n = len(layers)
 
     def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        if _eager.active():  # un-jitted: compile once per distinct program
+            return _eager.call(
+                EqxStack.__call__, self, x, per_layer=per_layer, **kwargs
+            )
         per_layer = _stack.check_per_layer(per_layer, self.n)
         with jax.named_scope("scanax.Stack"):
             return _stack.apply_pytree(

@@ -10,7 +10,7 @@ import jax
 import jax.tree_util as jtu
 from flax import nnx
 
-from . import _errors as base_errors, _stack
+from . import _eager, _errors as base_errors, _stack
 from ._errors import stack as errors
 from ._scan import scan
 
@@ -177,6 +177,12 @@ class NNXStack(nnx.Module):
         self.n = len(layers)
 
     def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        # Un-jitted: compile once per distinct program. Not inside `nnx.capture`,
+        # which stores into the Stack's own modules (see `_without_captures`).
+        if _eager.active() and "__captures__" not in vars(self):
+            return _eager.call(
+                NNXStack.__call__, self, x, per_layer=per_layer, **kwargs
+            )
         try:
             return self._call(x, per_layer, kwargs)
         except Exception as err:

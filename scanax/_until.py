@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _remat
+from . import _eager, _remat
 from ._errors import long as errors
 from ._scan import Loop, _call_lowering, move_out_axes, prepare
 
@@ -105,6 +105,20 @@ def scan_until(
         >>> float(x), int(steps), ys.tolist()
         (16.0, 4, [1.0, 2.0, 4.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     """
+    if _eager.active():  # un-jitted: compile once per distinct program
+        return _eager.call(
+            scan_until,
+            f,
+            init,
+            xs,
+            length,
+            reverse,
+            unroll,
+            until=until,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            remat=remat,
+        )
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
     remat = _remat.resolve(_CALL, remat)
     if not callable(until):

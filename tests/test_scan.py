@@ -179,6 +179,124 @@ def test_no_stale_closure_eagerly():
     assert float(scanax.scan(f, 0.0, xs)[0]) == 15.0
 
 
+# ------------------------------------------------------------------ eager calls
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class count_compiles:
+    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
+
+    def __enter__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._seen)
+        return self
+
+    def _seen(self, event, duration, **kwargs):
+        if event == _COMPILE_EVENT:
+            self.n += 1
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._seen)
+
+
+def test_eager_call_with_a_new_closure_of_the_same_program_does_not_compile():
+    xs = jr.normal(jr.key(0), (6, 3))
+    w = jnp.full((3,), 0.5)
+    for i in range(3):  # a new function each call, as typed at a REPL
+        with count_compiles() as c:
+            got = scanax.scan(lambda h, x: (jnp.tanh(h * w + x), h.sum()), INIT[0], xs)
+        want = ref_scan(lambda h, x: (jnp.tanh(h * w + x), h.sum()), INIT[0], xs)
+        close(got, want)
+        assert i == 0 or c.n == 0  # only the first call compiles
+    with count_compiles() as c:  # a new shape is a new program
+        scanax.scan(lambda h, x: (h + x, None), jnp.zeros(3), xs[:4])
+    assert c.n >= 1
+
+
+def test_eager_call_after_changing_a_closed_over_value_gives_the_new_result():
+    xs = jnp.arange(12.0).reshape(4, 3)
+    scale, shift = 2.0, jnp.ones(3)
+
+    def f(c, x):
+        return c * scale + x + shift, c.sum()
+
+    def loop():
+        c, ys = jnp.zeros(3), []
+        for x in xs:
+            c, y = f(c, x)
+            ys.append(y)
+        return c, jnp.stack(ys)
+
+    init = jnp.zeros(3)
+    close(scanax.scan(f, init, xs), loop())
+    shift = jnp.ones(3) * -3.0  # an array: an argument of the same program
+    with count_compiles() as c:
+        got = scanax.scan(f, init, xs)
+    close(got, loop())
+    assert c.n == 0
+    scale = 0.5  # a Python float: a constant of the program, compiled again
+    close(scanax.scan(f, init, xs), loop())
+    with count_compiles() as c:
+        got = scanax.scan(f, init, xs)
+    close(got, loop())
+    assert c.n == 0
+
+
+def test_eager_reuse_with_nan_literals_integers_and_static_leaves():
+    def f(c, x):
+        cfg = x[1]
+        y = jnp.where(x[0] > 0, x[0], jnp.nan) * cfg["n"]
+        return cfg["act"](c + jnp.nan_to_num(y)), y
+
+    xs = (jnp.array([1.0, -1.0, 2.0]), {"act": jnp.tanh, "n": 3})
+    want = ref_scan(f, 0.0, xs, in_axes=(0, None))
+    close(scanax.scan(f, 0.0, xs, in_axes=(0, None)), want)
+    with count_compiles() as c:
+        got = scanax.scan(f, 0.0, xs, in_axes=(0, None))
+    close(got, want)
+    assert c.n == 0
+
+
+def test_eager_nnx_carry_updates_in_place_and_reuses_the_program():
+    nnx, model, optimizer = _nnx_setup()
+    _, ref_model, ref_opt = _nnx_setup()
+    batches = _batches()
+
+    def train_step(carry, batch):
+        model, optimizer = carry
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        return (model, optimizer), loss
+
+    for i in range(2):
+        with count_compiles() as c:
+            (m, o), losses = scanax.scan(train_step, (model, optimizer), batches)
+        assert m is model and o is optimizer
+        assert i == 0 or c.n == 0
+        ref_losses = []
+        for j in range(4):
+            _, loss = train_step(
+                (ref_model, ref_opt), jtu.tree_map(lambda a: a[j], batches)
+            )
+            ref_losses.append(loss)
+        close(losses, jnp.stack(ref_losses))
+        close(nnx.state((model, optimizer)), nnx.state((ref_model, ref_opt)))
+    assert int(optimizer.step[...]) == 8
+
+
+def test_eager_caching_changes_nothing_under_transformations():
+    f = lambda c, x: (c * x + 1.0, jnp.sin(c))
+    args = (jnp.float32(1.0), jnp.arange(6.0))
+    with jax.disable_jit():  # op by op, as lax.scan
+        close(scanax.scan(f, *args), jax.lax.scan(f, *args))
+    ours = jax.make_jaxpr(lambda c, x: scanax.scan(f, c, x))(*args)
+    theirs = jax.make_jaxpr(lambda c, x: jax.lax.scan(f, c, x))(*args)
+    assert str(ours) == str(theirs)
+    g = jax.grad(lambda c: scanax.scan(f, c, args[1])[0])(1.0)
+    close(g, jax.grad(lambda c: jax.lax.scan(f, c, args[1])[0])(1.0))
+
+
 # ------------------------------------------------------------------ static leaves
 
 

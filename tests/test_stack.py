@@ -614,6 +614,53 @@ def test_identical_layers_that_change_static_parts_of_x_fall_back_to_a_loop():
     assert scans(lambda h: stack((h, ""))[0], x[0]) == []
 
 
+# ---------------------------------------------------------------------------- eager
+
+
+class count_compiles:
+    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
+
+    def __enter__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._seen)
+        return self
+
+    def _seen(self, event, duration, **kwargs):
+        self.n += event == "/jax/core/compile/backend_compile_duration"
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._seen)
+
+
+@pytest.mark.parametrize("make", [eqx_layers, nnx_layers, plain_layers])
+def test_eager_calls_reuse_the_compiled_program(make):
+    layers = make()
+    stack = scanax.Stack(layers)
+    x = X[0] if make is eqx_layers else X
+    for i in range(3):
+        with count_compiles() as c:
+            got = stack(x + i)
+        close(got, loop(layers, x + i))
+        assert i == 0 or c.n == 0
+
+
+def test_eager_nnx_state_updates_are_written_back_each_call():
+    def layers():
+        rngs = nnx.Rngs(0)
+        return [nnx.BatchNorm(3, rngs=rngs) for _ in range(3)]
+
+    stack, ref = scanax.Stack(layers()), layers()
+    for i in range(3):
+        with count_compiles() as c:
+            got = stack(X * (i + 1))
+        close(got, loop(ref, X * (i + 1)))
+        assert i == 0 or c.n == 0
+        close(
+            [nnx.state(layer, nnx.BatchStat) for layer in stack],
+            [nnx.state(layer, nnx.BatchStat) for layer in ref],
+        )
+
+
 # ---------------------------------------------------------------------------- errors
 
 

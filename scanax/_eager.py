@@ -1,0 +1,311 @@
+"""Eager (un-jitted) calls: traced every time, compiled once per distinct program.
+
+``scanax.scan(f, ...)`` outside ``jax.jit`` used to bind a fresh ``lax.scan`` on
+every call: the body is a new closure each time, so JAX traced it again (needed: a
+closure may read values that changed since the last call) and compiled it again (not
+needed when the program is the same). Here an eager call is traced whole into one
+jaxpr, and that jaxpr's *structure* is the key of a cache of compiled programs:
+
+* array inputs (``jax.Array``, NumPy arrays, the Variables of NNX objects) are the
+  program's arguments; arrays the call closes over (a weight read by ``f``) are the
+  jaxpr's constants, also passed as arguments: their values are never part of the
+  program, so a changed closure value gives the new result without a compile;
+* Python numbers become literals of the program, part of the key: a changed float
+  compiles once more, exactly as under ``jax.jit``;
+* parameters that play no part in running the program forward (the derivative
+  rules of ``custom_jvp``/``custom_vjp``, ``jax.checkpoint``'s policy) are left out
+  of the key; these programs are only ever run, never differentiated.
+
+NNX objects among the arguments are rebuilt from their Variables inside the trace
+(as ``nnx.jit`` does); Variables the call changes are written back to the user's
+objects afterwards, and NNX objects returned are the user's own. Under any JAX
+transformation (``jit``, ``grad``, ``vmap``) or ``jax.disable_jit()``, nothing here
+runs: the call is traced into the enclosing program exactly as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools as ft
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from . import _nnx
+
+try:  # private JAX: the cheapest trace; without it, the public `jax.make_jaxpr`
+    from jax._src import core as _core, linear_util as _lu
+    from jax._src.interpreters import partial_eval as _pe
+
+    _trace_state_clean = _core.trace_state_clean
+    _Tracer = _core.Tracer
+except (ImportError, AttributeError):  # pragma: no cover - another JAX
+    _pe = None
+    _trace_state_clean = None
+    _Tracer = jax.core.Tracer
+
+MAX_PROGRAMS = 64
+# key -> the jitted program of the first call with that key; least recently used first
+_programs: collections.OrderedDict[Any, Callable] = collections.OrderedDict()
+
+# Parameters that only matter for differentiation or rematerialisation: the cached
+# programs are only run forward.
+_FORWARD_ONLY = {
+    "custom_jvp_call": {"jvp_jaxpr_fun", "jvp_jaxpr_thunk"},
+    "custom_vjp_call": {"fwd_jaxpr_thunk", "bwd", "out_trees"},
+    "custom_vjp_call_jaxpr": {"fwd_jaxpr_thunk", "bwd", "out_trees"},
+    "remat2": {"policy"},
+    "checkpoint": {"policy"},
+}
+
+
+class _Fallback(Exception):
+    """The call cannot be cached: run it the plain way."""
+
+
+def active() -> bool:
+    """Whether a call runs eagerly: outside every JAX transformation, jit enabled."""
+    if _trace_state_clean is None:  # pragma: no cover - another JAX
+        return False
+    return _trace_state_clean() and not jax.config.jax_disable_jit
+
+
+def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, traced now and run by the compiled program of an
+    earlier call with the same program (compiled now if there is none)."""
+    is_node = _nnx.is_node if _nnx.loaded() else None
+    leaves, treedef = jtu.tree_flatten((args, kwargs), is_leaf=is_node)
+    dyn_idx, node_idx = [], []
+    for i, x in enumerate(leaves):
+        if _is_input(x):
+            dyn_idx.append(i)
+        elif is_node and is_node(x):
+            node_idx.append(i)
+    nodes = [leaves[i] for i in node_idx]
+    variables: list[Any] = []
+    values: list[Any] = []
+    graphdef = None
+    if nodes:
+        try:
+            graphdef, variables, _ = _nnx.flatten(nodes)
+        except Exception:  # e.g. `nnx.capture`'s attributes next to a list's items
+            return fn(*args, **kwargs)
+        values = [v.get_value() for v in variables]
+    var_idx = [k for k, v in enumerate(values) if _is_input(v)]
+    inputs = [leaves[i] for i in dyn_idx] + [values[k] for k in var_idx]
+    found: dict[str, Any] = {}
+
+    def traced(*tracers):
+        new = list(leaves)
+        for i, t in zip(dyn_idx, tracers):
+            new[i] = t
+        vals = list(values)
+        for k, t in zip(var_idx, tracers[len(dyn_idx) :]):
+            vals[k] = t
+        copies = _nnx.unflatten(graphdef, vals) if nodes else []
+        for i, c in zip(node_idx, copies):
+            new[i] = c
+        a, kw = jtu.tree_unflatten(treedef, new)
+        out = fn(*a, **kw)
+        out_leaves, out_tree = jtu.tree_flatten(out, is_leaf=is_node)
+        which = {id(c): j for j, c in enumerate(copies)}
+        arrays, where, node_out = [], [], []
+        for i, x in enumerate(out_leaves):
+            if isinstance(x, _Tracer):
+                where.append(i)
+                arrays.append(x)
+            elif is_node and is_node(x):
+                if id(x) not in which:
+                    raise _Fallback  # an NNX object made inside the call
+                node_out.append((i, which[id(x)]))
+        changed, set_static = [], []
+        if nodes:
+            after, new_vars, _ = _nnx.flatten(copies)
+            if after != graphdef:
+                raise _Fallback  # Variables added or removed: let scanax say so
+            for k, (old, var) in enumerate(zip(vals, new_vars)):
+                value = var.get_value()
+                if value is old:
+                    continue
+                if isinstance(value, _Tracer):
+                    changed.append(k)
+                    arrays.append(value)
+                else:
+                    set_static.append((k, value))
+        found.update(
+            leaves=out_leaves,
+            tree=out_tree,
+            where=where,
+            node_out=node_out,
+            changed=changed,
+            set_static=set_static,
+        )
+        return arrays
+
+    try:
+        jaxpr, consts = _trace(traced, inputs)
+    except _Fallback:
+        return fn(*args, **kwargs)
+    except Exception as err:
+        if type(err).__name__ != "TraceContextError":  # flax: a closed-over Variable
+            raise  # was written: the plain call says what happened
+        return fn(*args, **kwargs)
+    outs = _program(jaxpr)(list(consts), inputs)
+    out_leaves = list(found["leaves"])
+    n = len(found["where"])
+    for i, a in zip(found["where"], outs[:n]):
+        out_leaves[i] = a
+    for i, j in found["node_out"]:
+        out_leaves[i] = nodes[j]
+    for k, a in zip(found["changed"], outs[n:]):
+        variables[k].set_value(a)
+    for k, value in found["set_static"]:
+        variables[k].set_value(value)
+    return jtu.tree_unflatten(found["tree"], out_leaves)
+
+
+def _is_input(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, _Tracer)
+
+
+def _trace(fun: Callable, inputs: list[Any]) -> tuple[Jaxpr, list[Any]]:
+    """The jaxpr of ``fun(*inputs)`` (closed-over arrays as its constvars), and
+    the constants' values."""
+    avals = [jax.typeof(x) for x in inputs]
+    if _pe is not None:
+        try:
+            wrapped = _lu.wrap_init(fun, debug_info=_debug_info(len(inputs)))
+        except Exception:  # pragma: no cover - another JAX's signature
+            pass
+        else:
+            jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, avals)
+            return jaxpr, consts
+    closed = jax.make_jaxpr(fun)(*inputs)  # pragma: no cover - another JAX
+    return closed.jaxpr, closed.consts  # pragma: no cover
+
+
+@ft.lru_cache(maxsize=64)
+def _debug_info(n: int) -> Any:
+    names = tuple(f"inputs[{i}]" for i in range(n))
+    return _core.DebugInfo("scanax (eager)", "scanax", names, None)
+
+
+def _program(jaxpr: Jaxpr) -> Callable:
+    """The compiled program for ``jaxpr``'s structure: ``run(consts, inputs)``."""
+    key = _jaxpr_key(jaxpr, {})
+    run = _programs.get(key)
+    if run is not None:
+        _programs.move_to_end(key)
+        return run
+
+    @jax.jit
+    def run(consts, inputs):
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*inputs)
+
+    _programs[key] = run
+    if len(_programs) > MAX_PROGRAMS:
+        _programs.popitem(last=False)
+    return run
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+class _Identity:
+    """An unhashable parameter, compared by identity (and kept alive by the key)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _jaxpr_key(jaxpr: Jaxpr, memo: dict[int, Any]) -> Any:
+    """A hashable value equal for two jaxprs exactly when they compute the same
+    thing: equations, data flow, avals, literal values and parameters."""
+    cached = memo.get(id(jaxpr))
+    if cached is not None:
+        return cached
+    ids: dict[int, int] = {}
+
+    def bind(v):
+        ids[id(v)] = len(ids)
+        return v.aval
+
+    def ref(v):
+        if isinstance(v, Literal):
+            return ("literal", v.aval, _array_key(v.val))
+        return ids[id(v)]
+
+    head = (
+        tuple(bind(v) for v in jaxpr.constvars),
+        tuple(bind(v) for v in jaxpr.invars),
+    )
+    eqns = []
+    for e in jaxpr.eqns:
+        skip = _FORWARD_ONLY.get(e.primitive.name, ())
+        params = tuple(
+            (k, _param_key(p, memo)) for k, p in e.params.items() if k not in skip
+        )
+        eqns.append(
+            (
+                e.primitive,
+                tuple(ref(v) for v in e.invars),
+                params,
+                e.ctx,
+                tuple(bind(v) for v in e.outvars),
+            )
+        )
+    key = (head, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
+    memo[id(jaxpr)] = key
+    return key
+
+
+_PLAIN = (int, float, bool, str, type(None), np.dtype)
+
+
+def _param_key(x: Any, memo: dict[int, Any]) -> Any:
+    if isinstance(x, _PLAIN):
+        return x
+    if isinstance(x, ClosedJaxpr):
+        consts = tuple(_array_key(c) for c in x.consts)
+        return ("closed", _jaxpr_key(x.jaxpr, memo), consts)
+    if isinstance(x, Jaxpr):
+        return ("jaxpr", _jaxpr_key(x, memo))
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_param_key(v, memo) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _param_key(v, memo)) for k, v in x.items()))
+    if isinstance(x, (np.ndarray, jax.Array, np.generic)):
+        return _array_key(x)
+    if isinstance(x, ft.partial):
+        return (
+            ft.partial,
+            _param_key(x.func, memo),
+            _param_key(x.args, memo),
+            _param_key(x.keywords, memo),
+        )
+    try:
+        hash(x)
+    except TypeError:
+        return _Identity(x)
+    return x
+
+
+def _array_key(x: Any) -> Any:
+    if isinstance(x, _Tracer):  # pragma: no cover - a leaked tracer
+        return _Identity(x)
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return ("key", str(x.dtype), _array_key(jax.random.key_data(x)))
+    a = np.asarray(x)
+    return (a.dtype.str, a.shape, a.tobytes())
