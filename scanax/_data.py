@@ -104,7 +104,8 @@ class IterSource:
         except TypeError as err:
             raise errors.data_not_batches(data) from err
         self.key = key if key is not None else unused_key()  # per-step keys only
-        self.from_list = isinstance(data, list)
+        # data=[x, y]: arrays meant as array data, read as a list of batches
+        self.from_list = isinstance(data, list) and all(is_array(b) for b in data)
         self.consumed = 0  # batches taken from the iterator so far
         self.treedef = None
         self.types: list[tuple[tuple[int, ...], Any]] = []
