@@ -34,12 +34,14 @@ def _time_axis(xs: Any, time_axis: Any) -> int:
 
 
 def _plan(
-    cells: tuple, x0: Any, init: Any, xs_desc: str
+    cells: tuple, x0: Any, init: Any, xs_desc: str, other_axes: list = ()
 ) -> tuple[list[_cells.Cell], tuple]:
     """Detect every cell's protocol, check widths and build the initial states.
 
     Runs each cell once abstractly (``jax.eval_shape``) on the previous layer's
     output, so every error is raised before the real loop is traced.
+    ``other_axes``: ``(axis, batch shape)`` of the other axes that could be time,
+    to name in an ``init`` error.
     """
     if init is not None:
         if not isinstance(init, (tuple, list)):
@@ -67,7 +69,13 @@ def _plan(
         else:
             state = init[i]
             if default is not None and not _same(state, default):
-                raise errors.init_state(i, cell, state, default)
+                alt = [
+                    a
+                    for a, b in other_axes
+                    if _same(state, spec.default_state(cell, b, width, x0.dtype))
+                ]
+                alt_axis = alt[0] if alt else None
+                raise errors.init_state(i, cell, state, default, alt_axis)
         try:
             out = _cells.eval_step(spec, cell, state, x)()
         except Exception as err:
@@ -111,14 +119,25 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
-def _check_seq_lengths(seq_lengths: Any, batch: tuple[int, ...], xs: Any) -> Any:
+def _other_time_axes(xs: Any, ax: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(axis, batch shape)`` for each other axis of ``xs`` that could be time."""
+    shape = tuple(xs.shape[:-1])
+    return [(a, shape[:a] + shape[a + 1 :]) for a in range(len(shape)) if a != ax]
+
+
+def _check_seq_lengths(seq_lengths: Any, xs: Any, ax: int) -> Any:
     seq_lengths = (
         jnp.asarray(seq_lengths) if not hasattr(seq_lengths, "dtype") else seq_lengths
     )
     if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
         raise errors.seq_lengths_dtype(seq_lengths)
+    shape = tuple(xs.shape[:-1])
+    batch = shape[:ax] + shape[ax + 1 :]
     if tuple(seq_lengths.shape) != batch:
-        raise errors.seq_lengths_shape(seq_lengths, batch, xs)
+        alt = [a for a, b in _other_time_axes(xs, ax) if b == seq_lengths.shape]
+        raise errors.seq_lengths_shape(
+            seq_lengths, batch, xs, ax, alt[0] if alt else None
+        )
     return seq_lengths
 
 
@@ -214,7 +233,14 @@ def rnn(
     order: str = "auto",
     unroll: int | bool = 1,
 ) -> tuple[tuple[Any, ...], Any]:
-    """Run a multi-layer RNN over a sequence: layer ``i + 1`` reads layer ``i``.
+    """Run a multi-layer RNN over time-major ``xs`` (time on axis 0, ``[T, B, D]``).
+
+    Layer ``i + 1`` reads layer ``i``'s output at each step. **Time is axis 0** by
+    default, for every kind of cell (as in ``jax.lax.scan``); ``nnx.RNN`` and most
+    data pipelines are batch-major ``[B, T, D]``: pass ``time_axis=1`` (``ys`` come
+    back batch-major too). A batch-major array passed with ``time_axis=0`` is read
+    as ``T = B`` steps of ``T`` sequences: an error says so only where a shape
+    (``seq_lengths``, ``init``) shows it.
 
     Conceptually equivalent to::
 
@@ -251,7 +277,9 @@ def rnn(
         reverse: process from the last step to the first; ``ys`` stay aligned with
             ``xs``. With ``seq_lengths``, each sequence starts at its own last valid
             step.
-        time_axis: 0 for time-major ``[T, B, D]``, 1 for batch-major ``[B, T, D]``.
+        time_axis: which axis of ``xs`` (and ``ys``) is time: 0 (default) for
+            time-major ``[T, B, D]``, 1 for batch-major ``[B, T, D]`` (as
+            ``nnx.RNN``).
         order: ``"time"``: one scan over time with all layers unrolled in its
             step. ``"layer"``: one scan over time per layer (layer ``i``'s whole
             output sequence feeds layer ``i + 1``). ``"auto"`` (default): ``"layer"``
@@ -271,7 +299,9 @@ def rnn(
             ``seq_lengths``, ``xs`` not an array.
         ValueError: a cell whose input width differs from the previous layer's
             output width, a wrong number of ``init`` states, ``seq_lengths`` of the
-            wrong shape, a bad ``time_axis`` or ``order``.
+            wrong shape, a bad ``time_axis`` or ``order``. When ``seq_lengths`` or an
+            ``init`` state would fit with another axis of ``xs`` as time, the
+            message says which ``time_axis`` that is.
 
     Example:
         >>> import jax.numpy as jnp, scanax
@@ -306,11 +336,10 @@ def rnn(
         raise errors.bad_order(order, ORDERS)
     ax = _time_axis(xs, time_axis)
     xs_t = jnp.moveaxis(xs, ax, 0) if ax else xs
-    batch = tuple(xs_t.shape[1:-1])
     if seq_lengths is not None:
-        seq_lengths = _check_seq_lengths(seq_lengths, batch, xs)
+        seq_lengths = _check_seq_lengths(seq_lengths, xs, ax)
     x0 = jax.ShapeDtypeStruct(xs_t.shape[1:], xs_t.dtype)
-    specs, states = _plan(cells, x0, init, short_type(xs))
+    specs, states = _plan(cells, x0, init, short_type(xs), _other_time_axes(xs, ax))
     loop = _time_outer if resolve_order(order) == "time" else _layer_outer
     with jax.named_scope("scanax.rnn"):
         finals, ys = loop(specs, cells, states, xs_t, seq_lengths, reverse, unroll)

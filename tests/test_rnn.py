@@ -487,6 +487,49 @@ def test_error_seq_lengths():
         scanax.rnn(cells, xs, seq_lengths=jnp.ones(4, jnp.int32))
 
 
+def test_error_batch_major_data_with_the_default_time_axis_names_time_axis():
+    """(B, T, D) data with NNX cells and the default time_axis=0: a shape that fits
+    with time on the other axis gets the time_axis fix."""
+    cells = nnx_cells()[:1]
+    xs = xs_tbd((B, T + 1, D))  # batch-major: 3 sequences of 5 steps
+    with pytest.raises(
+        ValueError,
+        match=r"^scanax\.rnn: `seq_lengths` must have one entry per sequence, shape "
+        r"\(5,\) \(the batch axes of xs float32\[3, 5, 2\] with time_axis=0\), got "
+        r"int32\[3\]\.\nFix: `seq_lengths` fits xs with time on axis 1 \(batch-major "
+        r"\[B, T, D\], as nnx\.RNN\): if that is your layout, pass time_axis=1\. "
+        r"Otherwise pass an int array of the batch shape\.$",
+    ):
+        scanax.rnn(cells, xs, seq_lengths=jnp.array([5, 2, 1]))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax\.rnn: init\[0\] does not match the state of cells\[0\] "
+        r"\(GRUCell\).*expected  float32\[5, 4\]\nFix: init\[0\] fits xs with time "
+        r"on axis 1 \(batch-major \[B, T, D\], as nnx\.RNN\): if that is your layout, "
+        r"pass time_axis=1\. Otherwise pass init\[0\] with",
+    ):
+        scanax.rnn(cells, xs, init=(jnp.zeros((B, 4)),))
+    # The fix: the same as nnx.RNN on the batch-major data.
+    lengths = jnp.array([5, 2, 1])
+    got = scanax.rnn(cells, xs, seq_lengths=lengths, time_axis=1)
+    ref = nnx_jit(
+        lambda c, x: nnx_chain(c, x, time_major=False, seq_lengths=lengths), cells
+    )(xs)
+    close(got[0], ref[0])
+    # Time-major data given time_axis=1: the other way round.
+    with pytest.raises(
+        ValueError,
+        match=r"with time_axis=1\), got int32\[3\]\.\nFix: `seq_lengths` fits xs "
+        r"with time on axis 0: if that is your layout, pass time_axis=0\.",
+    ):
+        scanax.rnn(cells, xs_tbd(), seq_lengths=jnp.array([4, 2, 1]), time_axis=1)
+    # A size that fits no axis: no time_axis advice.
+    with pytest.raises(
+        ValueError, match=r"got int32\[7\]\.\nFix: pass an int array of the batch"
+    ):
+        scanax.rnn(cells, xs, seq_lengths=jnp.ones(7, jnp.int32))
+
+
 def test_error_unknown_protocol_lists_supported():
     xs = xs_tbd()
     with pytest.raises(

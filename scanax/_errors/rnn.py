@@ -100,12 +100,26 @@ def init_type(init: Any) -> TypeError:
     )
 
 
-def init_state(i: int, cell: Any, got: Any, want: Any) -> TypeError:
+def _other_time_axis(what: str, alt: int | None) -> str:
+    """The fix when ``what`` fits ``xs`` with time on axis ``alt`` instead."""
+    if alt is None:
+        return ""
+    layout = " (batch-major [B, T, D], as nnx.RNN)" if alt == 1 else ""
+    return (
+        f"{what} fits xs with time on axis {alt}{layout}: if that is your layout, "
+        f"pass time_axis={alt}. Otherwise "
+    )
+
+
+def init_state(
+    i: int, cell: Any, got: Any, want: Any, alt: int | None = None
+) -> TypeError:
+    fix = _other_time_axis(f"init[{i}]", alt)
     return TypeError(
         f"{_CALL}: init[{i}] does not match the state of {cell_name(i, cell)}:\n"
         f"  init[{i}]  {_cells.describe(got)}\n  expected  {_cells.describe(want)}\n"
-        f"Fix: pass init[{i}] with the structure, shapes and dtypes expected (the "
-        "batch axes of xs, then the cell's state width)."
+        f"Fix: {fix}pass init[{i}] with the structure, shapes and "
+        "dtypes expected (the batch axes of xs, then the cell's state width)."
     )
 
 
@@ -125,11 +139,15 @@ def seq_lengths_dtype(seq_lengths: Any) -> TypeError:
     )
 
 
-def seq_lengths_shape(seq_lengths: Any, batch: tuple[int, ...], xs: Any) -> ValueError:
+def seq_lengths_shape(
+    seq_lengths: Any, batch: tuple[int, ...], xs: Any, ax: int, alt: int | None
+) -> ValueError:
+    fix = _other_time_axis("`seq_lengths`", alt)
     return ValueError(
         f"{_CALL}: `seq_lengths` must have one entry per sequence, shape {batch} (the "
-        f"batch axes of xs {short_type(xs)}), got {short_type(seq_lengths)}.\nFix: "
-        "pass an int array of the batch shape."
+        f"batch axes of xs {short_type(xs)} with time_axis={ax}), "
+        f"got {short_type(seq_lengths)}.\nFix: {fix}pass an int "
+        "array of the batch shape."
     )
 
 
