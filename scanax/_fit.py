@@ -41,7 +41,7 @@ _SECONDS_PER_CALL = 0.25
 _REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 _CACHE_SIZE = 32
 
-# Chunk programs, keyed on fingerprints of (loss_fn, model and optimizer structure,
+# Chunk programs (oldest dropped first), keyed on fingerprints of (loss_fn, model and optimizer structure,
 # data layout, length): a second ``fit`` of a same-structured model with the same
 # loss code reuses them, even when every object was rebuilt.
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
@@ -285,7 +285,9 @@ class _Key:
         return self.hash
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _Key) and self.parts == other.parts
+        return isinstance(other, _Key) and (
+            self is other or (self.hash == other.hash and self.parts == other.parts)
+        )
 
 
 class _Program:
@@ -354,9 +356,9 @@ def _program(
         cache_key = _Key(parts)
     except TypeError:  # an unhashable static part: compile for this call only
         cache_key = None
-    if cache_key is not None and cache_key in _PROGRAMS:
-        _PROGRAMS.move_to_end(cache_key)
-        return _PROGRAMS[cache_key]
+    found = None if cache_key is None else _PROGRAMS.get(cache_key)
+    if found is not None:  # (one lookup: comparing keys is the costly part)
+        return found
     call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
     step = adapter.make_step(call)
     sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
