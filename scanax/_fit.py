@@ -41,9 +41,10 @@ _SECONDS_PER_CALL = 0.25
 _REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 _CACHE_SIZE = 32
 
-# Chunk programs (oldest dropped first), keyed on fingerprints of (loss_fn, model and optimizer structure,
-# data layout, length): a second ``fit`` of a same-structured model with the same
-# loss code reuses them, even when every object was rebuilt.
+# Chunk programs (oldest dropped first), keyed on fingerprints of (loss_fn, model
+# and optimizer structure, data layout, length): a second ``fit`` of a
+# same-structured model with the same loss code reuses them, even when every
+# object was rebuilt.
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
 # Compiled executables keyed on their lowered program: what a new structure that
 # traces to an already compiled program (a re-defined model class) reuses.
