@@ -8,7 +8,7 @@ from ._fit import FitResult as FitResult, fit as fit
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
 from ._scan import scan as scan
-from ._stack import Stack as Stack
+from ._stack import Stack as Stack, StackWarning as StackWarning
 from ._until import scan_until as scan_until
 
 try:

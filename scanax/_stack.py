@@ -15,14 +15,17 @@ and this module's pytree class for any other callables. All three are instances 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import operator
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from . import _eager, _remat
 from ._axes import is_array, is_arraylike, same_static
@@ -37,6 +40,11 @@ Piece = tuple[int, int, int]
 
 class ShapeChange(Exception):
     """A stacked run's block changes ``x``'s type: it cannot be a scan carry."""
+
+
+class StackWarning(UserWarning):
+    """``scanax.Stack`` left layers unstacked that differ only in a number (a
+    per-layer ``idx: int``): they are traced one by one."""
 
 
 def span(piece: Piece) -> str:
@@ -114,6 +122,103 @@ def plan(ids: list[int], max_period: int = 64) -> tuple[Piece, ...]:
         pieces.append((i, p, r))
         i += p * r
     return tuple(pieces)
+
+
+# ---------------------------------------------------------------------------- why not
+
+
+def _is_number(x: Any) -> bool:
+    """A Python number that could have been an array (flags are not: bools pick
+    code paths)."""
+    return isinstance(x, (int, float, complex)) and not isinstance(x, bool)
+
+
+def number_differences(
+    a: Any, b: Any, expand: Callable[[Any], Any] | None = None
+) -> list[tuple[str, Any, Any]] | None:
+    """``[(path, value in a, value in b), ...]``: the Python numbers in which two
+    layers differ, when that is all they differ in (same types, same structure,
+    arrays of the same shapes and dtypes, equal other values); else None.
+
+    ``expand(x)``: ``[(key, child), ...]`` for objects of a framework (NNX modules
+    and Variables), None for others.
+    """
+    diffs: list[tuple[str, Any, Any]] = []
+    same = _walk(a, b, "", diffs, expand)
+    return diffs if same and diffs else None
+
+
+def _walk(a: Any, b: Any, path: str, diffs: list, expand: Any) -> bool:
+    if is_array(a) or is_array(b):
+        return (
+            is_array(a)
+            and is_array(b)
+            and jnp.shape(a) == jnp.shape(b)
+            and jnp.result_type(a) == jnp.result_type(b)
+        )
+    if _is_number(a) and _is_number(b):
+        if not same_static(a, b):
+            diffs.append((path, a, b))
+        return True
+    if type(a) is not type(b):
+        return False
+    kids_a, kids_b = _children(a, expand), _children(b, expand)
+    if kids_a is None or kids_b is None:
+        return same_static(a, b)
+    if [k for k, _ in kids_a] != [k for k, _ in kids_b]:
+        return False
+    return all(
+        _walk(x, y, path + k, diffs, expand)
+        for (k, x), (_, y) in zip(kids_a, kids_b, strict=True)
+    )
+
+
+def _children(x: Any, expand: Any) -> list[tuple[str, Any]] | None:
+    kids = expand(x) if expand is not None else None
+    if kids is not None:
+        return kids
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # Equinox modules
+        return [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x)]
+    if isinstance(x, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(x)]
+    if isinstance(x, dict):
+        return [(f"[{k!r}]", v) for k, v in x.items()]
+    return None
+
+
+def warn_unstacked(
+    plan_: tuple[Piece, ...], layers: Sequence[Any], pieces: Sequence[Any], expand=None
+) -> None:
+    """Warn (once, at construction) if layers of one class were left out of a run
+    only because they differ in numbers: each layer against the next of its class."""
+    run_of = {
+        i: k for k, (s, p, r) in enumerate(plan_) if r > 1 for i in range(s, s + p * r)
+    }
+    found, next_of = [], {}
+    for i in reversed(range(len(layers))):
+        j = next_of.get(type(layers[i]))
+        next_of[type(layers[i])] = i
+        if j is None or (i in run_of and run_of.get(j) == run_of[i]):
+            continue
+        diffs = number_differences(layers[i], layers[j], expand)
+        if diffs:
+            found.append((i, j, diffs))
+    if found:
+        found.reverse()
+        described = describe_plan(plan_, pieces)
+        message = errors.unstacked_by_numbers(found, layers, described)
+        warnings.warn(message, StackWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first caller outside scanax and the frameworks."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and any(
+        part in frame.f_code.co_filename
+        for part in ("scanax", "equinox", "flax", "<frozen")
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def locate(plan_: tuple[Piece, ...], n: int, i: Any) -> tuple[int, int, int]:
@@ -388,6 +493,9 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
 
     ``len(stack)``, ``stack[i]`` and ``list(stack)`` give the layers back, equal to
     those given (for stacked runs, rebuilt from the stacked arrays: new objects).
+    ``repr(stack)`` shows the plan (``Stack(8 layers: Linear(3→4), 6 × Block
+    scanned, Linear(4→2))``); ``stack.plan`` holds it as ``(start, period,
+    repeats)`` tuples.
 
     ``stack(x, **kwargs)`` passes the same keyword arguments to every layer;
     ``stack(x, per_layer={"key": keys})`` passes layer ``i`` the entries
@@ -398,6 +506,11 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
             ``per_layer`` not a dict, ``remat`` not one of the values above.
         ValueError: no layers; NNX layers sharing a Variable; a ``per_layer`` leaf
             without one entry per layer.
+
+    Warns:
+        scanax.StackWarning: once, when built, if layers of one class were left
+            out of a run only because they differ in a Python number (a per-layer
+            ``idx: int``), naming the field and the fix.
 
     Example:
         >>> import jax.numpy as jnp, scanax
@@ -447,7 +560,7 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
         return (self[i] for i in range(self.n))
 
     def __repr__(self) -> str:
-        return f"Stack({describe_plan(self.plan, list(self))})"
+        return f"Stack({describe_plan(self.plan, self.pieces)})"
 
     def tree_flatten_with_keys(self):
         return (
@@ -479,6 +592,7 @@ def build_pytree(layers: Sequence[Any]) -> tuple[tuple[Piece, ...], tuple]:
         )
         for s, p, r in plan_
     )
+    warn_unstacked(plan_, layers, pieces)
     return plan_, pieces
 
 
@@ -490,14 +604,25 @@ def pytree_layer(plan_: tuple[Piece, ...], pieces: tuple, n: int, i: int) -> Any
     return pytree_view(pieces[k], j)[m]
 
 
-def describe_plan(plan_: tuple[Piece, ...], layers: list[Any]) -> str:
-    """``Linear, 6 × [Block], Linear``: how a Stack applies its layers."""
+def describe_plan(plan_: tuple[Piece, ...], pieces: Sequence[Any]) -> str:
+    """``8 layers: Linear(3→4), 6 × Block scanned, Linear(4→2)``: how a Stack
+    applies its layers (a run of a period of several: ``12 × [Mix, Gate]``)."""
     parts = []
-    for s, p, r in plan_:
-        names = ", ".join(_layer_name(x) for x in layers[s : s + p])
-        parts.append(names if r == 1 else f"{r} × [{names}]")
-    return ", ".join(parts)
+    n = 0
+    for (_, p, r), data in zip(plan_, pieces, strict=True):
+        n += p * r
+        if r == 1:
+            parts.append(_layer_name(data))
+            continue
+        names = ", ".join(_layer_name(x) for x in data)
+        parts.append(f"{r} × {names if p == 1 else f'[{names}]'} scanned")
+    return f"{n} layer{'s' * (n != 1)}: " + ", ".join(parts)
 
 
 def _layer_name(layer: Any) -> str:
-    return getattr(layer, "__name__", None) or type(layer).__name__
+    name = getattr(layer, "__name__", None) or type(layer).__name__
+    d_in = getattr(layer, "in_features", None)
+    d_out = getattr(layer, "out_features", None)
+    if isinstance(d_in, (int, np.integer)) and isinstance(d_out, (int, np.integer)):
+        return f"{name}({d_in}→{d_out})"
+    return name

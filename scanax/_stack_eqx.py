@@ -43,6 +43,9 @@ class EqxStack(eqx.Module):
                 self.pieces, self.plan, x, kwargs, per_layer, self.remat, self.unroll
             )
 
+    def __repr__(self) -> str:
+        return f"Stack({_stack.describe_plan(self.plan, self.pieces)})"
+
     def __len__(self) -> int:
         return self.n
 

@@ -24,6 +24,19 @@ def _signature(layer: Any) -> Any:
     ]
 
 
+def _expand(x: Any) -> list[tuple[str, Any]] | None:
+    """The parts of an NNX object, to compare two layers (``_stack._walk``)."""
+    if isinstance(x, nnx.Variable):
+        return [("[...]", x.get_value())]
+    if nnx.graph.is_graph_node(x):
+        return [
+            (f"[{k}]" if k.isdigit() else f".{k}", v)
+            for k, v in vars(x).items()
+            if not k.startswith("_")
+        ]
+    return None
+
+
 def _check_owned(layers: list[Any]) -> None:
     """Stacking copies each layer's Variables: none may be shared between layers."""
     seen: dict[int, tuple[int, str]] = {}
@@ -175,6 +188,7 @@ class NNXStack(nnx.Module):
         self.remat = remat
         self.unroll = unroll
         self.n = len(layers)
+        _stack.warn_unstacked(self.plan, layers, pieces, _expand)
 
     def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
         # Un-jitted: compile once per distinct program. Not inside `nnx.capture`,
@@ -278,6 +292,9 @@ class NNXStack(nnx.Module):
         if changed:
             _write_back(block, leaves, treedef, changed, new)
         return x
+
+    def __repr__(self) -> str:
+        return f"Stack({_stack.describe_plan(self.plan, list(self.pieces))})"
 
     def __len__(self) -> int:
         return self.n

@@ -220,7 +220,10 @@ def test_python_number_fields_under_jax_jit_and_grad():
 def test_equal_numbers_of_different_types_are_not_grouped():
     w = jnp.eye(3)
     layers = [Scaled(w, 1), Scaled(w, 1.0), Scaled(w, True), Scaled(w, 1.0)]
-    stack = scanax.Stack(layers)
+    with pytest.warns(
+        scanax.StackWarning, match=r"`scale` \(1 against 1\.0, in `scale`\)"
+    ):
+        stack = scanax.Stack(layers)
     assert stack.plan == ((0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1))
     assert [type(layer.scale) for layer in stack] == [int, float, bool, float]
 
@@ -612,6 +615,108 @@ def test_identical_layers_that_change_static_parts_of_x_fall_back_to_a_loop():
     assert got[1] == want[1] == "aaa"
     close(got[0], want[0])
     assert scans(lambda h: stack((h, ""))[0], x[0]) == []
+
+
+# ---------------------------------------------------------------------------- why not
+
+
+class IndexedBlock(eqx.Module):
+    """A per-layer index as a static field: the trap of issue 18."""
+
+    lin: eqx.nn.Linear
+    idx: int = eqx.field(static=True)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(x)) / (self.idx + 1)
+
+
+class ArrayIndexedBlock(eqx.Module):
+    """The fix: the index as an array field, stacked with the weights."""
+
+    lin: eqx.nn.Linear
+    idx: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(x)) / (self.idx + 1)
+
+
+class NNXIndexedBlock(nnx.Module):
+    def __init__(self, idx, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+        self.idx = idx  # a plain attribute: static for NNX
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(x)) / (self.idx + 1)
+
+
+def test_repr_lists_the_runs():
+    assert repr(scanax.Stack(eqx_layers())) == (
+        "Stack(8 layers: Linear(3→4), 6 × EqxBlock scanned, Linear(4→2))"
+    )
+    assert repr(scanax.Stack(nnx_layers())) == (
+        "Stack(8 layers: Linear(3→4), 6 × NNXBlock scanned, Linear(4→2))"
+    )
+    assert repr(scanax.Stack([jnp.abs] + [jnp.tanh, jnp.sin] * 3)) == (
+        "Stack(7 layers: abs, 3 × [tanh, sin] scanned)"
+    )
+    assert repr(scanax.Stack([jnp.abs])) == "Stack(1 layer: abs)"
+
+
+def test_warns_once_when_only_a_number_prevents_stacking():
+    keys = jr.split(jr.key(0), 5)
+    layers = [eqx.nn.Linear(3, 4, key=keys[0])] + [
+        IndexedBlock(eqx.nn.Linear(4, 4, key=k), i) for i, k in enumerate(keys[1:])
+    ]
+    with pytest.warns(
+        scanax.StackWarning,
+        match=r"^scanax\.Stack: layers\[1\] and layers\[2\] \(IndexedBlock\) differ only "
+        r"in a number, `idx` \(0 against 1; 3 such pairs, in `idx`\), so they cannot "
+        r"share one scan: .* traced on its own: Stack\(5 layers: Linear\(3→4\), "
+        r"IndexedBlock, IndexedBlock, IndexedBlock, IndexedBlock\)\.\nFix: hold the "
+        r"number as an array.*`jnp\.asarray\(idx\)`.*"
+        r"`stack\(x, per_layer=\{'idx': jnp\.arange\(5\)\}\)`\. If the layer needs a "
+        r"Python number .*scanax\.StackWarning\)`\.$",
+    ) as record:
+        stack = scanax.Stack(layers)
+    assert len(record) == 1 and record[0].filename == __file__
+    assert stack.plan == tuple((i, 1, 1) for i in range(5))
+    # Once: calling, jit, tree_map and grad of the Stack say nothing more.
+    x = X[0]
+    close(stack(x), loop(layers, x))
+    close(jit(lambda m, x: m(x))(stack, x), loop(layers, x))
+    jax.tree.map(lambda a: a, stack)
+    eqx.filter_grad(lambda m: jnp.sum(m(x)))(stack)
+    # The fix: the index as an array field is stacked, with the same values.
+    fixed = [layers[0]] + [
+        ArrayIndexedBlock(b.lin, jnp.asarray(b.idx)) for b in layers[1:]
+    ]
+    fixed_stack = scanax.Stack(fixed)
+    assert fixed_stack.plan == ((0, 1, 1), (1, 1, 4))
+    close(fixed_stack(x), loop(layers, x))
+
+
+def test_warns_for_nnx_numbers_and_periods_but_not_for_other_differences():
+    rngs = nnx.Rngs(0)
+    with pytest.warns(
+        scanax.StackWarning,
+        match=r"(?s)layers\[0\] and layers\[2\] \(NNXIndexedBlock\) differ only in a "
+        r"number, `idx` \(0 against 1; 2 such pairs.*"
+        r"`self\.idx = nnx\.Variable\(jnp\.asarray\(idx\)\)`",
+    ):
+        scanax.Stack(
+            [f for i in range(3) for f in (NNXIndexedBlock(i, rngs), jax.nn.relu)]
+        )
+    # Other differences (widths, functions, structure) are plain heterogeneity.
+    k = jr.split(jr.key(1), 3)
+    scanax.Stack(
+        [
+            eqx.nn.Linear(4, 4, key=k[0]),
+            eqx.nn.Linear(4, 4, use_bias=False, key=k[1]),
+            eqx.nn.Linear(4, 3, key=k[2]),
+        ]
+    )
+    scanax.Stack([eqx.nn.Lambda(jnp.tanh), eqx.nn.Lambda(jnp.sin)])
+    scanax.Stack([nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)])
 
 
 # ---------------------------------------------------------------------------- eager

@@ -109,3 +109,30 @@ def kwarg_mutated(names: list[str], n: int) -> ValueError:
         f"`stack(x, per_layer={{'rngs': jax.random.split(key, {n})}})`, or "
         "give each layer its own `nnx.Rngs` when you build it."
     )
+
+
+def unstacked_by_numbers(
+    found: list[tuple[int, int, list[tuple[str, Any, Any]]]],
+    layers: Any,
+    described: str,
+) -> str:
+    """The warning for layers of one class left unstacked by a differing number."""
+    i, j, diffs = found[0]
+    path, a, b = diffs[0]
+    fields = list(dict.fromkeys(p.lstrip(".") for _, _, d in found for p, _, _ in d))
+    name = path.rsplit(".", 1)[-1].strip("[]'\"") or "idx"
+    pairs = f"; {len(found)} such pairs" if len(found) > 1 else ""
+    return (
+        f"{CALL}: layers[{i}] and layers[{j}] ({type(layers[i]).__name__}) differ "
+        f"only in a number, `{path.lstrip('.')}` ({a!r} against {b!r}{pairs}, in "
+        f"{', '.join(f'`{f}`' for f in fields)}), so they cannot share one scan: a "
+        "Python number is part of a layer's structure, not stacked like an array. "
+        f"Each such layer is traced on its own: Stack({described}).\nFix: hold the "
+        "number as an array, stacked with the weights (Equinox: a field that is not "
+        f"`eqx.field(static=True)`, set to `jnp.asarray({name})`; NNX: "
+        f"`self.{name} = nnx.Variable(jnp.asarray({name}))`), or make it a call "
+        "argument of the layer and pass one per layer, e.g. "
+        f"`stack(x, per_layer={{{name!r}: jnp.arange({len(layers)})}})`. If the "
+        "layer needs a Python number (a shape, a dilation), keep it and silence this "
+        "with `warnings.simplefilter('ignore', scanax.StackWarning)`."
+    )
