@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import functools as ft
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -67,11 +68,40 @@ class _Fallback(Exception):
     """The call cannot be cached: run it the plain way."""
 
 
+# Errors of code that needs concrete values: eagerly, a layer a Stack calls directly
+# used to get them (inside a scan body nothing does, and the plain call raises the
+# same error again).
+_NEEDS_VALUES = (
+    _Fallback,
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+_local = threading.local()  # .plain: inside a call run the plain way
+
+
 def active() -> bool:
-    """Whether a call runs eagerly: outside every JAX transformation, jit enabled."""
+    """Whether a call runs eagerly: outside every JAX transformation, jit enabled
+    (and not inside a call this module runs the plain way)."""
     if _trace_state_clean is None:  # pragma: no cover - another JAX
         return False
-    return _trace_state_clean() and not jax.config.jax_disable_jit
+    return (
+        _trace_state_clean()
+        and not jax.config.jax_disable_jit
+        and not getattr(_local, "plain", False)
+    )
+
+
+def _plain(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` as without this module: nothing inside is cached."""
+    before = getattr(_local, "plain", False)
+    _local.plain = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _local.plain = before
 
 
 def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
@@ -93,7 +123,9 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         try:
             graphdef, variables, _ = _nnx.flatten(nodes)
         except Exception:  # e.g. `nnx.capture`'s attributes next to a list's items
-            return fn(*args, **kwargs)
+            variables = None
+        if variables is None:
+            return _plain(fn, args, kwargs)
         values = [v.get_value() for v in variables]
     var_idx = [k for k, v in enumerate(values) if _is_input(v)]
     inputs = [leaves[i] for i in dyn_idx] + [values[k] for k in var_idx]
@@ -146,14 +178,17 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         )
         return arrays
 
+    plain = False
     try:
         jaxpr, consts = _trace(traced, inputs)
-    except _Fallback:
-        return fn(*args, **kwargs)
+    except _NEEDS_VALUES:  # a layer called directly branches on a value: run as
+        plain = True  # before (an error inside a scan comes again, unchanged)
     except Exception as err:
         if type(err).__name__ != "TraceContextError":  # flax: a closed-over Variable
             raise  # was written: the plain call says what happened
-        return fn(*args, **kwargs)
+        plain = True
+    if plain:  # outside the `except`: its error is not the context of another
+        return _plain(fn, args, kwargs)
     outs = _program(jaxpr)(list(consts), inputs)
     out_leaves = list(found["leaves"])
     n = len(found["where"])

@@ -749,6 +749,17 @@ def test_eager_calls_reuse_the_compiled_program(make):
         assert i == 0 or c.n == 0
 
 
+def test_eager_layer_called_directly_may_read_values_as_before():
+    """Eagerly, a layer the Stack calls directly still gets concrete arrays: a
+    call whose trace needs values runs as it did before eager calls were cached."""
+    flip = lambda x: x if float(x.sum()) > 0 else -x
+    stack = scanax.Stack([flip, jnp.tanh, jnp.tanh])
+    for sign in (1.0, -1.0):
+        close(stack(sign * X), loop([flip, jnp.tanh, jnp.tanh], sign * X))
+    with pytest.raises(jax.errors.ConcretizationTypeError):
+        jax.jit(stack)(X)
+
+
 def test_eager_nnx_state_updates_are_written_back_each_call():
     def layers():
         rngs = nnx.Rngs(0)
