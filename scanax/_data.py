@@ -25,6 +25,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
+from . import _mesh
 from ._axes import is_array
 from ._errors import fit as errors, short_type
 
@@ -38,9 +39,18 @@ def is_array_data(data: Any) -> bool:
 
 
 class ArraySource:
-    """A pytree of arrays with a leading example axis, sampled on device."""
+    """A pytree of arrays with a leading example axis, sampled on device.
 
-    kind = "array"
+    What ``fit`` asks of a source: the compiled ``length`` of a call, whether
+    calls are ``sized_automatically``, the ``arguments`` the compiled loop takes
+    (placed on devices), the ``calls`` to make, a ``sampler`` for inside the loop
+    (``first``/``advance``/``batch``), a ``describe`` for checkpoints and ``skip``
+    to resume.
+    """
+
+    # Steps per compiled call: the history buffers' length, so that one program
+    # runs any number of steps.
+    LENGTH = 1000
 
     def __init__(self, data: Any, batch_size: Any, key: Any):
         sizes = [x.shape[0] if x.ndim else None for x in jtu.tree_leaves(data)]
@@ -58,6 +68,42 @@ class ArraySource:
         self.data = data
         self.static = ("array", self.n, self.batch_size, self.shuffle)
 
+    def length(self, steps: int, steps_per_call: int | None) -> int:
+        return max(self.LENGTH, steps_per_call or 0)
+
+    def sized_automatically(self, steps_per_call: int | None) -> bool:
+        """Calls sized by their speed (no ``steps_per_call`` given)."""
+        return steps_per_call is None
+
+    def check_mesh(self, mesh: Any) -> None:
+        _mesh.check_batch(mesh, self.batch_size, "batch_size")
+
+    def arguments(self, mesh: Any) -> tuple[Any, Any]:
+        """``(data, key)`` for the compiled loop, on the devices."""
+        if mesh is None:
+            return jax.device_put(self.data), self.key
+        return _mesh.replicate(mesh, (self.data, self.key))
+
+    def describe(self) -> dict:
+        """What a checkpoint records of the data (a resume must see the same)."""
+        return {
+            "kind": "array",
+            "n": self.n,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
+
+    def skip(self, count: int) -> None:
+        """Nothing to skip: step ``t``'s batch is a function of ``t``."""
+
+    def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
+        """``(start, end, xs)`` of each call (``schedule.want(start, end)`` steps):
+        the batches are drawn inside."""
+        while start < end:
+            count = schedule.want(start, end)
+            yield start, start + count, None
+            start += count
+
     def sampler(self) -> ArraySource:
         """This source without its arrays (the compiled loop gets them as
         arguments; a cached loop must not keep a dataset alive)."""
@@ -66,6 +112,13 @@ class ArraySource:
         return clone
 
     # -- on device, inside the compiled chunk: functions of the global step only --
+
+    def first(self, key: Any, t: Any) -> Any:
+        """The sampler's state at step ``t``: its epoch's example order."""
+        return self.permutation(key, t)
+
+    def advance(self, perm: Any, key: Any, t: Any) -> Any:
+        return self.next_permutation(key, t, perm)
 
     def permutation(self, key: Any, t: Any) -> Any:
         """The example order of the epoch that step ``t`` belongs to."""
@@ -83,7 +136,7 @@ class ArraySource:
             lambda: perm,
         )
 
-    def batch(self, data: Any, perm: Any, t: Any) -> Any:
+    def batch(self, perm: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
         start = (t % self.per_epoch) * self.batch_size
         if self.shuffle:
             idx = jax.lax.dynamic_slice(perm, (start,), (self.batch_size,))
@@ -94,9 +147,10 @@ class ArraySource:
 
 
 class IterSource:
-    """An iterable of host batches, stacked into chunks of ``steps_per_call``."""
+    """An iterable of host batches, stacked into chunks of ``steps_per_call``
+    (the same interface as ``ArraySource``)."""
 
-    kind = "iter"
+    LENGTH = 100  # batches per call by default
 
     def __init__(self, data: Any, key: Any = None):
         try:
@@ -113,8 +167,45 @@ class IterSource:
         self.impls: list[Any] = []  # per leaf: the PRNG impl of a key leaf, or None
         self.static = ("iter",)
 
-    def sampler(self) -> None:
-        return None  # batches come in as arguments
+    def length(self, steps: int, steps_per_call: int | None) -> int:
+        """Host batches are stacked per call, so the buffers are as long as a
+        call: ``steps_per_call``, else 100, or a power of two above a smaller
+        ``steps`` (a few programs at most, never one per ``steps`` value)."""
+        if steps_per_call is not None:
+            return steps_per_call
+        return min(self.LENGTH, 1 << (min(steps, self.LENGTH) - 1).bit_length())
+
+    def sized_automatically(self, steps_per_call: int | None) -> bool:
+        return False
+
+    def check_mesh(self, mesh: Any) -> None:
+        """Checked per chunk (``_mesh.put_chunk``): the batch size is the
+        iterable's."""
+
+    def arguments(self, mesh: Any) -> tuple[Any, Any]:
+        if mesh is None:
+            return None, self.key
+        return None, _mesh.replicate(mesh, self.key)
+
+    def describe(self) -> dict:
+        return {"kind": "iter"}
+
+    def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
+        """``(start, end, xs)`` of each call, with its batches stacked (padded to
+        ``schedule.length``) and put on the devices (for the next call, while
+        the previous one trains)."""
+        while start < end:
+            taken = self.take(schedule.want(start, end), schedule.length)
+            if taken is None:
+                return
+            xs, count = taken
+            xs = jax.device_put(xs) if mesh is None else _mesh.put_chunk(mesh, xs)
+            yield start, start + count, self.on_device(xs)
+            start += count
+
+    def sampler(self) -> IterSource:
+        """The in-loop part: batch ``i`` of the call's stacked batches."""
+        return _HOST_BATCHES
 
     def skip(self, count: int) -> int:
         """Drop ``count`` batches (to resume); returns how many there were."""
@@ -190,6 +281,24 @@ class IterSource:
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+class _HostBatches:
+    """Inside the loop: batch ``i`` of the stacked host batches ``xs``."""
+
+    def first(self, key: Any, t: Any) -> None:
+        return None
+
+    def advance(self, state: Any, key: Any, t: Any) -> None:
+        return None
+
+    def batch(self, state: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
+        return jtu.tree_map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
+        )
+
+
+_HOST_BATCHES = _HostBatches()
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,10 +33,8 @@ from . import (
 from ._errors import fit as errors
 
 _CALL = "scanax.fit"
-# Steps per compiled call (the history buffers' length: one program for any
-# ``steps``), and the wall time that the automatic schedule aims each call at
-# (array data: calls grow from 8 steps to this).
-_LENGTH = {"array": 1000, "iter": 100}
+# The wall time that the automatic schedule aims each call at (array data: calls
+# grow from 8 steps to this, up to the source's compiled length).
 _SECONDS_PER_CALL = 0.25
 _REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 _CACHE_SIZE = 32
@@ -195,13 +193,9 @@ def fit(
     source = _data.make_source(data, batch_size, key)
     if takes_key and key is None:
         raise errors.loss_key_without_key()
-    length = _LENGTH[source.kind]
     if steps_per_call is not None:
-        per_call = _data.positive_int("steps_per_call", steps_per_call)
-        # Host batches are stacked per call: their buffers are per_call long.
-        length = per_call if source.kind == "iter" else max(length, per_call)
-    elif source.kind == "iter":
-        length = min(length, 1 << (min(steps, length) - 1).bit_length())
+        steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
+    length = source.length(steps, steps_per_call)
     if checkpoint_every is not None:
         if checkpoint_dir is None:
             raise errors.checkpoint_every_without_dir(checkpoint_every)
@@ -216,8 +210,7 @@ def fit(
     if mesh is not None:
         _mesh.check(mesh)
         mesh = _mesh.auto(mesh)
-        if source.kind == "array":
-            _mesh.check_batch(mesh, source.batch_size, "batch_size")
+        source.check_mesh(mesh)
     spec = _progress.resolve(_CALL, progress)
     start = adapter.start_step()
     if start is None:
@@ -235,7 +228,7 @@ def fit(
     # In-loop bar reports only where calls are not sized to a quarter second:
     # host batches, or a steps_per_call of the user's.
     ticks = spec is not None and mesh is None
-    ticks = ticks and (source.kind == "iter" or steps_per_call is not None)
+    ticks = ticks and not source.sized_automatically(steps_per_call)
     program = _program(
         adapter, source, loss_fn, takes_key, length, treedef, mesh, shardings, ticks
     )
@@ -243,7 +236,7 @@ def fit(
         program,
         length,
         fixed=min(length, steps_per_call or length),
-        auto=steps_per_call is None and source.kind == "array",
+        auto=source.sized_automatically(steps_per_call),
         checkpoint_every=checkpoint_every,
         bar_every=spec.every if spec is not None and not ticks else None,
     )
@@ -397,7 +390,6 @@ def _build_chunk(
     (the automatic schedule, the last call, a NaN) without recompiling, and steps
     that do not run cost nothing. Per-step outputs go to ``length``-long buffers.
     """
-    on_device = source is not None
 
     def guarded(leaves, batch, key):
         """One step, and whether its loss and gradients are finite.
@@ -426,17 +418,12 @@ def _build_chunk(
         )
 
     def batch_at(data, xs, perm, t, i):
-        if on_device:
-            batch = source.batch(data, perm, t)
-        else:
-            batch = jtu.tree_map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
-            )
+        batch = source.batch(perm, data, xs, t, i)
         return batch if mesh is None else _mesh.batch_constraint(mesh, batch)
 
     def chunk(leaves, stopped, start, count, every, data, key, xs):
         with jax.named_scope("scanax.fit"):
-            perm = source.permutation(key, start) if on_device else None
+            perm = source.first(key, start)
             root = jr.split(key)[1] if takes_key else None
 
             def key_at(t):
@@ -457,8 +444,7 @@ def _build_chunk(
             def body(carry):
                 i, leaves, _, perm, bufs, _ = carry
                 t = start + i
-                if on_device:
-                    perm = source.next_permutation(key, t, perm)
+                perm = source.advance(perm, key, t)
                 leaves, out, loss_ok, grads_ok = guarded(
                     leaves, batch_at(data, xs, perm, t, i), key_at(t)
                 )
@@ -627,14 +613,7 @@ class _Run:
         self.halted = False
         self.bar = None
         self.good = leaves  # the last state checked to be finite
-        if source.kind == "array":
-            self.data, self.key = source.data, source.key
-        else:
-            self.data, self.key = None, source.key
-        if self.mesh is None:
-            self.data = jax.device_put(self.data)
-        else:
-            self.data, self.key = _mesh.replicate(self.mesh, (self.data, self.key))
+        self.data, self.key = source.arguments(self.mesh)
 
     def context(self) -> Any:
         """The mesh as context while tracing: NNX Variables with sharding
@@ -646,15 +625,10 @@ class _Run:
     def resume(self, directory: Any, every: int | None) -> None:
         """Continue from the newest usable checkpoint in ``directory`` that lies
         between this call's start and end (see ``docs/checkpoint.md``)."""
-        desc = {"kind": self.source.kind}
-        if self.source.kind == "array":
-            desc.update(
-                n=self.source.n,
-                batch_size=self.source.batch_size,
-                shuffle=self.source.shuffle,
-            )
         names = self.adapter.names()
-        self.ckpt = _checkpoint.Checkpoints(directory, every, names, desc)
+        self.ckpt = _checkpoint.Checkpoints(
+            directory, every, names, self.source.describe()
+        )
         past = self.ckpt.steps_after(self.end)
         found = self.ckpt.restore(self.leaves, self.key, at_most=self.end)
         if found is None or found[0] <= self.start:
@@ -674,29 +648,7 @@ class _Run:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        if self.source.kind == "iter":
-            self.source.skip(step - self.start)  # the batches those steps used
-
-    def _chunks(self) -> Iterator[tuple[int, int, Any]]:
-        """``(start, end, xs)`` for each call; host batches are put on device here,
-        which for the next chunk overlaps the previous chunk's training."""
-        start = self.done
-        while start < self.end and not self.halted:
-            want = self.schedule.want(start, self.end)
-            if self.source.kind == "array":
-                yield start, start + want, None
-                start += want
-                continue
-            taken = self.source.take(want, self.schedule.length)
-            if taken is None:
-                return
-            xs, count = taken
-            if self.mesh is None:
-                xs = self.source.on_device(jax.device_put(xs))
-            else:
-                xs = self.source.on_device(_mesh.put_chunk(self.mesh, xs))
-            yield start, start + count, xs
-            start += count
+        self.source.skip(step - self.start)  # the batches those steps used
 
     def go(self) -> FitResult:
         shown: Any = contextlib.nullcontext()
@@ -738,7 +690,7 @@ class _Run:
         first = self.leaves
         handed = False  # the model may hold a state not yet checked
         try:
-            chunks = self._chunks()
+            chunks = self.source.calls(self.done, self.end, self.schedule, self.mesh)
             nxt = next(chunks, None)
             while nxt is not None:
                 start, end, xs = nxt
