@@ -7,7 +7,6 @@ say), and XLA's SPMD partitioner inserts the gradient all-reduce.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
@@ -51,13 +50,13 @@ def check_batch(mesh: Any, batch_size: int, what: str) -> None:
 
 
 def state_shardings(mesh: Any, adapter: Any, leaves: list) -> list:
-    """One sharding per state leaf: NNX sharding annotations where present (axes
-    the mesh does not have are replicated), replicated otherwise."""
+    """One sharding per state leaf: the model's own sharding annotations where
+    present (``adapter.partition_specs()``; axes the mesh does not have are
+    replicated), replicated otherwise."""
     replicated = NamedSharding(mesh, P())
     specs = None
-    nnx = sys.modules.get("flax.nnx")
-    if adapter.kind == "nnx" and nnx is not None:
-        tree = adapter.partition_specs()
+    tree = adapter.partition_specs()
+    if tree is not None:
         specs = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
         if len(specs) != len(leaves):
             specs = None

@@ -172,6 +172,10 @@ class OptaxAdapter:
     def fingerprint(self) -> Any:
         return _fingerprint.of(self.static)
 
+    def partition_specs(self) -> None:
+        """No sharding annotations: the state is replicated on a mesh."""
+        return None
+
     def start_step(self) -> int | None:
         """The step count kept in the optax state (``count`` of Adam, schedules,
         ``inject_hyperparams``...): where this call continues from; None when the
@@ -250,6 +254,10 @@ class TrainStateAdapter:
 
     def fingerprint(self) -> Any:
         return _fingerprint.of(self.static)
+
+    def partition_specs(self) -> None:
+        """No sharding annotations: the state is replicated on a mesh."""
+        return None
 
     def start_step(self) -> int:
         """The state's own ``step``: where this call continues from."""
