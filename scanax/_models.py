@@ -54,8 +54,6 @@ class NNXAdapter:
     """``(nnx.Module, nnx.Optimizer)``: both carried as one flat list of Variable
     values, written back into the same Variables at the end."""
 
-    kind = "nnx"
-
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
         self.graphdef, self.variables, self.paths = _nnx.flatten([model, optimizer])
@@ -143,8 +141,6 @@ class OptaxAdapter:
     model with ``None`` at every leaf that is not trained (``eqx.filter(model,
     eqx.is_inexact_array)``).
     """
-
-    kind = "optax"
 
     def __init__(self, model: Any, tx: Any, opt_state: Any = None):
         flat, treedef = jtu.tree_flatten_with_path(model)
@@ -245,8 +241,6 @@ class _Layout:
 
 class TrainStateAdapter:
     """A flax ``TrainState``: ``loss_fn(state, batch)``, then ``apply_gradients``."""
-
-    kind = "trainstate"
 
     def __init__(self, state: Any):
         self.state = state
