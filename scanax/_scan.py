@@ -124,15 +124,17 @@ class _CarryCodec:
         return named
 
     def _check_types(self, dynamic_in: Any, dynamic_out: Any) -> None:
+        if all(
+            _same_type(jax.typeof(a), jax.typeof(b))
+            for a, b in zip(jtu.tree_leaves(dynamic_in), jtu.tree_leaves(dynamic_out))
+        ):
+            return  # the common case: no names to build
         rows, hints = [], []
         for (path, a), (_, b) in zip(
             self._named_dynamic(dynamic_in), self._named_dynamic(dynamic_out)
         ):
             ta, tb = jax.typeof(a), jax.typeof(b)
-            # A weakly typed init leaf (a Python number) may change dtype: lax.scan
-            # promotes it and traces again, exactly as without scanax.
-            dtype_ok = ta.dtype == tb.dtype or ta.weak_type
-            if ta.shape != tb.shape or not dtype_ok:
+            if not _same_type(ta, tb):
                 rows.append((path, _errors.short_type(ta), _errors.short_type(tb)))
                 if ta.shape != tb.shape:
                     hints.append(
@@ -153,6 +155,12 @@ class _CarryCodec:
         for i, a in zip(self.dyn_idx, arrays):
             leaves[i] = a
         return jtu.tree_unflatten(self.treedef, leaves)
+
+
+def _same_type(ta: Any, tb: Any) -> bool:
+    # A weakly typed init leaf (a Python number) may change dtype: lax.scan
+    # promotes it and traces again, exactly as without scanax.
+    return ta.shape == tb.shape and (ta.dtype == tb.dtype or ta.weak_type)
 
 
 def _node_desc(nodes: list[Any]) -> str:
@@ -315,9 +323,10 @@ def prepare(
         new_dynamic = codec.encode(new_carry, dynamic)
         if plan.bcast_nodes or plan.scan_nodes:
             plan.check_unchanged(call, x_leaves, x_slices)
-        for path, leaf in jtu.tree_flatten_with_path(y, is_leaf=_nnx.is_node)[0]:
-            if not is_arraylike(leaf):
-                raise _errors.bad_output_leaf(call, jtu.keystr(path), leaf)
+        if not all(map(is_arraylike, jtu.tree_leaves(y, is_leaf=_nnx.is_node))):
+            for path, leaf in jtu.tree_flatten_with_path(y, is_leaf=_nnx.is_node)[0]:
+                if not is_arraylike(leaf):
+                    raise _errors.bad_output_leaf(call, jtu.keystr(path), leaf)
         return new_dynamic, y
 
     return Loop(body, codec.dynamic, plan.scanned, plan.length), codec
