@@ -3,6 +3,7 @@ fused training loops for JAX, Flax NNX, Equinox and plain pytrees."""
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from . import _stack_adapters  # noqa: F401 (registers Stack's NNX and Equinox adapters)
 from ._compile_cache import compile_cache as compile_cache
 from ._fit import FitResult as FitResult, fit as fit
 from ._progress import Progress as Progress

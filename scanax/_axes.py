@@ -80,6 +80,41 @@ def _first_mismatch(
     return path, f"{_describe(prefix)} where xs has {_describe(tree)}"
 
 
+def first_difference(
+    a: Any, b: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[KeyPath, str, str] | None:
+    """Where two pytrees first differ in structure: ``(path, a there, b there)``
+    with each side described (``a dict with keys ['h', 'n']``, ``float32[3]``), or
+    None when they have the same structure."""
+
+    def level(x: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
+        if is_leaf is not None and is_leaf(x):
+            return None
+        if jtu.tree_structure(x).num_leaves == 1 and jtu.treedef_is_leaf(
+            jtu.tree_structure(x)
+        ):
+            return None  # a leaf (None is a node without children)
+        kids, top = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+        return top, [(p[0], c) for p, c in kids]
+
+    def describe(x: Any) -> str:
+        return _errors.short_type(x) if level(x) is None else _describe(x)
+
+    def walk(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str] | None:
+        la, lb = level(a), level(b)
+        if la is None and lb is None:
+            return None
+        if la is None or lb is None or la[0] != lb[0]:
+            return path, describe(a), describe(b)
+        for (key, x), (_, y) in zip(la[1], lb[1]):
+            found = walk(x, y, (*path, key))
+            if found:
+                return found
+        return None
+
+    return walk(a, b, ())
+
+
 def match_prefix(
     call: str,
     what: str,

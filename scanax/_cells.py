@@ -14,8 +14,9 @@ matched, without annotation, to one protocol, which gives a uniform
 - ``state``: any other callable with ``cell(h, x) -> h`` (the output is the new state).
 - ``pair``: any other callable with ``cell(carry, x) -> (carry, y)``.
 
-Nothing here imports a framework: Flax and Equinox are looked up in ``sys.modules``
-(if the user has such a cell, its framework is already imported).
+Nothing here imports a framework: Flax NNX is reached through ``_nnx`` and Equinox
+looked up in ``sys.modules`` (if the user has such a cell, its framework is already
+imported).
 """
 
 from __future__ import annotations
@@ -29,20 +30,12 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._errors import short_type
+from . import _nnx
 
-SUPPORTED = (
-    "  - `cell(h, x) -> h` (any callable; the output is the new state h)\n"
-    "  - `cell(carry, x) -> (carry, y)` (any callable, and Flax NNX cells: "
-    "nnx.GRUCell, nnx.LSTMCell, nnx.OptimizedLSTMCell, nnx.SimpleCell)\n"
-    "  - eqx.nn.GRUCell: `cell(x, h) -> h`\n"
-    "  - eqx.nn.LSTMCell: `cell(x, (h, c)) -> (h, c)`, output h"
-)
-
-# Attribute names that give a generic cell's widths (the seed's cells have `dim`,
-# their state width).
-_IN_ATTRS = ("input_size", "in_features")
-_OUT_ATTRS = ("hidden_size", "hidden_features", "dim")
+# Attribute names that give a generic cell's widths (`dim`: the state width of a
+# plain `cell(h, x) -> h` function object).
+IN_ATTRS = ("input_size", "in_features")
+OUT_ATTRS = ("hidden_size", "hidden_features", "dim")
 
 
 def _attr_int(cell: Any, names: tuple[str, ...]) -> int | None:
@@ -54,12 +47,7 @@ def _attr_int(cell: Any, names: tuple[str, ...]) -> int | None:
 
 
 def _is_nnx_cell(cell: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return (
-        nnx is not None
-        and nnx.graph.is_graph_node(cell)
-        and callable(getattr(cell, "initialize_carry", None))
-    )
+    return _nnx.is_node(cell) and callable(getattr(cell, "initialize_carry", None))
 
 
 def _eqx_kind(cell: Any) -> str | None:
@@ -91,10 +79,8 @@ class Cell:
     ) -> Any:
         """The state ``init=None`` stands for (inputs ``[*batch, width]``), or None."""
         if self.kind == "flax":
-            from flax import nnx
-
             # The rng is only used by random carry initialisers; zeros ignore it.
-            return cell.initialize_carry((*batch, width), rngs=nnx.Rngs(0))
+            return cell.initialize_carry((*batch, width), rngs=_nnx.rngs(0))
         if self.kind in ("eqx_gru", "eqx_lstm"):
             zeros = jnp.zeros((*batch, cell.hidden_size), cell.weight_hh.dtype)
             return zeros if self.kind == "eqx_gru" else (zeros, zeros)
@@ -136,7 +122,7 @@ def detect(cell: Any) -> Cell | None:
         return Cell(kind, cell.input_size, cell.hidden_size)
     if not callable(cell):
         return None
-    return Cell("?", _attr_int(cell, _IN_ATTRS), _attr_int(cell, _OUT_ATTRS))
+    return Cell("?", _attr_int(cell, IN_ATTRS), _attr_int(cell, OUT_ATTRS))
 
 
 def _same_types(a: Any, b: Any, dtypes: bool = True) -> bool:
@@ -169,13 +155,6 @@ def probe_kind(spec: Cell, state: Any, out: Any) -> str | None:
     if isinstance(out, (tuple, list)) and len(out) == 2 and _same_types(state, out[0]):
         return "pair"
     return None
-
-
-def describe(tree: Any) -> str:
-    leaves = jtu.tree_leaves(tree)
-    if len(leaves) == 1 and jtu.tree_structure(tree).num_nodes == 1:
-        return short_type(leaves[0])
-    return str(jtu.tree_map(short_type, tree)).replace("'", "")
 
 
 def eval_step(spec: Cell, cell: Any, state: Any, x: Any) -> Callable[[], Any]:

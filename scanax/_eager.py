@@ -184,8 +184,8 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     except _NEEDS_VALUES:  # a layer called directly branches on a value: run as
         plain = True  # before (an error inside a scan comes again, unchanged)
     except Exception as err:
-        if type(err).__name__ != "TraceContextError":  # flax: a closed-over Variable
-            raise  # was written: the plain call says what happened
+        if not _nnx.is_trace_level_error(err):  # flax: a closed-over Variable was
+            raise  # written: the plain call says what happened
         plain = True
     if plain:  # outside the `except`: its error is not the context of another
         return _plain(fn, args, kwargs)

@@ -1,6 +1,6 @@
 """How ``scanax.scan``'s long-scan options (progress, remat, keep) compose.
 
-Each option is a transformation of the :class:`~scanax._scan.Loop` or a lowering of
+Each option is a transformation of the :class:`~scanax._loop.Loop` or a lowering of
 it: ``remat=True``/policy checkpoints the body; ``progress`` runs the steps in
 chunks of ``every`` and ticks an internal counter before each chunk, outside any
 checkpointed region (with thinning, once per step instead); ``keep_every``/
@@ -18,7 +18,7 @@ import jax
 
 from . import _progress, _remat, _thin
 from ._errors import long as errors
-from ._scan import Loop, run_lax
+from ._loop import Loop, run_lax
 
 
 @dataclasses.dataclass(frozen=True)

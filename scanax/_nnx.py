@@ -64,6 +64,11 @@ def update(nodes: list[Any], state: Any) -> None:
     _nnx().update(nodes, state)
 
 
+def rngs(seed: int) -> Any:
+    """``nnx.Rngs(seed)``."""
+    return _nnx().Rngs(seed)
+
+
 def loaded() -> bool:
     return _nnx() is not None
 
@@ -75,6 +80,8 @@ def is_trace_level_error(err: Exception) -> bool:
     ``ValueError`` ("Cannot extract graph node from different trace level") when one
     is passed to an NNX transform such as ``nnx.value_and_grad``.
     """
+    if _nnx() is None:  # no NNX object anywhere: not NNX's error
+        return False
     from flax import errors
 
     if isinstance(err, errors.TraceContextError):

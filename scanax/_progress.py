@@ -12,7 +12,7 @@ hoisted out as loop-invariant). Every report is made inside the loop: a report
 after it could run first, as XLA folds the final count to a constant.
 
 The callbacks are unordered (ordered effects would not run on several devices),
-so the host side tolerates reports that arrive permuted (see ``_Bar``).
+so the host side tolerates reports that arrive permuted (see ``Bar``).
 
 ``scanax.fit`` takes the same ``progress=`` values and opens its bar with
 ``open_bar``. Its compiled loop is shared by every ``fit`` call of the same
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools as ft
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import long as errors
-from ._scan import Loop
+from ._loop import Loop
 
 _DEFAULT_UPDATES = 20
 
@@ -84,12 +83,7 @@ def resolve(call: str, progress: Any) -> Progress | None:
     every = spec.every
     bad_type = isinstance(every, bool) or not isinstance(every, int)
     if every is not None and (bad_type or every < 1):
-        raise (TypeError if bad_type else ValueError)(
-            f"{call}: the progress bar's `every` must be a positive int (steps "
-            f"between updates) or None, got {every!r}.\nFix: pass e.g. "
-            "progress=100, or progress=scanax.Progress(every=100); None picks about "
-            f"{_DEFAULT_UPDATES} updates per scan."
-        )
+        raise errors.bad_every(call, every, _DEFAULT_UPDATES)
     load_tqdm(call)
     return spec
 
@@ -180,7 +174,7 @@ def default_every(length: int) -> int:
     return base
 
 
-class _Bar:
+class Bar:
     """Host-side state of one scan's bar.
 
     Callbacks without an order (``jax.debug.callback``) may arrive permuted within
@@ -208,15 +202,6 @@ class _Bar:
             self.bar = None
 
 
-def _host_report(bar: _Bar, done: Any, last: Any) -> None:
-    """Every callback lands here (tests patch this to count them)."""
-    bar.report(done, last)
-
-
-def _dispatch(bar: _Bar, done: Any, last: Any) -> None:
-    _host_report(bar, done, last)
-
-
 class Reporter:
     """The in-loop half of a progress bar: the counter and its ticks.
 
@@ -229,7 +214,7 @@ class Reporter:
     def __init__(self, spec: Progress, total: int):
         self.total = total
         self.every = spec.every if spec.every is not None else default_every(total)
-        self._bar = _Bar(spec, total)
+        self._bar = Bar(spec, total)
 
     def init(self) -> jax.Array:
         return jnp.zeros((), jnp.int32)
@@ -251,9 +236,8 @@ class Reporter:
     def tick(self, count: jax.Array, n: int = 1) -> jax.Array:
         """Report (maybe) before ``n`` steps; returns the counter after them."""
         last = count + n == self.total
-        report_if(
-            self.hit(count, n) | last, ft.partial(_dispatch, self._bar), count, last
-        )
+        bar = self._bar  # `bar.report` looked up when the callback runs
+        report_if(self.hit(count, n) | last, lambda d, f: bar.report(d, f), count, last)
         return count + n
 
     def wrap(self, loop: Loop) -> Loop:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import long as errors
-from ._scan import Loop
+from ._loop import Loop
 
 
 def resolve(call: str, remat: Any) -> Any:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _cells, _eager
+from . import _cells, _eager, _nnx
 from ._errors import rnn as errors, short_type
 from ._scan import scan
 
@@ -64,7 +64,7 @@ def _plan(
         default = spec.default_state(cell, batch, width, x0.dtype)
         if init is None:
             if default is None:
-                raise errors.no_state(i, cell)
+                raise errors.no_state(i, cell, _cells.OUT_ATTRS)
             state = default
         else:
             state = init[i]
@@ -79,7 +79,7 @@ def _plan(
         try:
             out = _cells.eval_step(spec, cell, state, x)()
         except Exception as err:
-            if type(err).__name__ == "TraceContextError":  # flax: mutation in a trace
+            if _nnx.is_trace_level_error(err):  # flax: mutation in a trace
                 raise errors.cell_mutates(i, cell, err) from err
             raise errors.call_failed(i, cell, x, source) from err
         if spec.kind == "?":
@@ -88,13 +88,7 @@ def _plan(
             if spec.kind == "?" and new is not None:
                 raise errors.state_dtype(i, cell, state, new, init is None, x0.dtype)
             if spec.kind == "?":
-                raise errors.unknown_protocol(
-                    i,
-                    cell,
-                    f"called as cell(h, x) with h {_cells.describe(state)} it returned "
-                    f"{_cells.describe(out)}: neither a new h of the same type nor a "
-                    "pair (new h, y)",
-                )
+                raise errors.not_state_or_pair(i, cell, state, out)
             if spec.kind == "state":
                 out = (out, out)
         new_state, y = out

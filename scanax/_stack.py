@@ -9,7 +9,9 @@ applied with one ``scanax.scan``; everything else is called directly.
 ``Stack(...)`` returns the class that fits the layers: an ``nnx.Module`` for Flax NNX
 layers (``_stack_nnx.py``), an ``eqx.Module`` for Equinox layers (``_stack_eqx.py``),
 and this module's pytree class for any other callables. All three are instances of
-``scanax.Stack``. This file is framework-free; it holds the plan and the pytree path.
+``scanax.Stack``. This file is framework-free; it holds the plan, the pytree path and
+the registry the adapters plug into (``register_adapter``, filled by
+``_stack_adapters.py``).
 """
 
 from __future__ import annotations
@@ -281,15 +283,24 @@ def _split(
     return [leaves[i] for i in idx], rebuild
 
 
-# ``remat`` as the user gives it: None (the default), False, True or a policy. A
-# layer is then called with False (store everything), True (recompute everything)
-# or a policy (store what it allows).
+# ``remat`` as the user gives it: None (the default), False, True, "sqrt" or a
+# policy: ``scanax.scan``'s values, and None. A layer is then called with False
+# (store everything), True (recompute everything) or a policy (store what it
+# allows); with "sqrt" the layers are called plainly and each run's scan
+# checkpoints chunks of √repeats blocks (``scan_remat``).
 
 
 def check_remat(remat: Any) -> Any:
     if remat is None or isinstance(remat, bool) or callable(remat):
         return remat
+    if remat == "sqrt":
+        return remat
     raise errors.bad_remat(remat)
+
+
+def scan_remat(remat: Any) -> Any:
+    """The ``remat=`` of a stacked run's ``scanax.scan``."""
+    return "sqrt" if remat == "sqrt" else False
 
 
 def run_remat(remat: Any) -> Any:
@@ -299,12 +310,14 @@ def run_remat(remat: Any) -> Any:
     elementwise work between them is recomputed: on CPU, storing every residual of a
     scanned layer costs more than recomputing them (measured in bench_stack).
     """
+    if remat == "sqrt":
+        return False  # the run's scan checkpoints (`scan_remat`)
     return jax.checkpoint_policies.checkpoint_dots if remat is None else remat
 
 
 def single_remat(remat: Any) -> Any:
     """How a layer outside any run (called directly) is checkpointed."""
-    return False if remat is None else remat
+    return False if remat is None or remat == "sqrt" else remat
 
 
 def checkpoint_call(fn: Callable, args: tuple, remat: Any) -> Any:
@@ -422,6 +435,7 @@ def apply_pytree(
                     length=repeats,
                     unroll=unroll,
                     in_axes=(0, 0, None),
+                    remat=scan_remat(remat),
                 )
         except ShapeChange:
             # The layers change x's shape: no scan carry can hold it; loop instead.
@@ -434,14 +448,19 @@ def apply_pytree(
 # ---------------------------------------------------------------------------- public
 
 
-def _has_nnx(layers: Sequence[Any]) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and any(nnx.graph.is_graph_node(x) for x in layers)
+# Framework adapters, in the order they are asked: ``(claims, build)``, where
+# ``claims(layers)`` says whether the adapter takes these layers and
+# ``build(layers, **kwargs)`` returns its Stack. Registered from above (see
+# ``_stack_adapters``): this module knows none of them.
+_ADAPTERS: list[tuple[Callable[[list[Any]], bool], Callable[..., Any]]] = []
 
 
-def _has_eqx(layers: Sequence[Any]) -> bool:
-    eqx = sys.modules.get("equinox")
-    return eqx is not None and any(isinstance(x, eqx.Module) for x in layers)
+def register_adapter(
+    claims: Callable[[list[Any]], bool], build: Callable[..., Any]
+) -> None:
+    """Have ``Stack(layers, **kwargs)`` return ``build(layers, **kwargs)`` when
+    ``claims(layers)``; adapters registered first are asked first."""
+    _ADAPTERS.append((claims, build))
 
 
 def check_layers(layers: Any) -> list[Any]:
@@ -482,13 +501,17 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
 
     Arguments:
         layers: a list or tuple of callables ``layer(x, **kwargs) -> x``.
-        remat: what the backward pass stores. ``None`` (the default): the layers
-            of stacked runs keep only their matmul results
+        remat: what the backward pass stores: ``scanax.scan``'s values, and
+            ``None``. ``None`` (the default, where ``scanax.scan``'s is ``False``):
+            the layers of stacked runs keep only their matmul results
             (``jax.checkpoint_policies.checkpoint_dots``) and recompute the
             elementwise work in between; single layers store everything. ``False``:
             every layer stores everything (a plain ``lax.scan``). ``True``: every
             layer is wrapped in ``jax.checkpoint`` and recomputed. A
             ``jax.checkpoint_policies`` policy: every layer, with that policy.
+            ``"sqrt"`` (for long stacks): each stacked run is a scan with
+            ``remat="sqrt"``, storing the activations of about √repeats blocks for
+            one extra forward pass; single layers store everything.
         unroll: as in ``jax.lax.scan``, for every stacked run.
 
     ``len(stack)``, ``stack[i]`` and ``list(stack)`` give the layers back, equal to
@@ -523,14 +546,9 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
     def __new__(cls, layers: Sequence[Any] = (), **kwargs: Any) -> Any:
         if cls is Stack:
             layers = check_layers(layers)
-            if _has_nnx(layers):
-                from ._stack_nnx import NNXStack
-
-                return NNXStack(layers, **kwargs)
-            if _has_eqx(layers):
-                from ._stack_eqx import EqxStack
-
-                return EqxStack(layers, **kwargs)
+            for claims, build in _ADAPTERS:
+                if claims(layers):
+                    return build(layers, **kwargs)
         return super().__new__(cls)
 
     def __init__(

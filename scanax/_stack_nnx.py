@@ -10,7 +10,7 @@ import jax
 import jax.tree_util as jtu
 from flax import nnx
 
-from . import _eager, _errors as base_errors, _stack
+from . import _eager, _errors as base_errors, _nnx, _stack
 from ._errors import stack as errors
 from ._scan import scan
 
@@ -209,9 +209,9 @@ class NNXStack(nnx.Module):
                 )[0]
                 if nnx.graph.is_graph_node(leaf)
             ]
-            mutation = isinstance(err, base_errors.NNXMutation) or (
-                type(err).__name__ == "TraceContextError"
-            )
+            mutation = isinstance(
+                err, base_errors.NNXMutation
+            ) or _nnx.is_trace_level_error(err)
             if nodes and mutation:
                 raise errors.kwarg_mutated(nodes, self.n) from err
             raise
@@ -272,6 +272,7 @@ class NNXStack(nnx.Module):
                     length=piece[2],
                     unroll=self.unroll,
                     in_axes=(0, 0, None),
+                    remat=_stack.scan_remat(self.remat),
                 )
         except _stack.ShapeChange:
             ys = []

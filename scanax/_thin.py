@@ -25,7 +25,7 @@ import jax.tree_util as jtu
 
 from . import _remat
 from ._errors import long as errors
-from ._scan import Loop
+from ._loop import Loop
 
 _REDUCERS = ("all", "last", "sum", "mean")
 

@@ -27,7 +27,7 @@ import jax.tree_util as jtu
 
 from . import _eager, _remat
 from ._errors import long as errors
-from ._scan import Loop, _call_lowering, move_out_axes, prepare
+from ._loop import Loop, call_lowering, move_out_axes, prepare
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -149,7 +149,7 @@ def scan_until(
                 sqrt=remat == "sqrt",
             )
 
-    dynamic, ys, steps = _call_lowering(codec, f, lowering)
+    dynamic, ys, steps = call_lowering(codec, f, lowering)
     return codec.finish(dynamic), move_out_axes(_CALL, ys, out_axes), steps
 
 

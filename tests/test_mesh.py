@@ -1,5 +1,7 @@
 """scanax.fit on a device mesh (4 forced host devices, see conftest.py)."""
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -12,6 +14,7 @@ import scanax
 optax = pytest.importorskip("optax")
 nnx = pytest.importorskip("flax.nnx")
 
+from helpers import close as _close  # noqa: E402
 from test_fit import BS, KEY, TX, X, Y, batch_at  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -61,9 +64,7 @@ def run(mesh, data, annotate=False, **kw):
     return result, model, opt
 
 
-def close(a, b):
-    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+close = ft.partial(_close, rtol=1e-5, atol=1e-6, structure=False)
 
 
 @pytest.mark.parametrize("kind", ["array", "iterable"])

@@ -1,9 +1,10 @@
+import functools as ft
 import math
 import sys
 
+import helpers
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import scanax
@@ -15,8 +16,8 @@ def reports(monkeypatch):
     """Every host callback, as (steps done, closing), without drawing a bar."""
     seen = []
     monkeypatch.setattr(
-        _progress,
-        "_host_report",
+        _progress.Bar,
+        "report",
         lambda bar, done, closing: seen.append((int(done), closing)),
     )
     return seen
@@ -50,9 +51,7 @@ def xs(n):
     return (jnp.linspace(0.0, 1.0, n), jnp.arange(n, dtype=jnp.float32))
 
 
-def assert_same(a, b):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6)
+assert_same = ft.partial(helpers.close, rtol=1e-6, atol=1e-6, structure=False)
 
 
 CASES = {

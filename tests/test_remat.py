@@ -1,6 +1,8 @@
+import functools as ft
+
+import helpers
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import scanax
@@ -48,9 +50,7 @@ def ours(init, xs, remat, reverse=False, unroll=1):
     )
 
 
-def close(a, b):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-6)
+close = ft.partial(helpers.close, rtol=2e-5, atol=1e-6, structure=False)
 
 
 REMATS = {
@@ -111,6 +111,34 @@ def test_length_zero_and_no_outputs():
 @pytest.mark.parametrize("n, c", [(1, 1), (2, 2), (4, 2), (5, 3), (9, 3), (10, 4)])
 def test_chunk_size(n, c):
     assert chunk_size(n) == c
+
+
+def checkpoints(fn, *args):
+    """The policy of every ``jax.checkpoint`` in fn's jaxpr, nested ones too."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("remat2", "checkpoint"):  # jax.checkpoint
+                found.append(e.params["policy"])
+            for sub in e.params.values():
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("remat", list(REMATS))
+def test_remat_checkpoints_the_body(remat):
+    """The option really checkpoints (values alone would not show a remat that did
+    nothing): one jax.checkpoint of the body with the policy given, or, for
+    "sqrt", one per chunk of steps (16 steps: a scan over 4 chunks)."""
+    init, xs = inputs(16)
+    found = checkpoints(lambda i, x: ours(i, x, REMATS[remat]), init, xs)
+    want = None if REMATS[remat] in (True, "sqrt") else REMATS[remat]
+    assert found == [want]
+    assert checkpoints(lambda i, x: ours(i, x, False), init, xs) == []
 
 
 def test_sqrt_is_nested_scans():

@@ -2,6 +2,7 @@
 
 import functools as ft
 
+import helpers
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -22,18 +23,14 @@ jit = ft.partial(jax.jit, compiler_options=FAST)
 filter_jit = ft.partial(eqx.filter_jit, compiler_options=FAST)
 
 
-def close(a, b, **kw):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **(kw or TOL))
+close = ft.partial(helpers.close, **TOL)
 
 
 # ---------------------------------------------------------------------------- cells
 
 
 class Rnn(eqx.Module):
-    """The seed's cell, `cell(h, x) -> h`, with an input width of its own."""
+    """A plain `cell(h, x) -> h` cell (an Equinox module), with an input width of its own."""
 
     dim: int = eqx.field(static=True)
     w_x: jax.Array
@@ -51,7 +48,7 @@ class Rnn(eqx.Module):
         return jnp.tanh(x @ self.w_x + h @ self.w_h + self.b)
 
 
-def seed_cells():
+def state_cells():
     k = jr.split(jr.key(0), 3)
     return (Rnn(D, 4, k[0]), Rnn(4, 3, k[1]), Rnn(3, 5, k[2]))
 
@@ -167,7 +164,7 @@ def eqx_value_and_grad(fn):
     return lambda cells, *args: vg(*eqx.partition(cells, eqx.is_array), *args)
 
 
-@pytest.mark.parametrize("make", [seed_cells, eqx_cells], ids=["seed", "eqx"])
+@pytest.mark.parametrize("make", [state_cells, eqx_cells], ids=["state", "eqx"])
 def test_equinox_cells_match_loops(make):
     cells, xs = make(), xs_tbd()
     ours = eqx_value_and_grad(lambda c, x: scanax.rnn(c, x))(cells, xs)
@@ -258,7 +255,7 @@ def test_orders_identical_with_lengths(reverse):
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_seq_lengths_freeze_state_and_zero_outputs(reverse):
-    cells, xs = seed_cells(), xs_tbd()
+    cells, xs = state_cells(), xs_tbd()
     lengths = jnp.array([4, 2, 0], jnp.int32)
     ours = eqx_value_and_grad(
         lambda c, x: scanax.rnn(c, x, seq_lengths=lengths, reverse=reverse)
@@ -290,7 +287,7 @@ def test_seq_lengths_match_nnx_rnn_final_carry():
 @pytest.mark.parametrize("order", ["time", "layer"])
 def test_seq_lengths_memory_does_not_grow_with_T(order):
     """Every scan keeps states as a carry only: its only stacked output is ys."""
-    cells = seed_cells()
+    cells = state_cells()
     lengths = jnp.ones(B, int)
     jaxpr = jax.make_jaxpr(
         lambda x: scanax.rnn(cells, x, seq_lengths=lengths, order=order)
@@ -350,7 +347,7 @@ def test_no_retrace_on_new_values():
         traces.append(1)
         return scanax.rnn(cells, xs, seq_lengths=lengths)
 
-    cells = seed_cells()
+    cells = state_cells()
     f(cells, xs_tbd(), jnp.array([4, 2, 0]))
     f(jax.tree.map(lambda a: a + 1, cells), xs_tbd(seed=3), jnp.array([1, 2, 3]))
     assert len(traces) == 1
@@ -389,15 +386,15 @@ def test_eager_calls_reuse_the_compiled_program():
     close(got, ref(xs))
     assert c.n == 0
     lengths = jnp.array([4, 2, 0])
-    seed = seed_cells()
+    cells = state_cells()
     for _ in range(2):
         with count_compiles() as c:
-            got = scanax.birnn(seed, seed, xs_tbd(), seq_lengths=lengths)
+            got = scanax.birnn(cells, cells, xs_tbd(), seq_lengths=lengths)
     assert c.n == 0
 
 
 def test_zero_length_sequence():
-    cells = seed_cells()
+    cells = state_cells()
     finals, ys = scanax.rnn(cells, jnp.zeros((0, B, D)))
     assert ys.shape == (0, B, 5)
     close(finals, tuple(ref_init(c, (B,)) for c in cells))
@@ -452,7 +449,7 @@ def test_error_cell_that_mutates_itself():
 
 
 def test_error_init_count_and_type_and_shapes():
-    cells, xs = seed_cells(), xs_tbd()
+    cells, xs = state_cells(), xs_tbd()
     with pytest.raises(ValueError, match=r"`init` has 2 states for 3 cells"):
         scanax.rnn(cells, xs, init=(jnp.zeros((B, 4)), jnp.zeros((B, 3))))
     with pytest.raises(TypeError, match=r"`init` must be a tuple"):
@@ -472,7 +469,7 @@ def test_error_init_count_and_type_and_shapes():
 
 
 def test_error_seq_lengths():
-    cells, xs = seed_cells(), xs_tbd()
+    cells, xs = state_cells(), xs_tbd()
     with pytest.raises(
         TypeError,
         match=r"`seq_lengths` must be an integer array, got "
@@ -555,7 +552,7 @@ class ShrinkingCell(nnx.Module):
 
 
 def tuple_state_cell(h, x):
-    """The seed's cell(h, x) -> h protocol with a pytree state: the output is h."""
+    """The cell(h, x) -> h protocol with a pytree state: the output is h."""
     a, b = h
     return jnp.tanh(a + x), b + a
 
@@ -611,17 +608,17 @@ def test_error_no_state_width_and_misc():
     with pytest.raises(ValueError, match=r"cannot tell the state shape of cells\[0\]"):
         scanax.rnn(lambda h, x: h + x, xs)
     with pytest.raises(ValueError, match=r"time_axis=2 is not a valid time axis"):
-        scanax.rnn(seed_cells(), xs, time_axis=2)
+        scanax.rnn(state_cells(), xs, time_axis=2)
     with pytest.raises(ValueError, match=r"`order` must be one of"):
-        scanax.rnn(seed_cells(), xs, order="diagonal")
+        scanax.rnn(state_cells(), xs, order="diagonal")
     with pytest.raises(ValueError, match=r"`cells` is empty"):
         scanax.rnn([], xs)
     with pytest.raises(TypeError, match=r"`xs` must be an array"):
-        scanax.rnn(seed_cells(), [1.0, 2.0])
+        scanax.rnn(state_cells(), [1.0, 2.0])
     with pytest.raises(
         TypeError, match=r"scanax\.birnn: `init` must be None or a pair"
     ):
-        scanax.birnn(seed_cells(), seed_cells(), xs, init=(None,))
+        scanax.birnn(state_cells(), state_cells(), xs, init=(None,))
 
 
 def test_auto_order_by_backend(monkeypatch):

@@ -4,14 +4,18 @@ Random nesting of dicts/tuples/lists, mixed dtypes, scanned and broadcast parts
 (different in_axes), static (non-array) leaves, lengths including 0, reverse.
 """
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from helpers import close as _close, ref_scan
 from hypothesis import HealthCheck, given, settings, strategies as st
-from test_scan import close, ref_scan
 
 import scanax
+
+close = ft.partial(_close, rtol=1e-5, atol=1e-5)
 
 DTYPES = [np.float32, np.int32, np.float16, np.bool_]
 

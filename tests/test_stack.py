@@ -3,6 +3,7 @@
 import dataclasses
 import functools as ft
 
+import helpers
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -25,15 +26,7 @@ jit = ft.partial(jax.jit, compiler_options=FAST)
 filter_jit = ft.partial(eqx.filter_jit, compiler_options=FAST)
 
 
-def close(a, b):
-    """Array leaves allclose; other leaves (functions, statics) identical."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        if callable(x):
-            assert x is y
-        else:
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+close = ft.partial(helpers.close, structure=False, **TOL)
 
 
 def loop(layers, x, **kw):
@@ -292,12 +285,15 @@ def checkpoint_policies(fn, *args):
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
 def test_remat_default_keeps_matmuls_in_runs_only(kind):
     """By default only stacked runs are checkpointed, saving matmul results; the
-    end layers run as written; remat=False checkpoints nothing; values and
-    gradients are those of the plain loop either way."""
+    end layers run as written; remat=False checkpoints nothing; remat="sqrt"
+    checkpoints chunks of the run's scan (3 blocks: a scan over one chunk of 2,
+    then the chunk of 1 left), not the layers one by one; values and gradients are
+    those of the plain loop in every case."""
     layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
     x = X
     dots = jax.checkpoint_policies.checkpoint_dots
-    for remat, want in [(None, ([], [dots])), (False, ([], []))]:
+    cases = [(None, ([], [dots])), (False, ([], [])), ("sqrt", ([None], [None]))]
+    for remat, want in cases:
         stack = scanax.Stack(layers, remat=remat)
         fn = (lambda m, x: jax.vmap(m)(x)) if kind == "eqx" else (lambda m, x: m(x))
         if kind == "nnx":
@@ -822,7 +818,7 @@ def test_errors():
         scanax.Stack([shared, other])
     with pytest.raises(
         TypeError,
-        match=r"^scanax\.Stack: `remat` must be None, False, True or a "
-        r"jax\.checkpoint_policies policy, got str 'sqrt'\.\nFix: leave it out",
+        match=r"^scanax\.Stack: `remat` must be None, False, True, \"sqrt\" or a "
+        r"jax\.checkpoint_policies policy, got str 'half'\.\nFix: leave it out",
     ):
-        scanax.Stack([jnp.sin, jnp.cos], remat="sqrt")
+        scanax.Stack([jnp.sin, jnp.cos], remat="half")

@@ -1,5 +1,6 @@
 import functools as ft
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,12 +18,7 @@ def inputs(n):
     return jnp.zeros(2), jnp.arange(2 * n, dtype=jnp.float32).reshape(n, 2)
 
 
-def close(a, b):
-    a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(a_leaves) == len(b_leaves)
-    for u, v in zip(a_leaves, b_leaves, strict=True):
-        assert jnp.shape(u) == jnp.shape(v) and jnp.result_type(u) == jnp.result_type(v)
-        np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-5)
+close = ft.partial(helpers.close, rtol=2e-5, atol=1e-5, structure=False, types=True)
 
 
 def full(n, reverse):
@@ -96,7 +92,7 @@ def test_jit_vmap_progress_and_remat(monkeypatch):
     from scanax import _progress
 
     seen = []
-    monkeypatch.setattr(_progress, "_host_report", lambda *a: seen.append(a))
+    monkeypatch.setattr(_progress.Bar, "report", lambda *a: seen.append(a))
     init, xs = inputs(10)
     batch = jnp.stack([xs, 2 * xs])
     want = jax.vmap(lambda x: jax.lax.scan(step, init, x))(batch)
@@ -214,7 +210,7 @@ def test_with_remat_sqrt(n, k, keep, reverse, monkeypatch):
     from scanax import _progress
 
     seen = []
-    monkeypatch.setattr(_progress, "_host_report", lambda *a: seen.append(a))
+    monkeypatch.setattr(_progress.Bar, "report", lambda *a: seen.append(a))
 
     def loss(c, remat, progress):
         carry, ys = scanax.scan(

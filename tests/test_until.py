@@ -1,5 +1,6 @@
 import functools as ft
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,9 +50,7 @@ def ours(init, xs, reverse=False, **kw):
     )
 
 
-def close(a, b):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-6)
+close = ft.partial(helpers.close, rtol=2e-5, atol=1e-6, structure=False)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 30])

@@ -156,12 +156,13 @@ def prefix_mismatch(call: str, what: str, tree_name: str, detail: str) -> ValueE
 
 
 def not_a_pair(call: str, out: Any) -> TypeError:
-    extra = ""
     if isinstance(out, (tuple, list)):
-        extra = f" of length {len(out)}"
+        got = f"a {type(out).__name__} of length {len(out)}"
+    else:
+        got = short_type(out)
     return TypeError(
-        f"{call}: `f` must return a pair (new_carry, y), but it returned a "
-        f"{type(out).__name__}{extra}.\nFix: end the body with `return carry, y` "
+        f"{call}: `f` must return a pair (new_carry, y), but it returned {got}.\n"
+        "Fix: end the body with `return carry, y` "
         "(use `return carry, None` when there is no per-step output)."
     )
 
@@ -174,10 +175,11 @@ def carry_mismatch(call: str, rows: list[tuple[str, str, str]], hint: str) -> Ty
     )
 
 
-def carry_structure(call: str, init_desc: str, out_desc: str) -> TypeError:
+def carry_structure(call: str, path: str, init_desc: str, out_desc: str) -> TypeError:
     return TypeError(
         f"{call}: the carry returned by `f` must have the same pytree structure as "
-        f"`init`, but\n  init:     {init_desc}\n  returned: {out_desc}\nFix: return "
+        f"`init`, but {path} differs:\n  init:     {init_desc}\n  returned: "
+        f"{out_desc}\nFix: return "
         "a carry built like `init` (same containers, keys and fields); keep values "
         "that change kind out of the carry."
     )

@@ -106,6 +106,21 @@ def bad_progress(call: str, progress: Any) -> TypeError:
     )
 
 
+def bad_every(call: str, every: Any, updates: int) -> Exception:
+    """``every`` of a progress bar: not an int (TypeError) or not positive."""
+    cls = (
+        TypeError
+        if isinstance(every, bool) or not isinstance(every, int)
+        else ValueError
+    )
+    return cls(
+        f"{call}: the progress bar's `every` must be a positive int (steps between "
+        f"updates) or None, got {every!r}.\nFix: pass e.g. progress=100, or "
+        "progress=scanax.Progress(every=100); None picks about "
+        f"{updates} updates per scan."
+    )
+
+
 def no_tqdm(call: str) -> ImportError:
     return ImportError(
         f"{call}: `progress=` needs tqdm, which is not installed.\nFix: `pip "

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.tree_util as jtu
 import numpy as np
 
-from .. import _cells
 from . import short_type
 
 _CALL = "scanax.rnn"
+
+SUPPORTED = (
+    "  - `cell(h, x) -> h` (any callable; the output is the new state h)\n"
+    "  - `cell(carry, x) -> (carry, y)` (any callable, and Flax NNX cells: "
+    "nnx.GRUCell, nnx.LSTMCell, nnx.OptimizedLSTMCell, nnx.SimpleCell)\n"
+    "  - eqx.nn.GRUCell: `cell(x, h) -> h`\n"
+    "  - eqx.nn.LSTMCell: `cell(x, (h, c)) -> (h, c)`, output h"
+)
+
+
+def describe(tree: Any) -> str:
+    """``float32[4]`` for one array, ``(float32[4], float32[4])`` for a tuple."""
+    leaves = jtu.tree_leaves(tree)
+    if len(leaves) == 1 and jtu.tree_structure(tree).num_nodes == 1:
+        return short_type(leaves[0])
+    return str(jtu.tree_map(short_type, tree)).replace("'", "")
 
 
 def cell_name(i: int, cell: Any) -> str:
@@ -19,9 +35,18 @@ def cell_name(i: int, cell: Any) -> str:
 def unknown_protocol(i: int, cell: Any, detail: str) -> TypeError:
     return TypeError(
         f"{_CALL}: cannot tell how to call {cell_name(i, cell)}: {detail}.\n"
-        f"Supported cell protocols:\n{_cells.SUPPORTED}\n"
+        f"Supported cell protocols:\n{SUPPORTED}\n"
         "Fix: wrap the cell in a small function or module with one of these "
         "signatures."
+    )
+
+
+def not_state_or_pair(i: int, cell: Any, state: Any, out: Any) -> TypeError:
+    return unknown_protocol(
+        i,
+        cell,
+        f"called as cell(h, x) with h {describe(state)} it returned {describe(out)}: "
+        "neither a new h of the same type nor a pair (new h, y)",
     )
 
 
@@ -52,7 +77,7 @@ def cell_mutates(i: int, cell: Any, err: Exception) -> TypeError:
 
 def output_not_array(i: int, cell: Any, y: Any, after: Any, j: int) -> TypeError:
     return TypeError(
-        f"{_CALL}: the output of {cell_name(i, cell)} is {_cells.describe(y)}, but "
+        f"{_CALL}: the output of {cell_name(i, cell)} is {describe(y)}, but "
         f"{cell_name(j, after)} reads it as its input, which must be one array.\n"
         "Fix: have the cell return one array as its output. A cell whose state is "
         "not its output (a tuple state) can return the pair (new_state, y), as "
@@ -71,17 +96,17 @@ def state_dtype(
     )
     return TypeError(
         f"{_CALL}: {cell_name(i, cell)} returns its state in another dtype: given "
-        f"h {_cells.describe(state)}, it returned {_cells.describe(new)}. {why}, but "
+        f"h {describe(state)}, it returned {describe(new)}. {why}, but "
         "the cell computes in another one, so the state cannot be a loop carry.\n"
         "Fix: give `xs` the dtype of the cell's parameters, or pass `init=` in the "
         "dtype the cell returns."
     )
 
 
-def no_state(i: int, cell: Any) -> ValueError:
+def no_state(i: int, cell: Any, width_attrs: tuple[str, ...]) -> ValueError:
     return ValueError(
         f"{_CALL}: cannot tell the state shape of {cell_name(i, cell)}: it has none of "
-        f"the attributes {', '.join(_cells._OUT_ATTRS)}.\nFix: pass `init=` with one "
+        f"the attributes {', '.join(width_attrs)}.\nFix: pass `init=` with one "
         "state per cell."
     )
 
@@ -117,7 +142,7 @@ def init_state(
     fix = _other_time_axis(f"init[{i}]", alt)
     return TypeError(
         f"{_CALL}: init[{i}] does not match the state of {cell_name(i, cell)}:\n"
-        f"  init[{i}]  {_cells.describe(got)}\n  expected  {_cells.describe(want)}\n"
+        f"  init[{i}]  {describe(got)}\n  expected  {describe(want)}\n"
         f"Fix: {fix}pass init[{i}] with the structure, shapes and "
         "dtypes expected (the batch axes of xs, then the cell's state width)."
     )
@@ -126,7 +151,7 @@ def init_state(
 def state_changed(i: int, cell: Any, state: Any, new: Any) -> TypeError:
     return TypeError(
         f"{_CALL}: {cell_name(i, cell)} changes the type of its state:\n"
-        f"  state in   {_cells.describe(state)}\n  state out  {_cells.describe(new)}\n"
+        f"  state in   {describe(state)}\n  state out  {describe(new)}\n"
         f"Fix: pass init[{i}] of the type the cell returns, or make the cell return a "
         "state of the type it is given."
     )

@@ -62,10 +62,11 @@ def mixed(i: int, layer: Any, j: int, other: Any) -> TypeError:
 
 def bad_remat(remat: Any) -> TypeError:
     return TypeError(
-        f"{CALL}: `remat` must be None, False, True or a jax.checkpoint_policies "
-        f"policy, got {short_type(remat)} {remat!r}.\nFix: leave it out (stacked runs "
-        "then keep only matmul results for the backward pass), or pass remat=True "
-        "to recompute every layer, or e.g. remat=jax.checkpoint_policies.dots_saveable."
+        f'{CALL}: `remat` must be None, False, True, "sqrt" or a '
+        f"jax.checkpoint_policies policy, got {short_type(remat)} {remat!r}.\nFix: "
+        "leave it out (stacked runs then keep only matmul results for the backward "
+        'pass), or pass remat=True to recompute every layer, remat="sqrt" for a '
+        "long stack, or e.g. remat=jax.checkpoint_policies.dots_saveable."
     )
 
 

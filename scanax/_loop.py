@@ -1,0 +1,389 @@
+"""The loop core: a scan call reduced to a :class:`Loop` over arrays, and back.
+
+``prepare`` validates a call (``f``, ``xs`` and ``in_axes``, ``length``) and reduces
+it to a ``Loop``: a body over arrays only, with ``init`` split by a
+:class:`CarryCodec` (arrays carried, static leaves checked, NNX objects as their
+``nnx.split`` state) and ``xs`` by an :class:`XsPlan` (scanned arrays moved to axis
+0, broadcast values in place). Every lowering runs a ``Loop``: ``run_lax`` (one
+``lax.scan``) here, the long-scan options (``_remat``, ``_progress``, ``_thin``)
+above. ``call_lowering`` runs one and ``CarryCodec.finish`` turns its carry back into
+the user's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _errors, _nnx
+from ._axes import (
+    first_difference,
+    is_array,
+    is_arraylike,
+    match_prefix,
+    normalize_axis,
+    same_static,
+)
+
+# Bound at import: scanax.scan must keep working where users (or JAX's own test
+# suite, in our compatibility check) replace `jax.lax.scan` by `scanax.scan`.
+_lax_scan = jax.lax.scan
+
+
+# ---------------------------------------------------------------------------- carry
+
+
+class CarryCodec:
+    """Splits a carry into traced arrays and static parts, and back.
+
+    Arrays (and Python numbers, as in ``lax.scan``) are carried; any other leaf
+    (functions, strings, Equinox static fields) is static and must come back from
+    ``f`` unchanged; NNX objects are carried as their joint ``nnx.split`` state.
+    """
+
+    def __init__(self, call: str, init: Any):
+        self.call = call
+        leaves, self.treedef = jtu.tree_flatten_with_path(init, is_leaf=_nnx.is_node)
+        self.paths = [p for p, _ in leaves]
+        self.leaves = [x for _, x in leaves]
+        self.node_idx = [i for i, x in enumerate(self.leaves) if _nnx.is_node(x)]
+        self.dyn_idx = [
+            i
+            for i, x in enumerate(self.leaves)
+            if not _nnx.is_node(x) and is_arraylike(x)
+        ]
+        self.carried = set(self.node_idx) | set(self.dyn_idx)
+        self.nodes = [self.leaves[i] for i in self.node_idx]
+        if self.nodes:
+            self.graphdef, state = _nnx.split(self.nodes)
+        else:
+            self.graphdef, state = None, None
+        self.dynamic = (state, [self.leaves[i] for i in self.dyn_idx])
+
+    def decode(self, dynamic: Any) -> Any:
+        state, arrays = dynamic
+        leaves = list(self.leaves)
+        if self.nodes:
+            for i, node in zip(self.node_idx, _nnx.merge(self.graphdef, state)):
+                leaves[i] = node
+        for i, a in zip(self.dyn_idx, arrays):
+            leaves[i] = a
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def encode(self, carry: Any, dynamic_in: Any) -> Any:
+        """The dynamic part of a carry returned by ``f``, checked against ``init``."""
+        leaves, treedef = jtu.tree_flatten(carry, is_leaf=_nnx.is_node)
+        if treedef != self.treedef:
+            init = jtu.tree_unflatten(self.treedef, self.leaves)
+            path, was, now = first_difference(init, carry, _nnx.is_node) or (
+                (),
+                str(self.treedef),
+                str(treedef),
+            )
+            raise _errors.carry_structure(
+                self.call, "carry" + jtu.keystr(path), was, now
+            )
+        for i, (before, after) in enumerate(zip(self.leaves, leaves)):
+            if i in self.carried:
+                if _nnx.is_node(before) != _nnx.is_node(after):
+                    raise _errors.carry_structure(
+                        self.call,
+                        "carry" + jtu.keystr(self.paths[i]),
+                        _errors.short_type(before),
+                        _errors.short_type(after),
+                    )
+                continue
+            if not same_static(before, after):
+                raise _errors.static_changed(
+                    self.call, jtu.keystr(self.paths[i]), before, after
+                )
+        state = None
+        if self.nodes:
+            graphdef, state = _nnx.split([leaves[i] for i in self.node_idx])
+            if graphdef != self.graphdef:
+                before = self._variable_names(self.nodes)
+                after = self._variable_names([leaves[i] for i in self.node_idx])
+                raise _errors.nnx_graph_changed(
+                    self.call,
+                    _node_desc(self.nodes),
+                    [p for p in after if p not in before],
+                    [p for p in before if p not in after],
+                )
+        arrays = [leaves[i] for i in self.dyn_idx]
+        out = (state, arrays)
+        self._check_types(dynamic_in, out)
+        return out
+
+    def _variable_names(self, nodes: list[Any]) -> list[str]:
+        """``carry[0]['l']['kernel']`` for each Variable of the carry's NNX nodes."""
+        return [
+            "carry"
+            + jtu.keystr(self.paths[self.node_idx[head]])
+            + "".join(f"[{k!r}]" for k in rest)
+            for head, *rest in _nnx.flatten(nodes)[2]
+        ]
+
+    def _named_dynamic(self, dynamic: Any) -> list[tuple[str, Any]]:
+        state, arrays = dynamic
+        named = []
+        if self.nodes:
+            for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+                node_path = self.paths[self.node_idx[path[0].key]]
+                named.append(("carry" + jtu.keystr((*node_path, *path[1:])), leaf))
+        for i, a in zip(self.dyn_idx, arrays):
+            named.append(("carry" + jtu.keystr(self.paths[i]), a))
+        return named
+
+    def _check_types(self, dynamic_in: Any, dynamic_out: Any) -> None:
+        if all(
+            _same_type(jax.typeof(a), jax.typeof(b))
+            for a, b in zip(jtu.tree_leaves(dynamic_in), jtu.tree_leaves(dynamic_out))
+        ):
+            return  # the common case: no names to build
+        rows, hints = [], []
+        for (path, a), (_, b) in zip(
+            self._named_dynamic(dynamic_in), self._named_dynamic(dynamic_out)
+        ):
+            ta, tb = jax.typeof(a), jax.typeof(b)
+            if not _same_type(ta, tb):
+                rows.append((path, _errors.short_type(ta), _errors.short_type(tb)))
+                if ta.shape != tb.shape:
+                    hints.append(
+                        f"keep {path} at shape {tuple(ta.shape)} (a carry cannot "
+                        "change shape; preallocate and write with `.at[i].set`)"
+                    )
+                else:
+                    hints.append(f"cast it back: `new.astype(jnp.{ta.dtype.name})`")
+        if rows:
+            raise _errors.carry_mismatch(self.call, rows, hints[0] + ".")
+
+    def finish(self, dynamic: Any) -> Any:
+        """The final carry, with the user's NNX objects updated in place."""
+        state, arrays = dynamic
+        leaves = list(self.leaves)
+        if self.nodes:
+            _nnx.update(self.nodes, state)
+        for i, a in zip(self.dyn_idx, arrays):
+            leaves[i] = a
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+def _same_type(ta: Any, tb: Any) -> bool:
+    # A weakly typed init leaf (a Python number) may change dtype: lax.scan
+    # promotes it and traces again, exactly as without scanax.
+    return ta.shape == tb.shape and (ta.dtype == tb.dtype or ta.weak_type)
+
+
+def _node_desc(nodes: list[Any]) -> str:
+    return "(" + ", ".join(type(n).__name__ for n in nodes) + ")"
+
+
+# ---------------------------------------------------------------------------- xs
+
+
+@dataclasses.dataclass
+class XsPlan:
+    """``xs`` split into scanned arrays (moved to axis 0) and broadcast values."""
+
+    treedef: Any
+    leaves: list[Any]  # broadcast values in place; scanned slots are filled per step
+    scanned_idx: list[int]
+    scanned: list[Any]  # the scanned arrays, scan axis first
+    bcast_nodes: list[tuple[int, str, Any, Any]]  # (leaf index, path, graphdef, state)
+    scan_nodes: list[tuple[int, str, Any]]  # (leaf index, path, graphdef)
+    length: int
+
+    def decode(self, x_slices: list[Any]) -> Any:
+        leaves = list(self.leaves)
+        n = len(self.scanned_idx)
+        for i, a in zip(self.scanned_idx, x_slices[:n]):
+            leaves[i] = a
+        for i, _, graphdef, state in self.bcast_nodes:
+            # Rebuild the Variables at this trace level (merging the captured ones
+            # would make NNX refuse any write, hiding the mutation check below).
+            leaves[i] = _nnx.merge(graphdef, jtu.tree_map(lambda a: a, state))
+        for (i, _, graphdef), state in zip(self.scan_nodes, x_slices[n:]):
+            # A copy too: writes must not reach the slices check_unchanged reads.
+            leaves[i] = _nnx.merge(graphdef, jtu.tree_map(lambda a: a, state))
+        return jtu.tree_unflatten(self.treedef, leaves), leaves
+
+    def check_unchanged(
+        self, call: str, leaves: list[Any], x_slices: list[Any]
+    ) -> None:
+        n = len(self.scanned_idx)
+        given = [s for (*_, s) in self.bcast_nodes] + x_slices[n:]
+        nodes = self.bcast_nodes + self.scan_nodes
+        scanned = [False] * len(self.bcast_nodes) + [True] * len(self.scan_nodes)
+        for (i, path, *_), state, is_scanned in zip(nodes, given, scanned):
+            _, now = _nnx.split(leaves[i])
+            before = jtu.tree_leaves_with_path(state)
+            after = jtu.tree_leaves(now)
+            changed = [jtu.keystr(p) for (p, a), b in zip(before, after) if a is not b]
+            if changed or len(before) != len(after):
+                raise _errors.nnx_input_mutated(
+                    call, path, changed or ["structure"], is_scanned
+                )
+
+
+def _plan_xs(call: str, xs: Any, in_axes: Any, length: int | None) -> XsPlan:
+    triples = match_prefix(call, "in_axes", "xs", in_axes, xs, is_leaf=_nnx.is_node)
+    treedef = jtu.tree_structure(xs, is_leaf=_nnx.is_node)
+    leaves: list[Any] = []
+    scanned_idx, scanned, bcast_nodes, scan_nodes = [], [], [], []
+    node_states = []
+    lengths: list[tuple[str, int, Any]] = []  # (name, length, leaf)
+    for i, (path, axis, leaf) in enumerate(triples):
+        name = "xs" + jtu.keystr(path)
+        leaves.append(leaf)
+        if _nnx.is_node(leaf):
+            graphdef, state = _nnx.split(leaf)
+            if axis is None:
+                bcast_nodes.append((i, name, graphdef, state))
+                continue
+            moved = []
+            for spath, a in jtu.tree_flatten_with_path(state)[0]:
+                sname = name + jtu.keystr(spath)
+                ax = _scan_axis(call, sname, a, axis)
+                lengths.append((sname, a.shape[ax], a))
+                moved.append(jnp.moveaxis(a, ax, 0) if ax else a)
+            scan_nodes.append((i, name, graphdef))
+            node_states.append(jtu.tree_unflatten(jtu.tree_structure(state), moved))
+            continue
+        if axis is None:
+            if is_array(leaf) and not isinstance(leaf, jax.Array):
+                leaves[-1] = jnp.asarray(
+                    leaf
+                )  # f sees jax arrays, as for scanned leaves
+            continue
+        ax = _scan_axis(call, name, leaf, axis)
+        lengths.append((name, leaf.shape[ax], leaf))
+        scanned_idx.append(i)
+        scanned.append(jnp.moveaxis(leaf, ax, 0) if ax else leaf)
+    n = _infer_length(call, xs, lengths, length)
+    return XsPlan(
+        treedef, leaves, scanned_idx, scanned + node_states, bcast_nodes, scan_nodes, n
+    )
+
+
+def _scan_axis(call: str, name: str, leaf: Any, axis: int) -> int:
+    if not is_array(leaf) or leaf.ndim == 0:
+        raise _errors.not_scannable(call, name, leaf, axis)
+    return normalize_axis(call, "in_axes", name, leaf, axis)
+
+
+def _infer_length(
+    call: str, xs: Any, lengths: list[tuple[str, int, Any]], length: int | None
+) -> int:
+    if length is not None:
+        if isinstance(length, bool):
+            raise _errors.bad_length(call, length)
+        try:
+            length = operator.index(length)
+        except TypeError as err:
+            raise _errors.bad_length(call, length) from err
+        if length < 0:
+            raise _errors.bad_length(call, length)
+    found = {n for _, n, _ in lengths}
+    named = lambda: [(p, n, _errors.short_type(leaf)) for p, n, leaf in lengths]
+    if len(found) > 1:
+        raise _errors.lengths_differ(call, named())
+    if found:
+        (n,) = found
+        if length is not None and length != n:
+            raise _errors.length_mismatch(call, length, named())
+        return n
+    if length is None:
+        if xs is None or not jtu.tree_leaves(xs, is_leaf=_nnx.is_node):
+            raise _errors.no_length(call)
+        raise _errors.all_broadcast(call)
+    return length
+
+
+# ---------------------------------------------------------------------------- loop
+
+
+@dataclasses.dataclass
+class Loop:
+    """A scan reduced to arrays: what every lowering (plain, remat, progress...) runs.
+
+    ``body(carry, x) -> (carry, y)`` takes and returns only arrays; ``init`` and
+    ``xs`` are pytrees of arrays with ``xs`` scanned along axis 0.
+    """
+
+    body: Callable[[Any, Any], tuple[Any, Any]]
+    init: Any
+    xs: Any
+    length: int
+
+
+def prepare(
+    call: str, f: Callable, init: Any, xs: Any, length: Any, in_axes: Any
+) -> tuple[Loop, CarryCodec]:
+    """Validate a call and reduce it to a :class:`Loop` over arrays."""
+    if not callable(f):
+        raise _errors.not_callable(call, f)
+    plan = _plan_xs(call, xs, in_axes, length)
+    codec = CarryCodec(call, init)
+
+    def body(dynamic, x_slices):
+        x, x_leaves = plan.decode(x_slices)
+        out = f(codec.decode(dynamic), x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise _errors.not_a_pair(call, out)
+        new_carry, y = out
+        new_dynamic = codec.encode(new_carry, dynamic)
+        if plan.bcast_nodes or plan.scan_nodes:
+            plan.check_unchanged(call, x_leaves, x_slices)
+        if not all(map(is_arraylike, jtu.tree_leaves(y, is_leaf=_nnx.is_node))):
+            for path, leaf in jtu.tree_flatten_with_path(y, is_leaf=_nnx.is_node)[0]:
+                if not is_arraylike(leaf):
+                    raise _errors.bad_output_leaf(call, jtu.keystr(path), leaf)
+        return new_dynamic, y
+
+    return Loop(body, codec.dynamic, plan.scanned, plan.length), codec
+
+
+def run_lax(loop: Loop, reverse: bool, unroll: int | bool) -> tuple[Any, Any]:
+    """The plain lowering: exactly one ``lax.scan``."""
+    return _lax_scan(
+        loop.body,
+        loop.init,
+        loop.xs,
+        length=loop.length,
+        reverse=reverse,
+        unroll=unroll,
+    )
+
+
+def move_out_axes(call: str, ys: Any, out_axes: Any) -> Any:
+    if isinstance(out_axes, int) and not isinstance(out_axes, bool) and out_axes == 0:
+        return ys
+    triples = match_prefix(call, "out_axes", "ys", out_axes, ys)
+    moved = []
+    for path, axis, leaf in triples:
+        if axis is None:
+            raise _errors.bad_axis_value(call, "out_axes", jtu.keystr(path), axis)
+        ax = normalize_axis(call, "out_axes", "ys" + jtu.keystr(path), leaf, axis)
+        with jax.named_scope("scanax.out_axes"):
+            moved.append(jnp.moveaxis(leaf, 0, ax) if ax else leaf)
+    return jtu.tree_unflatten(jtu.tree_structure(ys), moved)
+
+
+def call_lowering(codec: CarryCodec, f: Callable, lowering: Callable[[], Any]) -> Any:
+    """Run a lowering, turning NNX's closure-mutation error into scanax's."""
+    if not _nnx.loaded():
+        return lowering()
+    try:
+        return lowering()
+    except Exception as err:
+        if not _nnx.is_trace_level_error(err):
+            raise
+        raise _errors.nnx_closure_mutation(
+            codec.call, _nnx.reachable_nodes(f), err
+        ) from err

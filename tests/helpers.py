@@ -1,0 +1,78 @@
+"""What several test files share: ``close`` (two pytrees equal leaf by leaf, within
+a tolerance) and ``ref_scan`` (``scanax.scan``'s semantics as a Python loop)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+
+def to_numpy(x):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        x = jr.key_data(x)
+    return np.asarray(x)
+
+
+def close(a, b, *, rtol, atol, structure=True, types=False):
+    """Assert that ``a`` and ``b`` hold the same values, leaf by leaf.
+
+    Every file states its own tolerance (``ft.partial(close, rtol=..., atol=...)``).
+    ``structure``: the two pytree structures are equal (else only the number of
+    leaves). ``types``: each pair of leaves also has the same shape and dtype.
+    Callable leaves (functions kept as static fields) must be the same object; PRNG
+    keys compare by their data.
+    """
+    la, lb = jtu.tree_leaves(a), jtu.tree_leaves(b)
+    if structure:
+        assert jtu.tree_structure(a) == jtu.tree_structure(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        if callable(x) and not hasattr(x, "shape"):
+            assert x is y
+            continue
+        if types:
+            assert jnp.shape(x) == jnp.shape(y)
+            assert jnp.result_type(x) == jnp.result_type(y)
+        np.testing.assert_allclose(to_numpy(x), to_numpy(y), rtol=rtol, atol=atol)
+
+
+def ref_scan(f, init, xs=None, length=None, reverse=False, in_axes=0, out_axes=0):
+    """The semantics of scanax.scan, as a Python loop."""
+    axes = _broadcast_axes(in_axes, xs)
+    leaves, treedef = jtu.tree_flatten(xs)
+    ax_leaves = treedef.flatten_up_to(axes) if leaves else []
+    if length is None:
+        length = next(x.shape[a] for x, a in zip(leaves, ax_leaves) if a is not None)
+    carry, ys = init, []
+    steps = range(length)
+    for i in reversed(steps) if reverse else steps:
+        sl = [
+            x if a is None else jnp.take(x, i, axis=a)
+            for x, a in zip(leaves, ax_leaves)
+        ]
+        carry, y = f(carry, jtu.tree_unflatten(treedef, sl))
+        ys.append(y)
+    if reverse:
+        ys = ys[::-1]
+    if not ys:
+        return carry, None
+    stacked = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+    return carry, jtu.tree_map(
+        lambda y, ax: jnp.moveaxis(y, 0, ax),
+        stacked,
+        _broadcast_axes(out_axes, stacked),
+    )
+
+
+def _broadcast_axes(axes, tree):
+    if axes is None or isinstance(axes, int):
+        return jtu.tree_map(lambda _: axes, tree)
+    return jtu.tree_map(
+        lambda a, sub: jtu.tree_map(lambda _: a, sub),
+        axes,
+        tree,
+        is_leaf=lambda x: x is None,
+    )
