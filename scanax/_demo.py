@@ -2,10 +2,10 @@
 
 The task is built in code (nothing is downloaded): forecast the next value of noisy
 sine waves with random frequencies, phases and amplitudes, one step ahead at every
-step. The model is a Flax NNX module: a GRU (32 units) → an LSTM (24) → a simple RNN
-cell (16), run over time by ``scanax.rnn``, and a linear head. ``scanax.fit`` trains
-it with all steps fused into compiled scans; the same training step is then timed as
-a Python loop of ``nnx.jit`` calls, for the speed-up.
+step. The model is a Flax NNX module: a GRU (24 units) → an LSTM (16) → a simple RNN
+cell (8) (``WIDTHS``), run over time by ``scanax.rnn``, and a linear head.
+``scanax.fit`` trains it with all steps fused into compiled loops; the same training
+step is then timed as a Python loop of ``nnx.jit`` calls, for the speed-up.
 """
 
 from __future__ import annotations

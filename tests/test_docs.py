@@ -21,6 +21,7 @@ import sys
 import types
 from pathlib import Path
 
+import jax
 import pytest
 
 import scanax
@@ -132,3 +133,37 @@ def test_scan_docstring_has_an_example():
     """The core's docstring example is among those the suite runs."""
     names = {t.name for m in _DOCTEST_MODULES for t in _doctests(m)}
     assert "scan" in {n.rsplit(".", 1)[-1] for n in names}
+
+
+def _count_eqns(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` in a jaxpr, nested ones included."""
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name == name
+        for sub in e.params.values():
+            if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                n += _count_eqns(getattr(sub, "jaxpr", sub), name)
+    return n
+
+
+class _Cell:
+    """A ``cell(h, x) -> h`` of state width ``dim``."""
+
+    def __init__(self, d_in: int, dim: int):
+        self.dim = dim
+        self.w = jax.numpy.full((d_in, dim), 0.1)
+
+    def __call__(self, h, x):
+        return jax.numpy.tanh(x @ self.w + h)
+
+
+@pytest.mark.parametrize(("order", "scans"), [("auto", 3), ("layer", 3), ("time", 1)])
+def test_rnn_is_one_scan_per_layer_on_cpu(order, scans):
+    """What docs/index.md and docs/migrating.md say: on CPU, ``order="auto"`` runs
+    one scan over time per layer; ``order="time"`` runs one scan in all."""
+    if jax.default_backend() != "cpu" and order == "auto":
+        pytest.skip("order='auto' is one scan over time off CPU")
+    cells = [_Cell(2, 4), _Cell(4, 3), _Cell(3, 5)]
+    xs = jax.numpy.ones((7, 2))
+    jaxpr = jax.make_jaxpr(lambda x: scanax.rnn(cells, x, order=order))(xs)
+    assert _count_eqns(jaxpr.jaxpr, "scan") == scans
