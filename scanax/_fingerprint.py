@@ -3,31 +3,37 @@
 ``jax.jit`` caches a compiled program on the *identity* of the function it wraps,
 so a notebook cell or a sweep that rebuilds ``optax.adam(1e-3)`` or re-defines
 ``loss_fn`` with the same code pays a full compile every time. A fingerprint
-describes a value by what tracing it can see instead:
+describes a value by everything tracing it can read instead:
 
-* functions: their code (``co_code``, constants, names: CPython's own code
-  equality, nested functions included), defaults, closure cells and the globals
-  the code names, each fingerprinted in turn;
+* functions of the user's code: their code (CPython's own code equality, nested
+  functions included), defaults, closure cells and the globals the code names,
+  each fingerprinted in turn;
+* classes of the user's code: their methods and class attributes (a model's
+  ``__call__`` reading a global is seen);
 * ``functools.partial`` and bound methods: the function and what is bound;
-* tuples, lists, mappings, dataclasses and named tuples (optax transforms and states,
-  NNX graphdefs): their type and fields;
-* numbers, strings, dtypes, pytree definitions: their value and type;
-* small arrays (at most ``_ARRAY_BYTES``): their bytes; larger ones their identity;
+* tuples, lists, mappings, dataclasses, named tuples (optax transforms and
+  states) and pytree definitions (Equinox static fields): their type and fields;
+* numbers, strings, dtypes: their value and type;
+* arrays: small ones (at most ``_ARRAY_BYTES``) by value, large JAX arrays (which
+  never change) by identity;
 * other hashable values with an equality of their own: themselves;
-* anything else (classes, modules, a library's own top-level functions, other
-  objects): its identity, as ``jax.jit``.
+* installed libraries (their modules, classes and top-level functions, found under
+  the interpreter's library directories) and builtins: their identity, since
+  rebuilding a model or an optimizer never makes new ones.
 
-Equal fingerprints mean the same traced program (the same rule ``jax.jit`` already
-applies to the objects it caches on: an object mutated in place is not looked
-into). ``of`` returns None for a value too large to describe cheaply: the caller
-then falls back to its own slower path.
+Anything else could change without a new identity (a module of the user's code,
+an instance such as an NNX model closed over, a mutable NumPy array too large to
+compare): ``of`` then returns None, and the caller falls back to tracing, which
+reads the current values. None too for a value too large to describe cheaply.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
+import sysconfig
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -38,10 +44,11 @@ import numpy as np
 _BUDGET = 20_000  # values visited per fingerprint before giving up
 _ARRAY_BYTES = 4096
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
+_SKIPPED_CLASS_ATTRS = ("__dict__", "__weakref__", "__doc__", "__module__", "_abc_impl")
 
 
-class _TooLarge(Exception):
-    pass
+class _Unknown(Exception):
+    """The value may change without a new identity, or is too large."""
 
 
 class _Same:
@@ -60,10 +67,10 @@ class _Same:
 
 
 def of(value: Any) -> Any:
-    """A hashable fingerprint of ``value``, or None when it is too large."""
+    """A hashable fingerprint of ``value``, or None (see the module docstring)."""
     try:
         return _Walker().walk(value)
-    except (_TooLarge, RecursionError):
+    except (_Unknown, RecursionError):
         return None
 
 
@@ -75,15 +82,17 @@ class _Walker:
     def walk(self, x: Any) -> Any:
         self.left -= 1
         if self.left < 0:
-            raise _TooLarge
+            raise _Unknown
         if type(x) in _SCALARS:
             return (type(x), repr(x)) if isinstance(x, float) else (type(x), x)
-        if isinstance(x, (np.dtype, jax.tree_util.PyTreeDef)):
+        if isinstance(x, np.dtype):
             return x
-        if isinstance(x, (types.ModuleType, type)):
-            return _Same(x)
         if isinstance(x, (np.ndarray, np.generic, jax.Array)):
             return self._array(x)
+        if isinstance(x, types.ModuleType):
+            if _library(x.__name__):
+                return _Same(x)
+            raise _Unknown  # the user's module: its attributes may change
         ident = id(x)
         if ident in self.active:  # a cycle: refer back to where it started
             return ("cycle", self.active[ident])
@@ -94,42 +103,56 @@ class _Walker:
             del self.active[ident]
 
     def _array(self, x: Any) -> Any:
-        if isinstance(x, jax.core.Tracer) or getattr(x, "nbytes", 0) > _ARRAY_BYTES:
-            return _Same(x)
+        if isinstance(x, jax.core.Tracer):
+            raise _Unknown
+        if getattr(x, "nbytes", 0) > _ARRAY_BYTES:
+            if isinstance(x, jax.Array):
+                return _Same(x)  # immutable: its identity is its value
+            raise _Unknown  # a large NumPy array may be changed in place
         try:
             a = np.asarray(x)
         except Exception:  # a PRNG key array, a deleted buffer...
-            return _Same(x)
+            if isinstance(x, jax.Array):
+                return _Same(x)
+            raise _Unknown from None
         return ("array", a.dtype, a.shape, a.tobytes(), type(x) is np.ndarray)
 
     def _container(self, x: Any) -> Any:
         walk = self.walk
         if isinstance(x, types.FunctionType):
             return self._function(x)
+        if isinstance(x, type):
+            return self._class(x)
+        if isinstance(x, jax.tree_util.PyTreeDef):
+            return self._treedef(x)
         if isinstance(x, functools.partial):
             return ("partial", walk(x.func), walk(x.args), walk(x.keywords))
         if isinstance(x, types.MethodType):
             return ("method", walk(x.__func__), walk(x.__self__))
+        if isinstance(x, (staticmethod, classmethod)):
+            return (type(x), walk(x.__func__))
+        if isinstance(x, property):
+            return (property, walk(x.fget), walk(x.fset), walk(x.fdel))
         if isinstance(x, (tuple, list)):
             return (type(x), tuple(walk(v) for v in x))
         if isinstance(x, (dict, Mapping)):
             return (type(x), tuple((walk(k), walk(v)) for k, v in x.items()))
-        if isinstance(x, (set, frozenset)):
-            return _Same(x)
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if isinstance(x, frozenset):
+            return (frozenset, frozenset(walk(v) for v in x))
+        if dataclasses.is_dataclass(x):
             fields = tuple(
                 walk(getattr(x, f.name, None)) for f in dataclasses.fields(x)
             )
             return (type(x), fields)
-        if isinstance(x, types.BuiltinFunctionType):
+        if isinstance(x, (types.BuiltinFunctionType, types.WrapperDescriptorType)):
             return _Same(x)
-        if type(x).__eq__ is not object.__eq__:  # a value with its own equality
-            try:
-                hash(x)
-            except TypeError:
-                return _Same(x)
+        if _importable(x):  # e.g. jax.nn.relu, a jitted function of jax's own
+            return _Same(x)
+        if type(x).__eq__ is not object.__eq__ and _hashable(x):
+            # a value with an equality of its own: a dtype, a sharding, a
+            # PartitionSpec, an Enum, flax's HashableMapping...
             return (type(x), x)
-        return _Same(x)
+        raise _Unknown  # an instance that may change in place (an NNX model...)
 
     def _function(self, fn: types.FunctionType) -> Any:
         if _importable(fn):  # a library's own function: the same object each time
@@ -155,14 +178,70 @@ class _Walker:
             named,
         )
 
+    def _class(self, cls: type) -> Any:
+        if _library(cls.__module__):
+            return _Same(cls)
+        attrs = tuple(
+            (name, self.walk(value))
+            for name, value in vars(cls).items()
+            if name not in _SKIPPED_CLASS_ATTRS
+        )
+        bases = tuple(self.walk(b) for b in cls.__bases__)
+        return ("class", cls.__qualname__, bases, attrs)
 
-def _importable(fn: types.FunctionType) -> bool:
-    """True for a function found under its own name in its (non-``__main__``)
-    module: rebuilding a model or optimizer never makes a new one of those."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    if module is None or module.__name__ == "__main__":
+    def _treedef(self, treedef: Any) -> Any:
+        """Node types and auxiliary data by fingerprint (an Equinox module's
+        static fields ``0``, ``0.0`` and ``False`` are different programs, though
+        ``PyTreeDef`` equality says they are equal)."""
+        data = treedef.node_data()
+        node = None if data is None else (self.walk(data[0]), self.walk(data[1]))
+        kids = tuple(self._treedef(c) for c in treedef.children())
+        return ("treedef", node, kids)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
         return False
-    return getattr(module, fn.__qualname__, None) is fn
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _library(module_name: str | None) -> bool:
+    """True for a module of an installed library, the standard library or a
+    builtin one: code that does not change while a program runs."""
+    if not module_name or module_name == "__main__":
+        return False
+    if module_name in sys.builtin_module_names or module_name == "builtins":
+        return True
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return False
+    path = os.path.realpath(path)
+    return any(path.startswith(d + os.sep) for d in _library_dirs())
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    names = ("stdlib", "platstdlib", "purelib", "platlib")
+    dirs = {os.path.realpath(paths[n]) for n in names if paths.get(n)}
+    dirs |= {os.path.realpath(p) for p in sys.path if "site-packages" in p}
+    return tuple(sorted(dirs))
+
+
+def _importable(obj: Any) -> bool:
+    """True for a library's function (or jitted function) found under its own
+    name in its module: rebuilding a model or optimizer never makes a new one."""
+    name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(name, str) or not isinstance(qualname, str):
+        return False
+    if not _library(name):
+        return False
+    return getattr(sys.modules[name], qualname, None) is obj
 
 
 @functools.lru_cache(maxsize=4096)

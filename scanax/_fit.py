@@ -249,7 +249,8 @@ def fit(
 
 def _takes_key(loss_fn: Callable) -> bool:
     """Whether ``loss_fn`` takes a per-step key: a third positional parameter
-    without a default (or ``*args``); more than three required is an error."""
+    without a default, or named ``key``/``rng`` (``key=None``), or ``*args``;
+    more than three required, or a required keyword-only one, is an error."""
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: call it with two
@@ -260,9 +261,14 @@ def _takes_key(loss_fn: Callable) -> bool:
     required = [p for p in positional if p.default is p.empty]
     if len(required) > 3:
         raise errors.loss_fn_arity(len(required), [p.name for p in required])
+    for p in params:
+        if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
+            raise errors.loss_key_keyword_only(p.name)
     if len(required) == 3:
         return True
-    return len(positional) < 3 and any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(positional) >= 3:
+        return positional[2].name in ("key", "rng")
+    return any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 # ---------------------------------------------------------------------------- compile
@@ -303,14 +309,28 @@ class _Program:
         if exe is None:
             lowered = self.jitted.trace(*args).lower()
             text = lowered.as_text()
-            key = (hashlib.sha256(text.encode()).digest(), signature)
-            exe = _EXECUTABLES.get(key)
-            if exe is None:
-                exe = _EXECUTABLES[key] = lowered.compile()
-                while len(_EXECUTABLES) > _CACHE_SIZE:
-                    _EXECUTABLES.popitem(last=False)
+            if "callback" in text:  # host callbacks: functions the text cannot show
+                exe = lowered.compile()
+            else:
+                key = (hashlib.sha256(text.encode()).digest(), signature)
+                exe = _EXECUTABLES.get(key)
+                if exe is None:
+                    exe = _EXECUTABLES[key] = lowered.compile()
+                    while len(_EXECUTABLES) > _CACHE_SIZE:
+                        _EXECUTABLES.popitem(last=False)
             self.executables[signature] = exe
         return exe
+
+
+def _trace_context() -> Any:
+    """The JAX configuration that ``jax.jit`` keys its caches on (matmul
+    precision, PRNG implementation...): a program traced under other settings is
+    another program."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - another JAX: every setting counts
+        return tuple(sorted((k, repr(v)) for k, v in jax.config.values.items()))
+    return config.trace_context()
 
 
 def _leaf_signature(x: Any) -> tuple:
@@ -337,6 +357,7 @@ def _program(
     loss_key = _fingerprint.of(loss_fn)
     static_key = adapter.fingerprint()
     parts = (
+        _trace_context(),  # JAX settings that change programs, as jax.jit keys on
         loss_fn if loss_key is None else loss_key,
         adapter.static if static_key is None else static_key,
         takes_key,
@@ -631,11 +652,17 @@ class _Run:
         )
         past = self.ckpt.steps_after(self.end)
         found = self.ckpt.restore(self.leaves, self.key, at_most=self.end)
+        if past and found is None:  # nothing to resume but a longer run
+            raise errors.checkpoint_past_end(
+                self.ckpt.directory, past, self.start, self.end
+            )
+        if past and (found is None or found[0] < self.end):
+            warnings.warn(
+                errors.checkpoint_saves_dropped(self.ckpt.directory, past, self.end),
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if found is None or found[0] <= self.start:
-            if past and (found is None or found[0] < self.start):
-                raise errors.checkpoint_past_end(
-                    self.ckpt.directory, past, self.start, self.end
-                )
             return
         step, self.leaves, self.key, history = found
         self.ckpt.last_saved = step

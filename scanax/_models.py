@@ -174,17 +174,18 @@ class OptaxAdapter:
 
     def start_step(self) -> int | None:
         """The step count kept in the optax state (``count`` of Adam, schedules,
-        ``inject_hyperparams``...): where this call continues from; None when the
-        state keeps none (plain SGD) or counts something else
-        (``optax.MultiSteps`` counts applied updates, not steps)."""
-        counts = []
-        for path, x in jtu.tree_flatten_with_path(self.state["opt_state"])[0]:
-            names = {getattr(k, "name", None) for k in path}
-            if "mini_step" in names or "gradient_step" in names:
+        ``inject_hyperparams``...): where this call continues from. None when the
+        state keeps none (plain SGD), when its counts disagree, or when one cycles
+        or counts something else than steps (``optax.apply_every``,
+        ``optax.MultiSteps``)."""
+        counts: set[int] = set()
+        for node in _state_nodes(self.state["opt_state"]):
+            if type(node).__name__ in _CYCLING_STATES:
                 return None
-            if names & {"count"} and getattr(x, "shape", None) == ():
-                counts.append(int(x))
-        return max(counts) if counts else None
+            count = getattr(node, "count", None)
+            if getattr(count, "shape", None) == ():
+                counts.add(int(count))
+        return counts.pop() if len(counts) == 1 else None
 
     def names(self) -> list[str]:
         flat = jtu.tree_flatten_with_path(self.state)[0]
@@ -343,6 +344,26 @@ def _check_opt_state(given: Any, fresh: Any) -> None:
         path, g, w = bad[0]
         detail = f"opt_state{path} is {g}, expected {w}"
     raise errors.opt_state_mismatch(detail)
+
+
+# optax states whose counters are not the number of steps applied
+_CYCLING_STATES = ("ApplyEvery", "MultiStepsState")
+
+
+def _state_nodes(tree: Any) -> list:
+    """The named tuples (optax states) inside an optax state, outermost first."""
+    out: list = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            out.append(node)
+            stack.extend(getattr(node, f) for f in node._fields)
+        elif isinstance(node, (tuple, list)):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+    return out
 
 
 def _optax_name(adapter: OptaxAdapter, path: tuple) -> str:

@@ -114,9 +114,10 @@ def reachable_nodes(f: Any) -> list[str]:
 
 def graphdef_fingerprint(graphdef: Any) -> Any:
     """``_fingerprint.of`` for an NNX GraphDef, about 20x faster: the node
-    definitions compare by their own value, only the static attribute values
-    (an ``nnx.Optimizer``'s optax transform, activation functions...) are
-    fingerprinted. None when one of them is too large to describe."""
+    definitions compare by their own value, and what they hold by identity is
+    fingerprinted: the static attribute values (an ``nnx.Optimizer``'s optax
+    transform, activation functions...) and the module classes (their methods,
+    which may read globals). None when one of them cannot be described."""
     graph = _nnx().graph
     parts = []
     for key, attr in graphdef.attributes:
@@ -127,4 +128,10 @@ def graphdef_fingerprint(graphdef: Any) -> Any:
             parts.append((key, value))
         else:
             parts.append((key, attr))
-    return (type(graphdef), tuple(graphdef.nodes), tuple(parts))
+    classes = []
+    for cls in dict.fromkeys(getattr(n, "type", None) for n in graphdef.nodes):
+        value = _fingerprint.of(cls)
+        if value is None:
+            return None
+        classes.append(value)
+    return (type(graphdef), tuple(graphdef.nodes), tuple(parts), tuple(classes))

@@ -298,3 +298,135 @@ def test_compile_cache_keeps_the_users_directory(tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
     assert not (tmp_path / "ours").exists()
+
+
+# ------------------------------------------- no stale program (adversarial review)
+
+
+def _fresh(fn):
+    """``fn()`` with every cache of compiled programs emptied first: what a new
+    process computes."""
+    from scanax import _fit
+
+    _fit._PROGRAMS.clear()
+    _fit._EXECUTABLES.clear()
+    jax.clear_caches()
+    return fn()
+
+
+def test_loss_closing_over_a_model_trained_elsewhere():
+    """A GAN/distillation-style loop: loss_a reads model b, which another fit
+    trains in place between rounds. b's new weights must be read (an NNX object
+    is not described by identity: the program is traced again)."""
+
+    def rounds():
+        a, b = nnx.Linear(3, 1, rngs=nnx.Rngs(0)), nnx.Linear(3, 1, rngs=nnx.Rngs(1))
+        opt_a = nnx.Optimizer(a, optax.sgd(0.1), wrt=nnx.Param)
+        opt_b = nnx.Optimizer(b, optax.sgd(0.1), wrt=nnx.Param)
+        for _ in range(3):
+
+            def loss_a(m, batch):
+                return jnp.mean((m(batch[0]) - b(batch[0])) ** 2)
+
+            def loss_b(m, batch):
+                return jnp.mean((m(batch[0]) - batch[1]) ** 2)
+
+            train(a, opt_a, loss_a, steps=4)
+            train(b, opt_b, loss_b, steps=4)
+        return np.asarray(a.kernel[...])
+
+    cached = rounds()
+    np.testing.assert_array_equal(cached, _fresh(rounds))
+
+
+SCALE = 1.0
+
+
+class Scaled(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return SCALE * self.lin(x)  # a global read by the model's own method
+
+
+def test_model_method_reading_a_global():
+    global SCALE
+
+    def run():
+        model = Scaled(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        return train(model, optimizer, build()[2]).history["loss"]
+
+    try:
+        first = run()
+        SCALE = 3.0
+        second = run()
+        np.testing.assert_array_equal(second, _fresh(run))
+        assert not np.array_equal(first, second)
+    finally:
+        SCALE = 1.0
+
+
+def test_losses_with_other_host_callbacks_are_not_shared():
+    """Two losses that differ only in their callback lower to the same text: the
+    executable must not be shared (it would call the first callback)."""
+
+    def make(offset):
+        def callback(x):
+            return np.asarray(x + offset, np.float32)
+
+        def loss_fn(model, batch):
+            x, y = batch
+            loss = jnp.mean((model(x) - y) ** 2)
+            shape = jax.ShapeDtypeStruct((), jnp.float32)
+            metric = jax.pure_callback(callback, shape, jax.lax.stop_gradient(loss))
+            return loss, {"cb": metric}
+
+        return loss_fn
+
+    model, optimizer, _ = build()
+    first = train(model, optimizer, make(0.0), steps=2)
+    model, optimizer, _ = build()
+    second = train(model, optimizer, make(100.0), steps=2)
+    np.testing.assert_allclose(second.history["cb"], first.history["cb"] + 100.0)
+
+
+def test_jax_settings_are_part_of_the_key():
+    """A fit under another matmul precision is another program (jax.jit keys on
+    the same settings)."""
+    train(*build())
+    with Compiles() as c, jax.default_matmul_precision("highest"):
+        train(*build())
+    assert c.count >= 1
+
+
+def test_equinox_static_fields_compare_by_type():
+    """0, 0.0 and False are equal in Python but trace to different programs."""
+
+    class Power(eqx.Module):
+        w: jax.Array
+        p: object = eqx.field(static=True)
+
+        def __call__(self, x):
+            return self.w * x + (x * self.w) ** self.p
+
+    def loss(m, batch):
+        return jnp.mean((m(batch[0]) - batch[1]) ** 2)
+
+    x, y = jnp.zeros((8, 1)), jnp.ones((8, 1))
+
+    def run(p):
+        return scanax.fit(
+            Power(jnp.ones((1,)), p),
+            optax.sgd(0.1),
+            loss,
+            (x, y),
+            steps=3,
+            batch_size=8,
+            progress=False,
+        )
+
+    assert run(0).steps == 3
+    with pytest.warns(RuntimeWarning, match="non-finite gradients"):
+        assert run(0.0).steps == 0  # 0.0 ** 0.0 has a NaN gradient; 0 ** 0 not

@@ -376,8 +376,8 @@ def test_nan_loss_stops_and_keeps_last_good_state(bad_step):
     model, opt = nnx_pair()
     with pytest.warns(
         RuntimeWarning,
-        match=rf"scanax.fit: step {bad_step} gave a non-finite loss \(nan\).*"
-        rf"state after {bad_step} good steps",
+        match=rf"scanax.fit: step {bad_step + 1} gave a non-finite loss \(nan\).*"
+        rf"state after step {bad_step} \({bad_step} good steps in this call\)",
     ):
         result = fit_quiet(model, opt, nnx_loss, batches, steps=STEPS, steps_per_call=7)
     assert result.steps == bad_step
@@ -467,7 +467,7 @@ def test_nonfinite_gradients_stop():
     batches = [batch_at(t) for t in range(6)]
     batches[4] = (batches[4][0], batches[4][1].at[0, 0].set(0.0))
     model, opt = nnx_pair()
-    with pytest.warns(RuntimeWarning, match=r"step 4 gave non-finite gradients"):
+    with pytest.warns(RuntimeWarning, match=r"step 5 gave non-finite gradients"):
         result = fit_quiet(model, opt, loss_fn, batches, steps=6, steps_per_call=3)
     assert result.steps == 4
 

@@ -164,8 +164,12 @@ def test_checkpoint_past_this_calls_end_is_an_error(tmp_path):
     ):
         _fit(fresh, fresh_opt, nnx_loss, 3, checkpoint_dir=tmp_path)
     assert int(fresh_opt.step[...]) == 0
-    # Asking for enough steps resumes from the newest checkpoint it reaches.
-    r = _fit(fresh, fresh_opt, nnx_loss, 10, checkpoint_dir=tmp_path)
+    # Asking for enough steps resumes from the newest checkpoint it reaches; the
+    # later checkpoint (12) is kept, so this call's own saves cannot be written.
+    with pytest.warns(
+        RuntimeWarning, match=r"also holds later step\(s\) 12 .* not written"
+    ):
+        r = _fit(fresh, fresh_opt, nnx_loss, 10, checkpoint_dir=tmp_path)
     assert r.steps == 10 and r.history["step"].tolist() == list(range(1, 11))
     ref, ref_opt = nnx_pair()
     _fit(ref, ref_opt, nnx_loss, 10)
@@ -304,3 +308,39 @@ def test_list_of_arrays_gets_the_tuple_and_batch_size_fix():
         r"pass a tuple or dict and a batch_size: data=\(x, y\), batch_size=32",
     ):
         scanax.fit(eqx_model(), TX, eqx_loss, [X, Y], steps=2, progress=False)
+
+
+def test_cycling_optax_counts_are_not_steps():
+    """optax.apply_every's count cycles: not a step count (a warning, not a
+    silently wrong data order)."""
+    params = {"w": jnp.zeros((3, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    tx = optax.chain(optax.apply_every(3), optax.sgd(0.1))
+    r = _fit(params, tx, loss, 5)
+    with pytest.warns(RuntimeWarning, match=r"keeps no step count"):
+        _fit(r.model, tx, loss, 5, opt_state=r.optimizer)
+
+
+def test_key_parameter_names():
+    """A third parameter named key (even key=None) gets the key; a required
+    keyword-only one is an error naming the fix."""
+
+    def named(model, batch, key=None):
+        return _noisy_loss(model, batch, key)
+
+    r = _fit(eqx_model(), TX, named, 1)
+    expected = _noisy_loss(eqx_model(), batch_at(0), _step_key(0))
+    np.testing.assert_allclose(r.history["loss"][0], expected, rtol=1e-5)
+
+    def keyword_only(model, batch, *, key):
+        return _noisy_loss(model, batch, key)
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)required keyword-only parameter `key`.*Fix: define "
+        r"loss_fn\(model, batch, key\)",
+    ):
+        _fit(eqx_model(), TX, keyword_only, 1)

@@ -410,8 +410,9 @@ def nonfinite_step(t: int, loss: Any, loss_ok: bool, grads_ok: bool, done: int) 
     if not grads_ok:
         what.append("non-finite gradients")
     return (
-        f"{CALL}: step {t} gave {' and '.join(what)}; training stopped before "
-        f"applying it. The result holds the state after {done} good steps."
+        f"{CALL}: step {t + 1} gave {' and '.join(what)}; training stopped before "
+        f"applying it. The result holds the state after step {t} ({done} good "
+        "steps in this call)."
     )
 
 
@@ -481,4 +482,21 @@ def cache_dir_unusable(directory: str, err: Exception) -> str:
         f"({type(err).__name__}: {err}); continuing without a persistent cache. "
         "Fix: pass a writable directory, or set SCANAX_COMPILE_CACHE=0 to turn it "
         "off."
+    )
+
+
+def loss_key_keyword_only(name: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` has a required keyword-only parameter `{name}`; fit "
+        "passes the per-step key as the third positional argument.\nFix: define "
+        f"loss_fn(model, batch, {name}) (without the `*`)."
+    )
+
+
+def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
+    return (
+        f"{CALL}: checkpoint_dir {directory} also holds later step(s) "
+        f"{', '.join(map(str, later))} of a longer run; orbax keeps steps in "
+        f"order, so this call's checkpoints (up to step {end}) are not written "
+        "(the later ones are kept). Use another checkpoint_dir to keep both."
     )
