@@ -1,10 +1,12 @@
 """Where ``scanax.fit`` gets its batches: arrays on device, or host batches.
 
 Array data is sampled on device: step ``t`` of training uses batch ``t % per_epoch``
-of epoch ``t // per_epoch``, whose order is ``jr.permutation(jr.fold_in(key, epoch),
-n)`` (in order when ``key`` is None). Everything is a function of the global step, so
-results do not depend on how steps are grouped into calls. An incomplete last batch
-of each epoch is dropped.
+of epoch ``t // per_epoch``, whose order is ``epoch_order(key, epoch, n)`` (in order
+when ``key`` is None). Everything is a function of the global step, so results do
+not depend on how steps are grouped into calls. An incomplete last batch of each
+epoch is dropped. The orders are drawn on the host, as Keras and data loaders do,
+and passed to each compiled call: a shuffle inside the compiled loop (threefry
+and a sort) doubled the compile time of a small model's loop.
 
 Iterable data is consumed in order on the host, stacked ``steps_per_call`` batches at
 a time and moved to the device while the previous chunk trains.
@@ -65,6 +67,8 @@ class ArraySource:
         self.per_epoch = self.n // self.batch_size
         self.shuffle = key is not None
         self.key = key if key is not None else unused_key()
+        self.seed = _seed(key) if self.shuffle else None
+        self._orders: dict[int, np.ndarray] = {}  # epoch -> order, the recent ones
         self.data = data
         self.static = ("array", self.n, self.batch_size, self.shuffle)
 
@@ -98,11 +102,37 @@ class ArraySource:
 
     def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
         """``(start, end, xs)`` of each call (``schedule.want(start, end)`` steps):
-        the batches are drawn inside."""
+        the batches are drawn inside, ``xs`` holds the example orders (shuffled
+        data) of the epochs the call may reach."""
         while start < end:
             count = schedule.want(start, end)
-            yield start, start + count, None
+            orders = None
+            if self.shuffle:
+                orders = self.orders(start, schedule.length)
+                orders = (
+                    jax.device_put(orders)
+                    if mesh is None
+                    else (_mesh.replicate(mesh, orders))
+                )
+            yield start, start + count, orders
             start += count
+
+    def orders(self, start: int, length: int) -> np.ndarray:
+        """``[epochs, n]``: row ``j`` is the order of epoch ``start // per_epoch +
+        j``, for every epoch a call of ``length`` steps from ``start`` can reach
+        (a fixed number of rows: one compiled program)."""
+        first = start // self.per_epoch
+        rows = length // self.per_epoch + 2
+        out = np.stack([self.order(e) for e in range(first, first + rows)])
+        for old in [e for e in self._orders if e < first]:
+            del self._orders[old]
+        return out
+
+    def order(self, epoch: int) -> np.ndarray:
+        found = self._orders.get(epoch)
+        if found is None:
+            found = self._orders[epoch] = epoch_order(self.seed, epoch, self.n)
+        return found
 
     def sampler(self) -> ArraySource:
         """This source without its arrays (the compiled loop gets them as
@@ -114,36 +144,35 @@ class ArraySource:
     # -- on device, inside the compiled chunk: functions of the global step only --
 
     def first(self, key: Any, t: Any) -> Any:
-        """The sampler's state at step ``t``: its epoch's example order."""
-        return self.permutation(key, t)
+        """The sampler's state: the epoch the call starts in (row 0 of ``xs``)."""
+        return t // self.per_epoch
 
-    def advance(self, perm: Any, key: Any, t: Any) -> Any:
-        return self.next_permutation(key, t, perm)
+    def advance(self, first: Any, key: Any, t: Any) -> Any:
+        return first
 
-    def permutation(self, key: Any, t: Any) -> Any:
-        """The example order of the epoch that step ``t`` belongs to."""
-        if not self.shuffle:
-            return jnp.zeros((0,), jnp.int32)
-        epoch = t // self.per_epoch
-        return jr.permutation(jr.fold_in(key, epoch), self.n).astype(jnp.int32)
-
-    def next_permutation(self, key: Any, t: Any, perm: Any) -> Any:
-        if not self.shuffle:
-            return perm
-        return jax.lax.cond(
-            t % self.per_epoch == 0,
-            lambda: self.permutation(key, t),
-            lambda: perm,
-        )
-
-    def batch(self, perm: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
+    def batch(self, first: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
         start = (t % self.per_epoch) * self.batch_size
         if self.shuffle:
-            idx = jax.lax.dynamic_slice(perm, (start,), (self.batch_size,))
+            row = t // self.per_epoch - first
+            idx = jax.lax.dynamic_slice(xs, (row, start), (1, self.batch_size))[0]
             return jtu.tree_map(lambda x: jnp.take(x, idx, axis=0), data)
         return jtu.tree_map(
             lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.batch_size), data
         )
+
+
+def epoch_order(seed: Any, epoch: int, n: int) -> np.ndarray:
+    """The example order of ``epoch`` for shuffled array data: a permutation of
+    ``range(n)`` drawn by NumPy from ``fit``'s key and the epoch number
+    (``seed`` is ``_seed(key)``)."""
+    rng = np.random.default_rng([*seed, int(epoch)])
+    return rng.permutation(n).astype(np.int32)
+
+
+def _seed(key: Any) -> list[int]:
+    """The words of a JAX key (typed, or a legacy ``uint32[2]``), as a NumPy seed."""
+    data = jr.key_data(key) if _is_key(key) else key
+    return [int(v) for v in np.asarray(data).ravel()]
 
 
 class IterSource:

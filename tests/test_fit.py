@@ -31,7 +31,11 @@ def batch_at(t, key=KEY, n=N, bs=BS):
     if key is None:
         idx = jnp.arange(start, start + bs)
     else:
-        perm = jr.permutation(jr.fold_in(key, t // per_epoch), n)
+        data = (
+            jr.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        )
+        seed = [int(v) for v in np.asarray(data).ravel()] + [t // per_epoch]
+        perm = np.random.default_rng(seed).permutation(n)
         idx = perm[start : start + bs]
     return X[idx], Y[idx]
 
