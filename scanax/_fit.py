@@ -32,7 +32,7 @@ from . import (
 )
 from ._errors import fit as errors
 
-_CALL = "scanax.fit"
+_CALL = errors.CALL
 # The wall time that the automatic schedule aims each call at (array data: calls
 # grow from 8 steps to this, up to the source's compiled length).
 _SECONDS_PER_CALL = 0.25
@@ -447,7 +447,7 @@ def _build_chunk(
         return batch if mesh is None else _mesh.batch_constraint(mesh, batch)
 
     def chunk(leaves, stopped, start, count, every, data, key, xs):
-        with jax.named_scope("scanax.fit"):
+        with jax.named_scope(_CALL):
             perm = source.first(key, start)
             root = jr.split(key)[1] if takes_key else None
 

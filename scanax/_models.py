@@ -23,13 +23,7 @@ from . import _fingerprint, _nnx
 from ._axes import is_array
 from ._errors import fit as errors, short_type
 
-_CALL = "scanax.fit"
-
-SUPPORTED = (
-    "  (nnx.Module, nnx.Optimizer)   e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)\n"
-    "  (Equinox module or pytree of arrays, optax.GradientTransformation)\n"
-    "  (flax.training.train_state.TrainState, None)   its own `tx` is used"
-)
+_CALL = errors.CALL
 
 
 def split_loss(call: str, out: Any) -> tuple[Any, dict]:
@@ -407,19 +401,12 @@ def adapt(
         raise errors.opt_state_not_optax(optimizer)
     if _is_train_state(model):
         if optimizer is not None:
-            raise errors.bad_pair(
-                model,
-                optimizer,
-                SUPPORTED,
-                "a TrainState carries its own optimizer (`tx`).\nFix: pass "
-                "optimizer=None.",
-            )
+            raise errors.bad_pair(model, optimizer, "trainstate_with_optimizer")
         return TrainStateAdapter(model)
     if _nnx.is_node(model):
         if _is_nnx_optimizer(optimizer):
             return NNXAdapter(model, optimizer)
-        fix = "Fix: pass nnx.Optimizer(model, tx, wrt=nnx.Param) as the optimizer."
-        raise errors.bad_pair(model, optimizer, SUPPORTED, fix)
+        raise errors.bad_pair(model, optimizer, "nnx_without_optimizer")
     if _is_gradient_transformation(optimizer):
         bad = [
             (jtu.keystr(p), short_type(x))
@@ -431,8 +418,5 @@ def adapt(
         if not any(_is_inexact(x) for x in jtu.tree_leaves(model)):
             raise errors.nothing_to_train(model)
         return OptaxAdapter(model, optimizer, opt_state)
-    if _is_nnx_optimizer(optimizer):
-        fix = "Fix: pass the nnx.Module that the nnx.Optimizer was built for."
-    else:
-        fix = "Fix: pass one of the supported pairs."
-    raise errors.bad_pair(model, optimizer, SUPPORTED, fix)
+    why = "optimizer_without_nnx" if _is_nnx_optimizer(optimizer) else "other"
+    raise errors.bad_pair(model, optimizer, why)

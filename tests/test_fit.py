@@ -726,8 +726,8 @@ def test_trainstate_batch_stats_without_updates_warns_and_bad_updates_fail():
 # ---------------------------------------------------------------------------- low level
 
 
-def test_seed_carry_form_with_scanax_scan():
-    """The seed's question: (model, optimizer) as the carry of scanax.scan."""
+def test_model_and_optimizer_as_the_carry_of_scanax_scan():
+    """(model, optimizer) as the carry of scanax.scan: the low-level form of fit."""
 
     def train_step(carry, batch):
         model, optimizer = carry

@@ -392,11 +392,28 @@ def batch_no_leading_axis(path: str, x: Any) -> ValueError:
     )
 
 
-def bad_pair(model: Any, optimizer: Any, supported: str, fix: str) -> TypeError:
+SUPPORTED_PAIRS = (
+    "  (nnx.Module, nnx.Optimizer)   e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)\n"
+    "  (Equinox module or pytree of arrays, optax.GradientTransformation)\n"
+    "  (flax.training.train_state.TrainState, None)   its own `tx` is used"
+)
+_PAIR_FIXES = {
+    "trainstate_with_optimizer": "a TrainState carries its own optimizer (`tx`)."
+    "\nFix: pass optimizer=None.",
+    "nnx_without_optimizer": "Fix: pass nnx.Optimizer(model, tx, wrt=nnx.Param) as "
+    "the optimizer.",
+    "optimizer_without_nnx": "Fix: pass the nnx.Module that the nnx.Optimizer was "
+    "built for.",
+    "other": "Fix: pass one of the supported pairs.",
+}
+
+
+def bad_pair(model: Any, optimizer: Any, why: str) -> TypeError:
+    """``why``: one of ``_PAIR_FIXES``' keys."""
     return TypeError(
         f"{CALL}: unsupported (model, optimizer) pair "
         f"({short_type(model)}, {short_type(optimizer)}); the "
-        f"supported pairs are:\n{supported}\n{fix}"
+        f"supported pairs are:\n{SUPPORTED_PAIRS}\n{_PAIR_FIXES[why]}"
     )
 
 
