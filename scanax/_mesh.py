@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -114,6 +115,10 @@ def put_chunk(mesh: Any, chunk: Any) -> Any:
 
 def _put(x: Any, sharding: Any) -> Any:
     if jax.process_count() > 1:
+        if jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            # A typed PRNG key has no NumPy form: it travels as its key data.
+            data = _put(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(sharding, x, x.shape)
     return jax.device_put(x, sharding)

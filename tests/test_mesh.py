@@ -4,6 +4,7 @@ import functools as ft
 
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
@@ -185,3 +186,20 @@ def test_mesh_checkpoint_resume(tmp_path):
     for a, b in zip(jtu.tree_leaves(nnx.state(m2)), jtu.tree_leaves(nnx.state(m1))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert m2.l1.kernel[...].sharding.is_fully_replicated
+
+
+def test_typed_key_placed_as_in_a_multi_process_job(monkeypatch):
+    """With more than one process, arrays go through
+    jax.make_array_from_process_local_data, which needs a NumPy form: a typed
+    PRNG key travels as its key data and comes back a key (it raised before)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from scanax import _mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    out = _mesh.replicate(mesh, {"key": jr.key(3), "x": jnp.arange(3.0)})
+    assert jnp.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jr.key_data(out["key"]), jr.key_data(jr.key(3)))
+    np.testing.assert_array_equal(out["x"], np.arange(3.0))
+    assert out["x"].sharding == NamedSharding(mesh, PartitionSpec())
