@@ -34,20 +34,10 @@ from scanax import _fit
 
 try:
     from benchmarks import _timing
+    from benchmarks.bench_fit import MLP
 except ImportError:  # run as a script from inside benchmarks/
     import _timing  # type: ignore[no-redef]
-
-
-class MLP(nnx.Module):
-    def __init__(self, sizes, rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
-        return self.layers[-1](x)
+    from bench_fit import MLP  # type: ignore[no-redef]
 
 
 def _data(sizes, batch, steps):
