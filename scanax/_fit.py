@@ -671,7 +671,7 @@ class _Run:
         step, self.leaves, self.key, history = found
         self.ckpt.last_saved = step
         self.history.restore(history, self.start, step)
-        self.done = self.good = step
+        self.done = step
         self.good = self.leaves
         if step == self.end:
             warnings.warn(
