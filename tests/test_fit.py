@@ -1007,3 +1007,35 @@ def test_cache_does_not_keep_data_alive():
     del x, y
     gc.collect()
     assert ref() is None
+
+
+def test_one_while_loop_per_call(monkeypatch):
+    """docs/index.md and docs/fit.md say each call is one compiled lax.while_loop:
+    the traced chunk holds exactly one while loop at its top level, and no host
+    callback for array data with automatic calls (so a bar changes nothing)."""
+    import scanax._fit as fit_module
+
+    seen = []
+    real = fit_module._Program.executable
+
+    def spy(self, args):
+        seen.append((self, args))
+        return real(self, args)
+
+    monkeypatch.setattr(fit_module._Program, "executable", spy)
+    fit_module._PROGRAMS.clear()
+
+    def traced(**kwargs):
+        seen.clear()
+        model, opt = nnx_pair()
+        scanax.fit(model, opt, nnx_loss, (X, Y), batch_size=BS, key=KEY, **kwargs)
+        program, args = seen[0]
+        jaxpr = jax.make_jaxpr(program.jitted)(*args).jaxpr
+        return jaxpr.eqns[0].params["jaxpr"].jaxpr  # the jitted chunk
+
+    inner = traced(steps=STEPS)
+    assert [e.primitive.name for e in inner.eqns].count("while") == 1
+    assert "callback" not in str(inner)
+    # With a steps_per_call of the user's, the bar reports from inside the loop:
+    # the check above can see a callback where there is one.
+    assert "callback" in str(traced(steps=STEPS, steps_per_call=7))
