@@ -5,7 +5,9 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 from . import _stack_adapters  # noqa: F401 (registers Stack's NNX and Equinox adapters)
 from ._compile_cache import compile_cache as compile_cache
+from ._errors.log import SinkError as SinkError
 from ._fit import FitResult as FitResult, fit as fit
+from ._log import CSV as CSV, TensorBoard as TensorBoard
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
 from ._scan import scan as scan
