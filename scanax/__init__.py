@@ -12,6 +12,7 @@ from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
 from ._scan import scan as scan
 from ._stack import Stack as Stack, StackWarning as StackWarning
+from ._stop import EarlyStop as EarlyStop
 from ._until import scan_until as scan_until
 
 try:

@@ -1,0 +1,97 @@
+"""Messages of ``scanax.EarlyStop``'s errors: its arguments and the monitored
+metric's name."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+from . import short_type
+
+CALL = "scanax.EarlyStop"
+
+
+def monitor_type(monitor: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `monitor` must be the name of a metric (a non-empty str), got "
+        f"{short_type(monitor)}.\nFix: pass e.g. EarlyStop('val_loss', patience=5)."
+    )
+
+
+def patience_type(patience: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `patience` must be an int (evaluations without improvement "
+        f"before stopping), got {short_type(patience)}.\nFix: pass e.g. patience=5."
+    )
+
+
+def patience_value(patience: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: `patience` must be 0 or more, got {patience}.\nFix: pass the "
+        "number of evaluations without improvement to allow before stopping, "
+        "e.g. patience=5 (0 stops at the first one)."
+    )
+
+
+def min_delta_type(min_delta: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `min_delta` must be a real number, got {short_type(min_delta)}."
+        "\nFix: pass e.g. min_delta=1e-3."
+    )
+
+
+def min_delta_value(min_delta: float) -> ValueError:
+    return ValueError(
+        f"{CALL}: `min_delta` must be finite and 0 or more, got {min_delta!r}: it "
+        "is the amount by which a value must beat the best to count as an "
+        "improvement, in the direction `mode` gives.\nFix: pass its absolute "
+        "value, e.g. min_delta=1e-3 (with mode='max' for metrics that should "
+        "grow)."
+    )
+
+
+def bad_mode(mode: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: `mode` must be 'min' or 'max', got {mode!r}.\nFix: pass "
+        "mode='min' for losses and errors, mode='max' for accuracies and "
+        "scores (scanax does not guess it from the name as Keras's 'auto' does)."
+    )
+
+
+def restore_best_type(restore_best: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `restore_best` must be True or False, got "
+        f"{short_type(restore_best)}.\nFix: pass restore_best=True to end with the "
+        "best model, False to end with the last one."
+    )
+
+
+def unknown_monitor(monitor: str, available: Iterable[str]) -> ValueError:
+    names = sorted(available)
+    listed = ", ".join(names) if names else "none"
+    fixes = []
+    close = difflib.get_close_matches(monitor, names, n=1)
+    if close:
+        fixes.append(f"Did you mean {close[0]!r}?")
+    if monitor.startswith("val_") and not any(n.startswith("val_") for n in names):
+        fixes.append(
+            "Validation metrics (val_*) exist only with eval_data=... (and "
+            "eval_every=...)."
+        )
+    fixes.append(
+        f"{'Otherwise m' if fixes else 'M'}onitor one of the metrics above "
+        "(loss_fn's metrics by name, evaluation metrics as val_<name>)."
+    )
+    return ValueError(
+        f"{CALL}: monitor={monitor!r} is not a metric of this run; the metrics "
+        f"are: {listed}.\nFix: " + " ".join(fixes)
+    )
+
+
+def monitor_not_scalar(monitor: str, value: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: the monitored metric {monitor!r} must be one number per "
+        f"evaluation (per member, under jax.vmap), got {short_type(value)}.\nFix: "
+        "return a scalar for it from loss_fn/eval_fn (e.g. a mean)."
+    )

@@ -1,0 +1,182 @@
+"""``stop=``: early stopping, as a static description (``EarlyStop``) plus pure
+JAX functions on a small state that the compiled training loop carries.
+
+The rule is Keras 3's ``keras.callbacks.EarlyStopping`` (``mode="min"`` or
+``"max"``, ``min_delta``, ``patience``), evaluated on device at each evaluation,
+so that the loop stops and keeps its best state without a host round trip. The
+functions are elementwise in the state: under ``jax.vmap`` each member of a
+population stops on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from ._errors import stop as errors
+
+
+class StopState(NamedTuple):
+    """What ``EarlyStop`` carries from one evaluation to the next (a pytree).
+
+    Attributes:
+        best: the best monitored value so far (``+inf``/``-inf`` before any).
+        best_step: the step of ``best``; ``-1`` before any improvement.
+        wait: evaluations since the last improvement.
+        stopped: whether the rule has said stop (then later updates change
+            nothing).
+    """
+
+    best: jax.Array
+    best_step: jax.Array
+    wait: jax.Array
+    stopped: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyStop:
+    """Stop training when a monitored metric stops improving, and keep the best
+    model (``scanax.fit(..., stop=EarlyStop(...))``).
+
+    Conceptually equivalent to, at each evaluation (step ``step``, monitored
+    value ``value``; ``first``: this is the first evaluation)::
+
+        wait += 1
+        if best is None or (value < best - min_delta if mode == "min"
+                            else value > best + min_delta):
+            best, best_step, wait = value, step, 0  # and keep the model
+        elif wait >= patience and not first:
+            stop                                     # and restore the kept model
+
+    which is ``keras.callbacks.EarlyStopping(monitor, min_delta=min_delta,
+    patience=patience, mode=mode)`` evaluated once per evaluation instead of once
+    per epoch. Differences from Keras: ``mode`` has no ``"auto"`` (say ``"max"``
+    for accuracies); ``min_delta`` must be ``>= 0`` (Keras takes its absolute
+    value); no ``baseline`` or ``start_from_epoch``; a NaN value is never an
+    improvement, even the first (Keras takes a first NaN as the best, after which
+    nothing improves on it). With ``restore_best``, the model kept is the best
+    one, also when training ends without the rule stopping it (as Keras's
+    ``restore_best_weights`` does).
+
+    Arguments:
+        monitor: the metric to watch: ``"loss"`` or another metric ``loss_fn``
+            returns, or an evaluation metric ``"val_<name>"``.
+        patience: evaluations without improvement after which training stops
+            (``0``: at the first).
+        min_delta: how much a value must beat the best by to count as an
+            improvement (``>= 0``, in the direction of ``mode``).
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        restore_best: end with the best model (True, default) or the last one.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import scanax
+        >>> stop = scanax.EarlyStop("val_loss", patience=1)
+        >>> state = stop.init()
+        >>> for step, value in [(1, 3.0), (2, 2.0), (3, 2.5), (4, 2.1)]:
+        ...     state, improved, done = stop.update(state, jnp.float32(value), step)
+        ...     print(step, bool(improved), bool(done))
+        1 True False
+        2 True False
+        3 False True
+        4 False True
+        >>> int(state.best_step), float(state.best)
+        (2, 2.0)
+    """
+
+    monitor: str
+    _: dataclasses.KW_ONLY
+    patience: int
+    min_delta: float = 0.0
+    mode: str = "min"
+    restore_best: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise errors.monitor_type(self.monitor)
+        if isinstance(self.patience, bool) or not isinstance(
+            self.patience, numbers.Integral
+        ):
+            raise errors.patience_type(self.patience)
+        if self.patience < 0:
+            raise errors.patience_value(self.patience)
+        if isinstance(self.min_delta, bool) or not isinstance(
+            self.min_delta, numbers.Real
+        ):
+            raise errors.min_delta_type(self.min_delta)
+        if not math.isfinite(self.min_delta) or self.min_delta < 0:
+            raise errors.min_delta_value(self.min_delta)
+        if self.mode not in ("min", "max"):
+            raise errors.bad_mode(self.mode)
+        if not isinstance(self.restore_best, bool):
+            raise errors.restore_best_type(self.restore_best)
+
+    def check_monitor(self, available: Iterable[str]) -> None:
+        """Raise ``ValueError`` naming the available metrics if ``monitor`` is not
+        among ``available`` (the names the run's history will have: ``loss``,
+        ``loss_fn``'s metrics, ``val_*``). Call it before compiling."""
+        names = list(available)
+        if self.monitor not in names:
+            raise errors.unknown_monitor(self.monitor, names)
+
+    def init(self, dtype: Any = jnp.float32) -> StopState:
+        """The state before the first evaluation (values compared in ``dtype``).
+        For a population, ``jax.vmap`` it over a dummy axis or broadcast it."""
+        worst = jnp.inf if self.mode == "min" else -jnp.inf
+        return StopState(
+            best=jnp.asarray(worst, dtype),
+            best_step=jnp.asarray(-1, jnp.int32),
+            wait=jnp.asarray(0, jnp.int32),
+            stopped=jnp.asarray(False),
+        )
+
+    def update(
+        self, state: StopState, value: jax.Array, step: jax.Array
+    ) -> tuple[StopState, jax.Array, jax.Array]:
+        """One evaluation: ``(new state, improved, stop)``.
+
+        ``value`` is the monitored metric (a scalar; per member under
+        ``jax.vmap``), ``step`` the global step (``>= 0``) it was measured at.
+        ``improved``: this value is the new best (keep the model: see
+        ``keep_best``). ``stop``: end training now (stays true once it is).
+        Pure and branch-free: usable inside ``lax.while_loop`` and ``jax.vmap``.
+        """
+        value = jnp.asarray(value)
+        if value.ndim != 0:
+            raise errors.monitor_not_scalar(self.monitor, value)
+        with jax.named_scope("scanax.early_stop"):
+            value = value.astype(state.best.dtype)
+            delta = jnp.asarray(self.min_delta, state.best.dtype)
+            if self.mode == "min":
+                better = value + delta < state.best
+            else:
+                better = value - delta > state.best
+            first = state.best_step < 0
+            live = ~state.stopped
+            improved = live & ~jnp.isnan(value) & (first | better)
+            wait = jnp.where(improved, 0, state.wait + 1)
+            # never at the first evaluation (Keras: `epoch > 0`)
+            later = ~first | (state.wait > 0)
+            stop = state.stopped | (live & ~improved & later & (wait >= self.patience))
+            new = StopState(
+                best=jnp.where(improved, value, state.best),
+                best_step=jnp.where(
+                    improved, jnp.asarray(step, jnp.int32), state.best_step
+                ),
+                wait=jnp.where(live, wait, state.wait),
+                stopped=stop,
+            )
+            return new, improved, stop
+
+
+def keep_best(best: Any, current: Any, improved: jax.Array) -> Any:
+    """``current`` where ``improved`` else ``best``, leaf by leaf (the kept state
+    stays on device; under ``jax.vmap``, per member)."""
+    return jtu.tree_map(lambda b, c: jnp.where(improved, c, b), best, current)
