@@ -1,40 +1,16 @@
-"""in_axes / out_axes: matching an axis prefix to a pytree; array and static leaves."""
+"""in_axes / out_axes: matching an axis prefix to a pytree, and where two differ."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.tree_util as jtu
-import numpy as np
 
 from . import _errors
+from ._tree import is_array as is_array  # still imported from here by _data, _models
 
 KeyPath = tuple[Any, ...]
-
-
-def is_array(x: Any) -> bool:
-    """Arrays that scanax passes as operands (never Python scalars)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def is_arraylike(x: Any) -> bool:
-    """What ``lax.scan`` accepts as a carry leaf: arrays and Python numbers."""
-    return is_array(x) or isinstance(x, (bool, int, float, complex))
-
-
-def same_static(a: Any, b: Any) -> bool:
-    """Whether two static (non-array) leaves are the same value, of the same type
-    (``1``, ``1.0`` and ``True`` compare equal but are not the same)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 def _is_axis_leaf(x: Any) -> bool:

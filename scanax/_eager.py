@@ -37,6 +37,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from . import _nnx
+from ._tree import splice
 
 try:  # private JAX: the cheapest trace; without it, the public `jax.make_jaxpr`
     from jax._src import core as _core, linear_util as _lu
@@ -132,15 +133,10 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     found: dict[str, Any] = {}
 
     def traced(*tracers):
-        new = list(leaves)
-        for i, t in zip(dyn_idx, tracers):
-            new[i] = t
-        vals = list(values)
-        for k, t in zip(var_idx, tracers[len(dyn_idx) :]):
-            vals[k] = t
+        n = len(dyn_idx)
+        vals = splice(values, var_idx, tracers[n:])
         copies = _nnx.unflatten(graphdef, vals) if nodes else []
-        for i, c in zip(node_idx, copies):
-            new[i] = c
+        new = splice(splice(leaves, dyn_idx, tracers[:n]), node_idx, copies)
         a, kw = jtu.tree_unflatten(treedef, new)
         out = fn(*a, **kw)
         out_leaves, out_tree = jtu.tree_flatten(out, is_leaf=is_node)
@@ -190,10 +186,8 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     if plain:  # outside the `except`: its error is not the context of another
         return _plain(fn, args, kwargs)
     outs = _program(jaxpr)(list(consts), inputs)
-    out_leaves = list(found["leaves"])
     n = len(found["where"])
-    for i, a in zip(found["where"], outs[:n]):
-        out_leaves[i] = a
+    out_leaves = splice(found["leaves"], found["where"], outs[:n])
     for i, j in found["node_out"]:
         out_leaves[i] = nodes[j]
     for k, a in zip(found["changed"], outs[n:]):

@@ -22,14 +22,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _errors, _nnx
-from ._axes import (
-    first_difference,
-    is_array,
-    is_arraylike,
-    match_prefix,
-    normalize_axis,
-    same_static,
-)
+from ._axes import first_difference, match_prefix, normalize_axis
+from ._tree import is_array, is_arraylike, same_static, splice
 
 # Bound at import: scanax.scan must keep working where users (or JAX's own test
 # suite, in our compatibility check) replace `jax.lax.scan` by `scanax.scan`.
@@ -68,13 +62,12 @@ class CarryCodec:
 
     def decode(self, dynamic: Any) -> Any:
         state, arrays = dynamic
-        leaves = list(self.leaves)
-        if self.nodes:
-            for i, node in zip(self.node_idx, _nnx.merge(self.graphdef, state)):
-                leaves[i] = node
-        for i, a in zip(self.dyn_idx, arrays):
-            leaves[i] = a
-        return jtu.tree_unflatten(self.treedef, leaves)
+        nodes = _nnx.merge(self.graphdef, state) if self.nodes else []
+        return self._rebuild(nodes, arrays)
+
+    def _rebuild(self, nodes: list[Any], arrays: list[Any]) -> Any:
+        leaves = splice(self.leaves, self.node_idx, nodes)
+        return jtu.tree_unflatten(self.treedef, splice(leaves, self.dyn_idx, arrays))
 
     def encode(self, carry: Any, dynamic_in: Any) -> Any:
         """The dynamic part of a carry returned by ``f``, checked against ``init``."""
@@ -166,12 +159,9 @@ class CarryCodec:
     def finish(self, dynamic: Any) -> Any:
         """The final carry, with the user's NNX objects updated in place."""
         state, arrays = dynamic
-        leaves = list(self.leaves)
         if self.nodes:
             _nnx.update(self.nodes, state)
-        for i, a in zip(self.dyn_idx, arrays):
-            leaves[i] = a
-        return jtu.tree_unflatten(self.treedef, leaves)
+        return self._rebuild(self.nodes, arrays)
 
 
 def _same_type(ta: Any, tb: Any) -> bool:
@@ -200,10 +190,8 @@ class XsPlan:
     length: int
 
     def decode(self, x_slices: list[Any]) -> Any:
-        leaves = list(self.leaves)
         n = len(self.scanned_idx)
-        for i, a in zip(self.scanned_idx, x_slices[:n]):
-            leaves[i] = a
+        leaves = splice(self.leaves, self.scanned_idx, x_slices[:n])
         for i, _, graphdef, state in self.bcast_nodes:
             # Rebuild the Variables at this trace level (merging the captured ones
             # would make NNX refuse any write, hiding the mutation check below).

@@ -21,9 +21,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "scanax"
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "errors",
-        {"_errors", "_errors.fit", "_errors.long", "_errors.rnn", "_errors.stack"},
+        {
+            "_errors",
+            "_errors.fit",
+            "_errors.long",
+            "_errors.rnn",
+            "_errors.stack",
+            "_errors.population",
+        },
     ),
-    ("ground", {"_fingerprint", "_nnx", "_axes"}),
+    ("ground", {"_tree", "_fingerprint", "_nnx", "_axes"}),
     ("eager", {"_eager"}),
     ("loop core", {"_loop"}),
     ("loop options", {"_remat", "_progress", "_thin"}),
@@ -31,8 +38,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("scan", {"_scan", "_until"}),
     ("stack and cells", {"_stack", "_cells"}),
     ("adapters and rnn", {"_stack_nnx", "_stack_eqx", "_stack_adapters", "_rnn"}),
-    ("fit's parts", {"_mesh", "_checkpoint", "_compile_cache", "_models", "_data"}),
-    ("fit", {"_fit"}),
+    (
+        "fit's parts",
+        {"_mesh", "_checkpoint", "_compile_cache", "_models", "_data", "_population"},
+    ),
+    ("fit's engine", {"_fit_loop"}),
+    ("fit", {"_fit_population", "_fit"}),
     ("top", {"__init__", "__main__", "_demo", "_bench"}),
 ]
 

@@ -1,0 +1,76 @@
+"""Pytree leaves: which are arrays and which static, and new values put back.
+
+Modules that pass part of a pytree through JAX (the arrays of a carry into a scan,
+a layer's arrays through ``jax.checkpoint``, a call's arrays into a compiled
+program) split its leaves into those that go through and those that stay, then
+rebuild it with new values in the first ones' places: ``partition`` and ``splice``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+
+def is_array(x: Any) -> bool:
+    """Arrays that scanax passes as operands (never Python scalars)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_arraylike(x: Any) -> bool:
+    """What ``lax.scan`` accepts as a carry leaf: arrays and Python numbers."""
+    return is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def same_static(a: Any, b: Any) -> bool:
+    """Whether two static (non-array) leaves are the same value, of the same type
+    (``1``, ``1.0`` and ``True`` compare equal but are not the same)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def splice(leaves: Sequence[Any], idx: Sequence[int], values: Iterable[Any]) -> list:
+    """A copy of ``leaves`` with ``values`` at the positions ``idx``, in order."""
+    new = list(leaves)
+    for i, v in zip(idx, values, strict=True):
+        new[i] = v
+    return new
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A flattened pytree and the positions of the leaves ``partition`` picked."""
+
+    treedef: Any
+    leaves: list[Any]
+    idx: list[int]
+
+    @property
+    def picked(self) -> list[Any]:
+        return [self.leaves[i] for i in self.idx]
+
+    def rebuild(self, values: Iterable[Any]) -> Any:
+        """The pytree with ``values`` in place of the picked leaves."""
+        return jtu.tree_unflatten(self.treedef, splice(self.leaves, self.idx, values))
+
+
+def partition(
+    tree: Any,
+    pick: Callable[[Any], bool] = is_array,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Partition:
+    """``tree``'s leaves (as ``jtu.tree_flatten(tree, is_leaf)``), those for which
+    ``pick`` holds marked to be replaced (the arrays, by default)."""
+    leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_leaf)
+    return Partition(treedef, leaves, [i for i, x in enumerate(leaves) if pick(x)])
