@@ -9,16 +9,19 @@ applied with one ``scanax.scan``; everything else is called directly.
 ``Stack(...)`` returns the class that fits the layers: an ``nnx.Module`` for Flax NNX
 layers (``_stack_nnx.py``), an ``eqx.Module`` for Equinox layers (``_stack_eqx.py``),
 and this module's pytree class for any other callables. All three are instances of
-``scanax.Stack``. This file is framework-free; it holds the plan, the pytree path and
-the registry the adapters plug into (``register_adapter``, filled by
-``_stack_adapters.py``).
+``scanax.Stack``. All three share one body (``Body``: build, call, index), which
+asks the class's adapter (a ``Layers``) for what depends on the framework: how
+layers are compared, stored, called and rebuilt from a run's arrays. This file is
+framework-free: it holds that body, the adapter for pytree layers (plain callables
+and Equinox modules), the scan over a run, and the registry the framework classes
+plug into (``register_adapter``, filled by ``_stack_adapters.py``). The plan
+(which layers form runs) is in ``_stack_plan.py``.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import operator
+import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,17 +30,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 
 from . import _eager, _remat
-from ._axes import is_array, is_arraylike, same_static
 from ._errors import stack as errors
 from ._scan import scan
-
-# A plan is a tuple of pieces ``(start, period, repeats)``: layers
-# ``start : start + period * repeats``, ``repeats`` blocks of ``period`` layers.
-# ``repeats == 1`` (then ``period == 1``) is a single layer called directly.
-Piece = tuple[int, int, int]
+from ._stack_plan import (
+    Piece,
+    describe_plan,
+    locate,
+    number_differences,
+    plan,
+    pytree_signature,
+    signature_ids,
+    span,
+)
+from ._tree import Partition, is_array, is_arraylike, partition, same_static
 
 
 class ShapeChange(Exception):
@@ -47,145 +54,6 @@ class ShapeChange(Exception):
 class StackWarning(UserWarning):
     """``scanax.Stack`` left layers unstacked that differ only in a number (a
     per-layer ``idx: int``): they are traced one by one."""
-
-
-def span(piece: Piece) -> str:
-    start, period, repeats = piece
-    return f"layers[{start}:{start + period * repeats}]"
-
-
-# ---------------------------------------------------------------------------- plan
-
-
-def pytree_signature(layer: Any) -> tuple[Any, list[Any]]:
-    """What must match for two layers to be stacked: structure, statics, types."""
-    leaves, treedef = jtu.tree_flatten(layer)
-    sig = [
-        ("array", tuple(x.shape), jnp.result_type(x)) if is_array(x) else ("static", x)
-        for x in leaves
-    ]
-    return treedef, sig
-
-
-def same_signature(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
-    (ta, la), (tb, lb) = a, b
-    if not same_static(ta, tb) or len(la) != len(lb):
-        return False
-    for x, y in zip(la, lb, strict=True):
-        if x[0] != y[0]:
-            return False
-        if x[0] == "array" and x[1:] != y[1:]:
-            return False
-        if x[0] == "static" and not same_static(x[1], y[1]):
-            return False
-    return True
-
-
-def signature_ids(signatures: list[Any]) -> list[int]:
-    """Equal ids for layers with the same signature."""
-    reps: list[Any] = []
-    ids = []
-    for sig in signatures:
-        for k, rep in enumerate(reps):
-            if same_signature(sig, rep):
-                ids.append(k)
-                break
-        else:
-            ids.append(len(reps))
-            reps.append(sig)
-    return ids
-
-
-def plan(ids: list[int], max_period: int = 64) -> tuple[Piece, ...]:
-    """Split layers into pieces, minimising the layers traced, then the pieces.
-
-    A run of ``repeats`` blocks of ``period`` layers costs ``period`` traced layers
-    (one scan body); a single layer costs one. Dynamic programming over the start.
-    """
-    n = len(ids)
-    best: list[tuple[int, int]] = [(0, 0)] * (n + 1)
-    choice: list[tuple[int, int]] = [(1, 1)] * n
-    for i in reversed(range(n)):
-        best[i] = (1 + best[i + 1][0], 1 + best[i + 1][1])
-        choice[i] = (1, 1)
-        for p in range(1, min(max_period, (n - i) // 2) + 1):
-            block = ids[i : i + p]
-            r = 1
-            while ids[i + r * p : i + (r + 1) * p] == block:
-                r += 1
-            for rr in range(2, r + 1):
-                rest = best[i + rr * p]
-                cost = (p + rest[0], 1 + rest[1])
-                if cost < best[i]:
-                    best[i], choice[i] = cost, (p, rr)
-    pieces, i = [], 0
-    while i < n:
-        p, r = choice[i]
-        pieces.append((i, p, r))
-        i += p * r
-    return tuple(pieces)
-
-
-# ---------------------------------------------------------------------------- why not
-
-
-def _is_number(x: Any) -> bool:
-    """A Python number that could have been an array (flags are not: bools pick
-    code paths)."""
-    return isinstance(x, (int, float, complex)) and not isinstance(x, bool)
-
-
-def number_differences(
-    a: Any, b: Any, expand: Callable[[Any], Any] | None = None
-) -> list[tuple[str, Any, Any]] | None:
-    """``[(path, value in a, value in b), ...]``: the Python numbers in which two
-    layers differ, when that is all they differ in (same types, same structure,
-    arrays of the same shapes and dtypes, equal other values); else None.
-
-    ``expand(x)``: ``[(key, child), ...]`` for objects of a framework (NNX modules
-    and Variables), None for others.
-    """
-    diffs: list[tuple[str, Any, Any]] = []
-    same = _walk(a, b, "", diffs, expand)
-    return diffs if same and diffs else None
-
-
-def _walk(a: Any, b: Any, path: str, diffs: list, expand: Any) -> bool:
-    if is_array(a) or is_array(b):
-        return (
-            is_array(a)
-            and is_array(b)
-            and jnp.shape(a) == jnp.shape(b)
-            and jnp.result_type(a) == jnp.result_type(b)
-        )
-    if _is_number(a) and _is_number(b):
-        if not same_static(a, b):
-            diffs.append((path, a, b))
-        return True
-    if type(a) is not type(b):
-        return False
-    kids_a, kids_b = _children(a, expand), _children(b, expand)
-    if kids_a is None or kids_b is None:
-        return same_static(a, b)
-    if [k for k, _ in kids_a] != [k for k, _ in kids_b]:
-        return False
-    return all(
-        _walk(x, y, path + k, diffs, expand)
-        for (k, x), (_, y) in zip(kids_a, kids_b, strict=True)
-    )
-
-
-def _children(x: Any, expand: Any) -> list[tuple[str, Any]] | None:
-    kids = expand(x) if expand is not None else None
-    if kids is not None:
-        return kids
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # Equinox modules
-        return [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x)]
-    if isinstance(x, (list, tuple)):
-        return [(f"[{i}]", v) for i, v in enumerate(x)]
-    if isinstance(x, dict):
-        return [(f"[{k!r}]", v) for k, v in x.items()]
-    return None
 
 
 def warn_unstacked(
@@ -223,24 +91,6 @@ def _user_level() -> int:
     return level
 
 
-def locate(plan_: tuple[Piece, ...], n: int, i: Any) -> tuple[int, int, int]:
-    """(piece index, block index, index in block) of layer ``i``."""
-    try:
-        index = None if isinstance(i, bool) else operator.index(i)  # np/jnp ints too
-    except TypeError:
-        index = None
-    if index is None:
-        raise errors.bad_index_type(i)
-    if not -n <= index < n:
-        raise errors.bad_index(index, n)
-    i = index % n
-    for k, (start, period, repeats) in enumerate(plan_):
-        if start <= i < start + period * repeats:
-            j, m = divmod(i - start, period)
-            return k, j, m
-    raise errors.bad_index(i, n)  # unreachable: i was checked above
-
-
 # ---------------------------------------------------------------------------- pytrees
 
 
@@ -263,24 +113,6 @@ def _is_stacked(x: Any) -> bool:
 
 def pytree_view(stacked: Any, j: int) -> Any:
     return jtu.tree_map(lambda x: x[j] if _is_stacked(x) else x, stacked)
-
-
-def _split(
-    tree: Any, stacked: bool = False
-) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """Array leaves of ``tree`` (with ``stacked``, those of a stacked block), and a
-    function putting new arrays in their place."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    keep = _is_stacked if stacked else is_array
-    idx = [i for i, x in enumerate(leaves) if keep(x)]
-
-    def rebuild(arrays: list[Any]) -> Any:
-        new = list(leaves)
-        for i, a in zip(idx, arrays, strict=True):
-            new[i] = a
-        return jtu.tree_unflatten(treedef, new)
-
-    return [leaves[i] for i in idx], rebuild
 
 
 # ``remat`` as the user gives it: None (the default), False, True, "sqrt" or a
@@ -324,17 +156,17 @@ def checkpoint_call(fn: Callable, args: tuple, remat: Any) -> Any:
     """``fn(*args)`` under ``jax.checkpoint`` (``remat`` True or a policy). Only array
     leaves cross the checkpoint: other leaves of ``args`` (functions, strings,
     None) and of the result pass around it unchanged."""
-    arrays, rebuild = _split(args)
-    out_parts: list[Any] = []
+    parts = partition(args)
+    out_parts: list[Partition] = []
 
     def inner(arrays):
-        out_arrays, out_rebuild = _split(fn(*rebuild(arrays)))
-        out_parts.append(out_rebuild)
-        return out_arrays
+        out = partition(fn(*parts.rebuild(arrays)))
+        out_parts.append(out)
+        return out.picked
 
     # prevent_cse as jax.checkpoint's default: single layers run outside any loop.
-    out = _remat.checkpoint(inner, remat, prevent_cse=True)(arrays)
-    return out_parts[-1](out)
+    out = _remat.checkpoint(inner, remat, prevent_cse=True)(parts.picked)
+    return out_parts[-1].rebuild(out)
 
 
 def call_pytree_layer(layer: Any, x: Any, kwargs: dict, remat: Any) -> Any:
@@ -393,55 +225,141 @@ def layer_kwargs(kwargs: dict, per: dict, k: int | None = None) -> dict:
     return {**kwargs, **own}
 
 
-def _apply_block(block: tuple, x: Any, kwargs: dict, per: dict, remat: Any) -> Any:
-    for k, layer in enumerate(block):
-        x = call_pytree_layer(layer, x, layer_kwargs(kwargs, per, k), remat)
-    return x
+# ---------------------------------------------------------------------------- adapters
 
 
-def apply_pytree(
-    pieces: Sequence[Any],
+class Run:
+    """A stacked run's arrays (``arrays``, each with a leading ``repeats`` axis)
+    and its blocks rebuilt from slices of them (``block``): for pytree layers,
+    which do not change while running. An adapter whose layers hold state they
+    change (NNX BatchNorm statistics) returns the new values from ``changes`` and
+    writes the stacked ones back with ``write_back``."""
+
+    def __init__(self, data: Any):
+        self.parts = partition(data, _is_stacked)
+        self.arrays = self.parts.picked
+
+    def block(self, arrays: list[Any]) -> Any:
+        """The block (a sequence of ``period`` layers) holding ``arrays``."""
+        return self.parts.rebuild(arrays)
+
+    def changes(self, block: Any, arrays: list[Any]) -> list[Any]:
+        """After ``block`` ran: the values of its leaves that changed."""
+        return []
+
+    def write_back(self, new: list[Any]) -> None:
+        """Store ``changes``' values (stacked over the blocks) in the run."""
+
+
+class Layers:
+    """How a Stack builds, calls and rebuilds its layers: this one for plain
+    callables and Equinox modules (pytrees). A framework's adapter subclasses it
+    (``_stack_nnx.NNXLayers``) and sets it as its Stack class's ``_adapter``."""
+
+    expand: Callable[[Any], Any] | None = None  # see `number_differences`
+
+    def check(self, layers: list[Any]) -> None:
+        """Refuse layers that cannot be stacked (before planning)."""
+
+    def signature(self, layer: Any) -> Any:
+        """What must match for two layers to be stacked (``same_signature``)."""
+        return pytree_signature(layer)
+
+    def single(self, layer: Any) -> Any:
+        """A layer outside any run, as the Stack stores it."""
+        return layer
+
+    def stacked(self, blocks: list[tuple]) -> Any:
+        """A run of ``blocks`` (tuples of ``period`` layers), as the Stack stores it."""
+        return stack_blocks(blocks)
+
+    def store(self, pieces: list[Any]) -> Any:
+        return tuple(pieces)
+
+    def open(self, data: Any, start: int) -> Run:
+        """The stored run ``data`` of the layers from ``start``, to run or index."""
+        return Run(data)
+
+    def call(self, layer: Any, x: Any, kwargs: dict, remat: Any, i: int) -> Any:
+        """``layer(x, **kwargs)`` (layer ``i``), checkpointed as ``remat`` says."""
+        return call_pytree_layer(layer, x, kwargs, remat)
+
+    def eager(self, stack: Any) -> bool:
+        """Whether an un-jitted call may go through ``_eager``."""
+        return True
+
+    def calling(self, stack: Any, kwargs: dict) -> Any:
+        """A context manager around a call of ``stack``."""
+        return contextlib.nullcontext()
+
+
+def apply(
+    adapter: Layers,
     plan_: tuple[Piece, ...],
+    pieces: Sequence[Any],
     x: Any,
     kwargs: dict,
     per_layer: dict,
     remat: Any,
     unroll: int | bool,
 ) -> Any:
-    """Apply a plain or Equinox Stack's pieces to ``x``."""
-    in_run = run_remat(remat)
+    """Apply a Stack's pieces to ``x``: single layers called, runs scanned."""
     for piece, data in zip(plan_, pieces, strict=True):
-        repeats = piece[2]
         per = per_layer_slice(per_layer, piece)
-        if repeats == 1:
-            x = call_pytree_layer(
-                data, x, layer_kwargs(kwargs, per), single_remat(remat)
+        if piece[2] == 1:
+            kw = layer_kwargs(kwargs, per)
+            x = adapter.call(data, x, kw, single_remat(remat), piece[0])
+        else:
+            run = adapter.open(data, piece[0])
+            x = _run(adapter, piece, run, x, kwargs, per, remat, unroll)
+    return x
+
+
+def _run(
+    adapter: Layers,
+    piece: Piece,
+    run: Run,
+    x: Any,
+    kwargs: dict,
+    per: dict,
+    remat: Any,
+    unroll: int | bool,
+) -> Any:
+    """One scan over a run's blocks, or a Python loop if they change ``x``'s type."""
+    start, _, repeats = piece
+    in_run = run_remat(remat)
+
+    def block(x, arrays, per_j, kw):
+        layers = run.block(arrays)
+        for k, layer in enumerate(layers):
+            x = adapter.call(layer, x, layer_kwargs(kw, per_j, k), in_run, start + k)
+        return x, run.changes(layers, arrays)
+
+    def step(x, inp):
+        y, new = block(x, *inp)
+        check_carry(piece, x, y)
+        return y, new
+
+    try:
+        with jax.named_scope(f"scanax.Stack.{span(piece)}"):
+            x, new = scan(
+                step,
+                x,
+                (run.arrays, per, kwargs),
+                length=repeats,
+                unroll=unroll,
+                in_axes=(0, 0, None),
+                remat=scan_remat(remat),
             )
-            continue
-        arrays, rebuild = _split(data, stacked=True)
-
-        def step(x, inp, piece=piece, rebuild=rebuild):
-            arrays, per_j, kw = inp
-            y = _apply_block(rebuild(arrays), x, kw, per_j, in_run)
-            check_carry(piece, x, y)
-            return y, None
-
-        try:
-            with jax.named_scope(f"scanax.Stack.{span(piece)}"):
-                x, _ = scan(
-                    step,
-                    x,
-                    (arrays, per, kwargs),
-                    length=repeats,
-                    unroll=unroll,
-                    in_axes=(0, 0, None),
-                    remat=scan_remat(remat),
-                )
-        except ShapeChange:
-            # The layers change x's shape: no scan carry can hold it; loop instead.
-            for j in range(repeats):
-                block = rebuild(pytree_view(arrays, j))
-                x = _apply_block(block, x, kwargs, pytree_view(per, j), in_run)
+    except ShapeChange:
+        # The layers change x's shape: no scan carry can hold it; loop instead.
+        news = []
+        for j in range(repeats):
+            arrays = [a[j] for a in run.arrays]
+            x, new_j = block(x, arrays, pytree_view(per, j), kwargs)
+            news.append(new_j)
+        new = [jnp.stack(v) for v in zip(*news, strict=True)]
+    run.write_back(new)
     return x
 
 
@@ -474,7 +392,71 @@ def check_layers(layers: Any) -> list[Any]:
     return list(layers)
 
 
-class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
+class Body:
+    """What every Stack class does, whatever its framework (see ``Stack``): the
+    pytree ``Stack`` below, ``_stack_eqx.EqxStack`` and ``_stack_nnx.NNXStack``.
+    A class sets ``_adapter`` (a ``Layers``) for its framework's layers."""
+
+    _adapter: Layers = Layers()
+
+    def __init__(
+        self, layers: Sequence[Any], *, remat: Any = None, unroll: int | bool = 1
+    ):
+        layers = check_layers(layers)
+        remat = check_remat(remat)
+        adapter = self._adapter
+        adapter.check(layers)
+        self.plan = plan(signature_ids([adapter.signature(x) for x in layers]))
+        pieces = [
+            adapter.single(layers[s])
+            if r == 1
+            else adapter.stacked(
+                [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
+            )
+            for s, p, r in self.plan
+        ]
+        self.pieces = adapter.store(pieces)
+        self.remat = remat
+        self.unroll = unroll
+        self.n = len(layers)
+        warn_unstacked(self.plan, layers, pieces, adapter.expand)
+
+    def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
+        if _eager.active() and self._adapter.eager(self):
+            # Un-jitted: compile once per distinct program.
+            return _eager.call(Body.__call__, self, x, per_layer=per_layer, **kwargs)
+        with self._adapter.calling(self, kwargs), jax.named_scope("scanax.Stack"):
+            per_layer = check_per_layer(per_layer, self.n)
+            return apply(
+                self._adapter,
+                self.plan,
+                self.pieces,
+                x,
+                kwargs,
+                per_layer,
+                self.remat,
+                self.unroll,
+            )
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        k, j, m = locate(self.plan, self.n, i)
+        start, _, repeats = self.plan[k]
+        if repeats == 1:
+            return self.pieces[k]
+        run = self._adapter.open(self.pieces[k], start)
+        return run.block([a[j] for a in run.arrays])[m]
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+    def __repr__(self) -> str:
+        return f"Stack({describe_plan(self.plan, list(self.pieces))})"
+
+
+class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
     """A sequence of layers applied in order; runs of identical layers are scanned.
 
     Conceptually equivalent to::
@@ -551,35 +533,6 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
                     return build(layers, **kwargs)
         return super().__new__(cls)
 
-    def __init__(
-        self, layers: Sequence[Any], *, remat: Any = None, unroll: int | bool = 1
-    ):
-        self.plan, self.pieces = build_pytree(layers)
-        self.remat = check_remat(remat)
-        self.unroll = unroll
-        self.n = len(layers)
-
-    def __call__(self, x: Any, *, per_layer: dict | None = None, **kwargs: Any) -> Any:
-        if _eager.active():  # un-jitted: compile once per distinct program
-            return _eager.call(Stack.__call__, self, x, per_layer=per_layer, **kwargs)
-        per_layer = check_per_layer(per_layer, self.n)
-        with jax.named_scope("scanax.Stack"):
-            return apply_pytree(
-                self.pieces, self.plan, x, kwargs, per_layer, self.remat, self.unroll
-            )
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Any:
-        return pytree_layer(self.plan, self.pieces, self.n, i)
-
-    def __iter__(self):
-        return (self[i] for i in range(self.n))
-
-    def __repr__(self) -> str:
-        return f"Stack({describe_plan(self.plan, self.pieces)})"
-
     def tree_flatten_with_keys(self):
         return (
             [(jtu.GetAttrKey("pieces"), self.pieces)],
@@ -595,52 +548,3 @@ class Stack(metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
 
 
 jtu.register_pytree_with_keys_class(Stack)
-
-
-def build_pytree(layers: Sequence[Any]) -> tuple[tuple[Piece, ...], tuple]:
-    """The plan of pytree (and Equinox) layers, and its pieces: single layers as
-    given, runs as stacked blocks (arrays with a leading ``repeats`` axis)."""
-    layers = check_layers(layers)
-    plan_ = plan(signature_ids([pytree_signature(x) for x in layers]))
-    pieces = tuple(
-        layers[s]
-        if r == 1
-        else stack_blocks(
-            [tuple(layers[s + j * p : s + (j + 1) * p]) for j in range(r)]
-        )
-        for s, p, r in plan_
-    )
-    warn_unstacked(plan_, layers, pieces)
-    return plan_, pieces
-
-
-def pytree_layer(plan_: tuple[Piece, ...], pieces: tuple, n: int, i: int) -> Any:
-    """Layer ``i`` of a pytree (or Equinox) Stack: stacked runs are sliced."""
-    k, j, m = locate(plan_, n, i)
-    if plan_[k][2] == 1:
-        return pieces[k]
-    return pytree_view(pieces[k], j)[m]
-
-
-def describe_plan(plan_: tuple[Piece, ...], pieces: Sequence[Any]) -> str:
-    """``8 layers: Linear(3→4), 6 × Block scanned, Linear(4→2)``: how a Stack
-    applies its layers (a run of a period of several: ``12 × [Mix, Gate]``)."""
-    parts = []
-    n = 0
-    for (_, p, r), data in zip(plan_, pieces, strict=True):
-        n += p * r
-        if r == 1:
-            parts.append(_layer_name(data))
-            continue
-        names = ", ".join(_layer_name(x) for x in data)
-        parts.append(f"{r} × {names if p == 1 else f'[{names}]'} scanned")
-    return f"{n} layer{'s' * (n != 1)}: " + ", ".join(parts)
-
-
-def _layer_name(layer: Any) -> str:
-    name = getattr(layer, "__name__", None) or type(layer).__name__
-    d_in = getattr(layer, "in_features", None)
-    d_out = getattr(layer, "out_features", None)
-    if isinstance(d_in, (int, np.integer)) and isinstance(d_out, (int, np.integer)):
-        return f"{name}({d_in}→{d_out})"
-    return name

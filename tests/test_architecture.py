@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("loop options", {"_remat", "_progress", "_thin"}),
     ("long scans", {"_long"}),
     ("scan", {"_scan", "_until"}),
-    ("stack and cells", {"_stack", "_cells"}),
+    ("stack and cells", {"_stack_plan", "_stack", "_cells"}),
     ("adapters and rnn", {"_stack_nnx", "_stack_eqx", "_stack_adapters", "_rnn"}),
     (
         "fit's parts",
