@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 import scanax
-from scanax import _fit
+from scanax import _fit_loop
 
 try:
     from benchmarks import _timing
@@ -125,8 +125,8 @@ def _rebuilt(repeats):
 
 def _clear():
     jax.clear_caches()
-    _fit._PROGRAMS.clear()
-    _fit._EXECUTABLES.clear()
+    _fit_loop.PROGRAMS.clear()
+    _fit_loop.EXECUTABLES.clear()
 
 
 def _compile(name, sizes, batch, steps, repeats):

@@ -8,6 +8,7 @@ from ._compile_cache import compile_cache as compile_cache
 from ._errors.log import SinkError as SinkError
 from ._fit import FitResult as FitResult, fit as fit
 from ._log import CSV as CSV, TensorBoard as TensorBoard
+from ._population import Population as Population, population as population
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
 from ._scan import scan as scan

@@ -68,7 +68,8 @@ class ArraySource:
         self.shuffle = key is not None
         self.key = key if key is not None else unused_key()
         self.seed = _seed(key) if self.shuffle else None
-        self._orders: dict[int, np.ndarray] = {}  # epoch -> order, the recent ones
+        self._orders: dict[tuple, np.ndarray] = {}  # (seed, epoch) -> the order
+        self.members: list | None = None  # per-member seeds (a population)
         self.data = data
         self.static = ("array", self.n, self.batch_size, self.shuffle)
 
@@ -117,21 +118,33 @@ class ArraySource:
             yield start, start + count, orders
             start += count
 
+    def for_members(self, keys: Any) -> None:
+        """Draw one order per member (a population's members, each shuffled as a
+        solo ``fit`` with its key would be): ``xs`` gets a leading member axis."""
+        self.members = [_seed(k) for k in keys]
+        self._orders = {}
+
     def orders(self, start: int, length: int) -> np.ndarray:
         """``[epochs, n]``: row ``j`` is the order of epoch ``start // per_epoch +
         j``, for every epoch a call of ``length`` steps from ``start`` can reach
-        (a fixed number of rows: one compiled program)."""
+        (a fixed number of rows: one compiled program); ``[members, epochs, n]``
+        after ``for_members``."""
         first = start // self.per_epoch
-        rows = length // self.per_epoch + 2
-        out = np.stack([self.order(e) for e in range(first, first + rows)])
-        for old in [e for e in self._orders if e < first]:
+        epochs = range(first, first + length // self.per_epoch + 2)
+        if self.members is None:
+            out = np.stack([self.order(self.seed, e) for e in epochs])
+        else:
+            out = np.stack(
+                [np.stack([self.order(s, e) for e in epochs]) for s in self.members]
+            )
+        for old in [k for k in self._orders if k[1] < first]:
             del self._orders[old]
         return out
 
-    def order(self, epoch: int) -> np.ndarray:
-        found = self._orders.get(epoch)
+    def order(self, seed: list[int], epoch: int) -> np.ndarray:
+        found = self._orders.get((tuple(seed), epoch))
         if found is None:
-            found = self._orders[epoch] = epoch_order(self.seed, epoch, self.n)
+            found = self._orders[tuple(seed), epoch] = epoch_order(seed, epoch, self.n)
         return found
 
     def sampler(self) -> ArraySource:

@@ -15,9 +15,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._errors import fit as errors
+from ._errors import fit as errors, population as pop_errors
 
 AXIS = "data"
+MEMBERS = "members"  # a population's member axis (population parallelism)
 
 
 def check(mesh: Any) -> None:
@@ -40,8 +41,29 @@ def auto(mesh: Any) -> Any:
     )
 
 
+def check_population(mesh: Any, k: int) -> None:
+    """A population's mesh: a ``members`` axis that divides the ``k`` members of a
+    call, and optionally a ``data`` axis for the batches."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise errors.mesh_type(mesh)
+    if MEMBERS not in mesh.axis_names:
+        raise pop_errors.mesh_axis(mesh)
+    if k % mesh.shape[MEMBERS]:
+        raise pop_errors.members_not_divisible(k, mesh.shape[MEMBERS])
+
+
+def by_member(mesh: Any, tree: Any) -> Any:
+    """Each leaf split over ``members`` on its leading (member) axis."""
+    sharding = NamedSharding(mesh, P(MEMBERS))
+    return jtu.tree_map(lambda x: _put(x, sharding), tree)
+
+
+def has_data_axis(mesh: Any) -> bool:
+    return AXIS in mesh.axis_names
+
+
 def data_size(mesh: Any) -> int:
-    return mesh.shape[AXIS]
+    return mesh.shape[AXIS] if AXIS in mesh.axis_names else 1
 
 
 def check_batch(mesh: Any, batch_size: int, what: str) -> None:
@@ -106,7 +128,7 @@ def put_chunk(mesh: Any, chunk: Any) -> Any:
         if x.ndim < 2:
             raise errors.batch_no_leading_axis(jtu.keystr(path), x)
         check_batch(mesh, x.shape[1] * jax.process_count(), "the batch size")
-    sharding = NamedSharding(mesh, P(None, AXIS))
+    sharding = NamedSharding(mesh, P(None, AXIS) if has_data_axis(mesh) else P())
     return jtu.tree_map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
         chunk,

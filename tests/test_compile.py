@@ -306,10 +306,10 @@ def test_compile_cache_keeps_the_users_directory(tmp_path):
 def _fresh(fn):
     """``fn()`` with every cache of compiled programs emptied first: what a new
     process computes."""
-    from scanax import _fit
+    from scanax import _fit_loop
 
-    _fit._PROGRAMS.clear()
-    _fit._EXECUTABLES.clear()
+    _fit_loop.PROGRAMS.clear()
+    _fit_loop.EXECUTABLES.clear()
     jax.clear_caches()
     return fn()
 

@@ -1,0 +1,192 @@
+"""Messages of ``scanax.population`` and of ``scanax.fit`` on a population."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import short_type
+
+CALL = "scanax.population"
+FIT = "scanax.fit"
+
+
+def make_not_callable(make: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `make` must be callable as make(key, **hyperparameters) -> "
+        f"(model, optimizer), got {short_type(make)}.\nFix: pass the function that "
+        "builds one member first: scanax.population(make, n, key=..., lr=...)."
+    )
+
+
+def n_type(n: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `n` (the number of members) must be a positive int, got "
+        f"{short_type(n)}.\nFix: pass e.g. scanax.population(make, 64, key=...)."
+    )
+
+
+def key_type(key: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `key` must be one jax.random key (jax.random.key(0)), got "
+        f"{short_type(key)}.\nFix: pass key=jax.random.key(seed); member i is built "
+        "with jax.random.split(key, n)[i]."
+    )
+
+
+def hp_type(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: hyperparameter `{name}` must be numbers (an array of length n), "
+        f"got {short_type(value)}.\nFix: pass one number per member, e.g. "
+        f"{name}=jnp.logspace(-4, -2, n); choices that change the model's structure "
+        "(layer sizes, activations) belong in separate populations."
+    )
+
+
+def hp_length(name: str, shape: tuple, n: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: hyperparameter `{name}` has shape {shape}, expected ({n},): one "
+        f"value per member.\nFix: pass an array of length {n} (or one number, the "
+        "same for every member)."
+    )
+
+
+def hp_used_as_python_value(names: list[str], err: Exception) -> ValueError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return ValueError(
+        f"{CALL}: `make` uses a hyperparameter ({', '.join(names)}) as a Python "
+        "value (an `if`, a shape, int(...) or float(...)). `make` is traced once "
+        "for all members, with each hyperparameter a JAX scalar, so one compiled "
+        f"loop serves every value.\nJAX said: {first}\nFix: use hyperparameters "
+        "only as numbers (optax.adam(lr), a loss weight); for a choice that "
+        "changes shapes or code, build one population per choice."
+    )
+
+
+def structure_depends_on_hp(kind: str, names: list[str]) -> ValueError:
+    return ValueError(
+        f"{FIT}: the {kind} state that `make` builds inside the compiled loop "
+        f"(with the hyperparameters {', '.join(names)} traced) differs from the "
+        "population's.\nFix: `make` must build the same structure for every "
+        "hyperparameter value."
+    )
+
+
+def make_result(out: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `make` must return a (model, optimizer) pair that scanax.fit "
+        f"accepts, got {short_type(out)}.\nFix: return e.g. (model, nnx.Optimizer("
+        "model, optax.adam(lr), wrt=nnx.Param)), (eqx_model, optax.adam(lr)) or "
+        "(train_state, None)."
+    )
+
+
+def optimizer_with_population(optimizer: Any) -> TypeError:
+    return TypeError(
+        f"{FIT}: a population carries its own optimizers (built by `make`), got "
+        f"optimizer={short_type(optimizer)}.\nFix: call scanax.fit(pop, None, "
+        "loss_fn, data, ...)."
+    )
+
+
+def opt_state_with_population() -> TypeError:
+    return TypeError(
+        f"{FIT}: opt_state= is not used with a population: each member's optimizer "
+        "state is part of the population and continues across calls.\nFix: drop "
+        "opt_state=."
+    )
+
+
+def members_per_call_too_large(k: int, n: int) -> ValueError:
+    return ValueError(
+        f"{FIT}: members_per_call={k} is larger than the population ({n} members)."
+        f"\nFix: pass at most {n}, or drop it (all at once)."
+    )
+
+
+def option_without_population(name: str) -> TypeError:
+    return TypeError(
+        f"{FIT}: `{name}` is for populations (scanax.population(...)); this model is "
+        f"a single one.\nFix: drop {name}=, or train a population."
+    )
+
+
+def shared_batches_iterable() -> TypeError:
+    return TypeError(
+        f"{FIT}: iterable data is always shared by all members (each batch is "
+        "drawn once); shared_batches=False needs array data.\nFix: drop "
+        "shared_batches=False, or pass arrays with batch_size=."
+    )
+
+
+def nonfinite_members(members: list[int], steps: list[int], n: int) -> str:
+    shown = ", ".join(f"{m} (step {s})" for m, s in list(zip(members, steps))[:10])
+    more = f" and {len(members) - 10} more" if len(members) > 10 else ""
+    return (
+        f"{FIT}: {len(members)} of {n} members stopped at a non-finite loss or "
+        f"gradient: member {shown}{more}. Each keeps its last good state (its "
+        "history is NaN from there); the other members train on. See "
+        "`pop.stopped`."
+    )
+
+
+def mesh_axis(mesh: Any) -> ValueError:
+    return ValueError(
+        f"{FIT}: a population on a mesh needs a `members` axis (population "
+        f"parallelism), and optionally a `data` axis; got axes {mesh.axis_names}."
+        "\nFix: jax.make_mesh((4,), ('members',)) or jax.make_mesh((2, 2), "
+        "('members', 'data'))."
+    )
+
+
+def members_not_divisible(k: int, size: int) -> ValueError:
+    return ValueError(
+        f"{FIT}: {k} members per call do not divide over the mesh's `members` axis "
+        f"of size {size}.\nFix: use a population size (or members_per_call) that "
+        f"is a multiple of {size}."
+    )
+
+
+def best_not_population() -> TypeError:
+    return TypeError(
+        f"{FIT}: result.best() ranks the members of a population; this result is "
+        "of a single model.\nFix: read result.history directly."
+    )
+
+
+def best_metric(name: str, available: list[str]) -> ValueError:
+    return ValueError(
+        f"{FIT}: result.best({name!r}): no such metric in the history; available: "
+        f"{', '.join(available)}.\nFix: pass one of those names."
+    )
+
+
+def best_mode(mode: Any) -> ValueError:
+    return ValueError(
+        f"{FIT}: result.best(mode={mode!r}): expected 'min' or 'max'.\nFix: "
+        "mode='max' for metrics where larger is better (accuracy)."
+    )
+
+
+def members_per_call_iterable() -> TypeError:
+    return TypeError(
+        f"{FIT}: members_per_call runs the members in groups, each over the same "
+        "batches, which an iterable cannot give twice.\nFix: pass array data "
+        "(with batch_size=), or drop members_per_call."
+    )
+
+
+def member_index(i: Any, n: int) -> Exception:
+    if isinstance(i, int):
+        return IndexError(f"{CALL}: member {i} of a population of {n}.")
+    return TypeError(
+        f"{CALL}: members are indexed by an int, got {short_type(i)}.\nFix: "
+        "result.model[i] with 0 <= i < n."
+    )
+
+
+def replay_mismatch() -> RuntimeError:
+    return RuntimeError(
+        f"{FIT}: internal error: replaying the good steps of a population applied "
+        "other step counts than the first run. Please report this with your model "
+        "and data."
+    )

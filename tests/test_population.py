@@ -1,0 +1,415 @@
+"""scanax.population + scanax.fit: every member equals the solo fit it stands for
+(same build key, hyperparameters, data order and per-step keys), for NNX,
+Equinox and TrainState members; per-member NaN stop; no compile for new values;
+groups, checkpoints and continuing calls equal one run."""
+
+from __future__ import annotations
+
+import functools as ft
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from helpers import close
+from test_compile import Compiles
+
+import scanax
+
+nnx = pytest.importorskip("flax.nnx")
+
+allclose = ft.partial(close, rtol=1e-5, atol=1e-5)
+N, STEPS, BATCH = 2, 12, 8
+X = jr.normal(jr.key(5), (40, 4))
+Y = jnp.sum(X, 1, keepdims=True)
+LRS = np.array([3e-3, 3e-2], np.float32)
+LRS3 = np.array([3e-3, 1e-2, 3e-2], np.float32)
+KEY, FIT_KEY = jr.key(0), jr.key(1)
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, dropout=0.0):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.l1(x))))
+
+
+def make_nnx(key, lr, dropout=0.0):
+    model = MLP(nnx.Rngs(key), dropout)
+    return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+
+def make_eqx(key, lr):
+    eqx = pytest.importorskip("equinox")
+    return eqx.nn.MLP(4, 1, 8, 1, key=key), optax.adam(lr)
+
+
+def make_trainstate(key, lr):
+    from flax.training import train_state
+
+    params = {"w": jr.normal(key, (4, 1)), "b": jnp.zeros((1,))}
+    return (
+        train_state.TrainState.create(
+            apply_fn=lambda p, x: x @ p["w"] + p["b"], params=params, tx=optax.sgd(lr)
+        ),
+        None,
+    )
+
+
+def mse(pred, y):
+    return jnp.mean((pred - y) ** 2)
+
+
+def loss_nnx(model, batch):
+    x, y = batch
+    return mse(model(x), y), {"mae": jnp.mean(jnp.abs(model(x) - y))}
+
+
+def loss_eqx(model, batch):
+    x, y = batch
+    return mse(jax.vmap(model)(x), y)
+
+
+def loss_trainstate(state, batch):
+    x, y = batch
+    return mse(state.apply_fn(state.params, x), y)
+
+
+KINDS = {
+    "nnx": (make_nnx, loss_nnx),
+    "eqx": (make_eqx, loss_eqx),
+    "trainstate": (make_trainstate, loss_trainstate),
+}
+
+
+def state_of(kind, model, optimizer):
+    if kind == "nnx":
+        return nnx.state((model, optimizer))
+    if kind == "trainstate":  # (each make builds its own tx functions)
+        return (model.step, model.params, model.opt_state)
+    return (model, optimizer)
+
+
+def solo(kind, i, lrs=LRS, steps=STEPS, data=(X, Y), **kwargs):
+    """Member ``i`` trained alone, as the population contract says."""
+    make, loss = KINDS[kind]
+    kwargs.setdefault("key", jr.split(FIT_KEY, len(lrs))[i])
+    model, opt = make(jr.split(KEY, len(lrs))[i], lr=float(lrs[i]))
+    batch = {"batch_size": BATCH} if isinstance(data, tuple) else {}
+    out = scanax.fit(
+        model, opt, loss, data, steps=steps, progress=False, **batch, **kwargs
+    )
+    return out
+
+
+def pop_fit(kind, lrs=LRS, steps=STEPS, pop=None, data=(X, Y), **kwargs):
+    make, loss = KINDS[kind]
+    if pop is None:
+        pop = scanax.population(make, len(lrs), key=KEY, lr=lrs)
+    kwargs.setdefault("key", FIT_KEY)
+    batch = {"batch_size": BATCH} if isinstance(data, tuple) else {}
+    return pop, scanax.fit(
+        pop, None, loss, data, steps=steps, progress=False, **batch, **kwargs
+    )
+
+
+def check_member(kind, result, i, ref):
+    allclose(result.history["loss"][i], ref.history["loss"])
+    for name in ref.history:
+        if name != "step":
+            allclose(result.history[name][i], ref.history[name])
+    np.testing.assert_array_equal(result.history["step"], ref.history["step"])
+    got = state_of(kind, result.model[i], result.optimizer[i])
+    allclose(got, state_of(kind, ref.model, ref.optimizer))
+
+
+@pytest.mark.parametrize("kind", ["nnx", "eqx", "trainstate"])
+def test_members_equal_solo_fits(kind):
+    _, result = pop_fit(kind)
+    assert result.history["loss"].shape == (N, STEPS)
+    np.testing.assert_array_equal(result.steps, [STEPS] * N)
+    for i in range(N):
+        check_member(kind, result, i, solo(kind, i))
+
+
+def test_member_is_an_ordinary_object():
+    pop, result = pop_fit("nnx")
+    model = result.model[1]
+    assert type(model) is MLP and isinstance(result.optimizer[1], nnx.Optimizer)
+    assert model(X).shape == (40, 1)  # usable without scanax
+    assert len(result.model) == N and len(result.model[0:2]) == 2
+    assert "2 models" in repr(result.model)
+    assert repr(pop) == "scanax.Population(nnx, n=2, step=12, lr=float32[2])"
+
+
+def test_best_member():
+    _, result = pop_fit("nnx", steps=30)
+    last = result.history["loss"][:, -1]
+    assert result.best() == int(np.argmin(last))
+    assert result.best("mae", mode="max") == int(
+        np.argmax(result.history["mae"][:, -1])
+    )
+
+
+def test_dropout_and_per_step_keys_per_member():
+    """NNX Dropout's own Rngs state, and a key-taking loss: each member's stream."""
+    lrs = LRS
+
+    def make(key, lr):
+        return make_nnx(key, lr, dropout=0.5)
+
+    def loss(model, batch, key):
+        x, y = batch
+        noise = 0.01 * jr.normal(key, y.shape)
+        return mse(model(x), y + noise)
+
+    pop = scanax.population(make, 2, key=KEY, lr=lrs)
+    scanax.fit(
+        pop,
+        None,
+        loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BATCH,
+        key=FIT_KEY,
+        progress=False,
+    )
+    for i in range(2):
+        model, opt = make(jr.split(KEY, 2)[i], lr=float(lrs[i]))
+        scanax.fit(
+            model,
+            opt,
+            loss,
+            (X, Y),
+            steps=STEPS,
+            batch_size=BATCH,
+            key=jr.split(FIT_KEY, 2)[i],
+            progress=False,
+        )
+        allclose(nnx.state((model, opt)), nnx.state(pop.member(i)))
+
+
+def test_loss_takes_the_members_hyperparameters():
+    l2 = np.array([0.1, 1.0], np.float32)
+
+    def make(key, lr, l2):
+        return make_eqx(key, lr)
+
+    def loss(model, batch, hp):
+        x, y = batch
+        w = model.layers[0].weight
+        return mse(jax.vmap(model)(x), y) + hp["l2"] * jnp.sum(w**2)
+
+    pop = scanax.population(make, N, key=KEY, lr=LRS, l2=l2)
+    result = scanax.fit(
+        pop,
+        None,
+        loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BATCH,
+        key=FIT_KEY,
+        progress=False,
+    )
+    for i in range(N):
+        model, tx = make_eqx(jr.split(KEY, N)[i], float(LRS[i]))
+        hp = {"lr": float(LRS[i]), "l2": float(l2[i])}
+        ref = scanax.fit(
+            model,
+            tx,
+            lambda m, b: loss(m, b, hp),
+            (X, Y),
+            steps=STEPS,
+            batch_size=BATCH,
+            key=jr.split(FIT_KEY, N)[i],
+            progress=False,
+        )
+        check_member("eqx", result, i, ref)
+
+
+def test_shared_batches_equal_solo_runs_on_the_same_batches():
+    _, result = pop_fit("eqx", shared_batches=True)
+    for i in range(N):  # the batches of a solo fit(key=FIT_KEY)
+        check_member("eqx", result, i, solo("eqx", i, key=FIT_KEY))
+
+
+def test_iterable_data_is_shared():
+    batches = [(X[j : j + BATCH], Y[j : j + BATCH]) for j in range(0, 40, BATCH)] * 3
+    _, result = pop_fit("nnx", data=batches)
+    assert result.history["loss"].shape == (N, STEPS)
+    for i in range(N):
+        check_member("nnx", result, i, solo("nnx", i, data=batches, key=None))
+
+
+def test_a_diverging_member_stops_alone():
+    lrs = np.array([1e-2, 1e30, 3e-2], np.float32)  # member 1 blows up
+    with pytest.warns(
+        RuntimeWarning, match=r"1 of 3 members stopped .* member 1 \(step"
+    ):
+        pop, result = pop_fit("eqx", lrs=lrs, steps=STEPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref = solo("eqx", 1, lrs=lrs)
+    assert result.steps[1] == ref.steps < STEPS
+    assert list(pop.stopped) == [False, True, False]
+    assert np.all(np.isnan(result.history["loss"][1, ref.steps :]))
+    allclose(result.history["loss"][1, : ref.steps], ref.history["loss"])
+    allclose(result.model[1], ref.model)  # the last good state
+    for i in (0, 2):
+        check_member("eqx", result, i, solo("eqx", i, lrs=lrs))
+
+
+def test_new_hyperparameter_values_do_not_compile():
+    pop_fit("nnx")
+    with Compiles() as c:
+        pop, result = pop_fit("nnx", lrs=LRS * 2)
+    assert c.count == 0
+    check_member("nnx", result, 1, solo("nnx", 1, lrs=LRS * 2))
+
+
+def test_repeated_calls_continue():
+    pop, _ = pop_fit("nnx", steps=5)
+    _, second = pop_fit("nnx", steps=STEPS - 5, pop=pop)
+    np.testing.assert_array_equal(second.history["step"], np.arange(6, STEPS + 1))
+    _, whole = pop_fit("nnx")
+    allclose(second.history["loss"], whole.history["loss"][:, 5:])
+    for i in range(N):
+        allclose(nnx.state(second.model[i]), nnx.state(whole.model[i]))
+
+
+def test_members_per_call_equals_all_at_once():
+    _, whole = pop_fit("eqx", lrs=LRS3)
+    _, grouped = pop_fit("eqx", lrs=LRS3, members_per_call=2)  # 2 + 1 (padded)
+    allclose(grouped.history, whole.history)
+    np.testing.assert_array_equal(grouped.steps, whole.steps)
+    for i in range(3):
+        allclose(grouped.model[i], whole.model[i])
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    pop_fit("nnx", steps=8, checkpoint_dir=tmp_path, checkpoint_every=4)  # "killed"
+    pop, resumed = pop_fit("nnx", checkpoint_dir=tmp_path, checkpoint_every=4)
+    _, whole = pop_fit("nnx")
+    allclose(resumed.history, whole.history)
+    for i in range(N):
+        allclose(nnx.state(resumed.model[i]), nnx.state(whole.model[i]))
+
+
+def test_progress_bar_shows_best_and_median(capsys):
+    pytest.importorskip("tqdm")
+    make, loss = KINDS["eqx"]
+    pop = scanax.population(make, N, key=KEY, lr=LRS)
+    scanax.fit(
+        pop,
+        None,
+        loss,
+        (X, Y),
+        steps=STEPS,
+        batch_size=BATCH,
+        key=FIT_KEY,
+        progress=True,
+    )
+    err = capsys.readouterr().err
+    assert re.search(r"best=[\d.e-]+, median=[\d.e-]+", err)
+
+
+# ------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: scanax.population(make_nnx, 0, key=KEY), TypeError, "positive int"),
+        (
+            lambda: scanax.population(make_nnx, 3, key=0),
+            TypeError,
+            "one jax.random key",
+        ),
+        (
+            lambda: scanax.population(3, 3, key=KEY),
+            TypeError,
+            "`make` must be callable",
+        ),
+        (
+            lambda: scanax.population(make_nnx, 3, key=KEY, lr=np.ones(2)),
+            ValueError,
+            r"`lr` has shape \(2,\), expected \(3,\)",
+        ),
+        (
+            lambda: scanax.population(make_nnx, 3, key=KEY, lr=["a"] * 3),
+            TypeError,
+            "hyperparameter `lr` must be numbers",
+        ),
+        (
+            lambda: scanax.population(lambda k, lr: 3, N, key=KEY, lr=LRS),
+            TypeError,
+            r"must return a \(model, optimizer\) pair",
+        ),
+    ],
+)
+def test_population_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_hyperparameter_in_a_python_branch():
+    def make(key, lr):
+        return make_eqx(key, 0.1 if lr > 0.01 else 0.01)
+
+    with pytest.raises(ValueError, match=r"uses a hyperparameter \(lr\) as a Python"):
+        scanax.population(make, N, key=KEY, lr=LRS)
+
+
+def test_fit_errors():
+    make, loss = KINDS["eqx"]
+    pop = scanax.population(make, N, key=KEY, lr=LRS)
+    fit = ft.partial(scanax.fit, steps=2, batch_size=BATCH, progress=False)
+    with pytest.raises(TypeError, match="carries its own optimizers"):
+        fit(pop, optax.sgd(0.1), loss, (X, Y))
+    with pytest.raises(ValueError, match="members_per_call=3 is larger"):
+        fit(pop, None, loss, (X, Y), members_per_call=3)
+    with pytest.raises(TypeError, match="shared_batches=False needs array data"):
+        scanax.fit(pop, None, loss, [(X, Y)], steps=1, shared_batches=False)
+    model, tx = make(KEY, 0.1)
+    with pytest.raises(TypeError, match="`shared_batches` is for populations"):
+        fit(model, tx, loss, (X, Y), shared_batches=True)
+    result = fit(model, tx, loss, (X, Y))
+    with pytest.raises(TypeError, match="ranks the members of a population"):
+        result.best()
+    _, result = pop_fit("eqx", steps=2)
+    with pytest.raises(ValueError, match="no such metric .* available: loss"):
+        result.best("acc")
+    with pytest.raises(IndexError, match="member 5 of a population of 2"):
+        result.model[5]
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")
+@pytest.mark.parametrize(
+    "shape, axes", [((4,), ("members",)), ((2, 2), ("members", "data"))]
+)
+def test_population_parallel_on_a_mesh_equals_one_device(shape, axes):
+    lrs = np.array([3e-3, 1e-2, 2e-2, 3e-2], np.float32)
+    _, one = pop_fit("nnx", lrs=lrs)
+    mesh = jax.make_mesh(shape, axes)
+    pop, sharded = pop_fit("nnx", lrs=lrs, mesh=mesh)
+    allclose(sharded.history, one.history)
+    assert pop.state[0].sharding.spec[0] == "members"
+    assert len(pop.state[0].sharding.device_set) == 4
+    for i in range(4):
+        allclose(nnx.state(sharded.model[i]), nnx.state(one.model[i]))
+
+
+def test_mesh_without_a_members_axis():
+    make, loss = KINDS["eqx"]
+    pop = scanax.population(make, N, key=KEY, lr=LRS)
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(ValueError, match="needs a `members` axis"):
+        scanax.fit(pop, None, loss, (X, Y), steps=2, batch_size=BATCH, mesh=mesh)
