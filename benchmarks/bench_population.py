@@ -55,9 +55,13 @@ def make(key, lr):
 
 
 def make_injected(key, lr):
+    """The learning rate as optimizer state, set after building: every member has
+    the same optimizer structure and code, so one compiled loop serves all."""
     model = MLP(SIZES, nnx.Rngs(key))
-    tx = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer.opt_state.hyperparams["learning_rate"].value = jnp.float32(lr)
+    return model, optimizer
 
 
 def _sweep(n, repeats, rebuilt_members):

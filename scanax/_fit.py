@@ -73,7 +73,9 @@ def fit(
     reuses the compiled loop; see ``docs/compile.md``.
 
     Arguments:
-        model, optimizer: one of the supported pairs:
+        model, optimizer: a ``scanax.population(...)`` and None (every member
+            trained in one compiled loop, the population updated in place; see
+            ``docs/populations.md``), or one of the supported pairs:
             ``(nnx.Module, nnx.Optimizer)``: both updated in place, starting from
             ``optimizer.step``;
             ``(Equinox module or any pytree of arrays, optax.GradientTransformation)``:
@@ -112,7 +114,13 @@ def fit(
         checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
             ``docs/checkpoint.md``.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
-            over; see ``docs/multi_device.md``.
+            over; see ``docs/multi_device.md``. A population: a ``"members"``
+            axis to split the members over (and optionally ``"data"``).
+        shared_batches, members_per_call: populations only
+            (``fit(scanax.population(...), None, ...)``, see
+            ``docs/populations.md``): every member gets the batches of a solo
+            ``fit(key=key)`` instead of its own order; train that many members
+            at a time.
 
     Returns:
         A :class:`FitResult` ``(model, optimizer, history, steps)``.
