@@ -1,12 +1,19 @@
 """How ``scanax.scan``'s long-scan options (progress, remat, keep) compose.
 
-Each option is a transformation of the :class:`~scanax._loop.Loop` or a lowering of
-it: ``remat=True``/policy checkpoints the body; ``progress`` runs the steps in
-chunks of ``every`` and ticks an internal counter before each chunk, outside any
-checkpointed region (with thinning, once per step instead); ``keep_every``/
-``keep`` and ``remat="sqrt"`` are nested-scan lowerings (together, the sqrt
-nesting runs the scan over kept-output chunks). With every option off,
-``scanax.scan`` never comes here and runs the plain ``lax.scan``.
+``Options.run`` first transforms the :class:`~scanax._loop.Loop`, then lowers it
+once. The transformations (``Loop -> Loop``): ``remat=True``/a policy checkpoints
+the body; a progress bar over thinned outputs without ``remat="sqrt"`` ticks an
+internal counter inside the body, once per step. The lowering, one of:
+
+* thinned outputs (``keep_every``/``keep``), its outer scan √T-nested with
+  ``remat="sqrt"``, a progress bar ticking before each kept chunk;
+* chunks: of √T checkpointed steps (``remat="sqrt"``) or of a progress bar's
+  ``every`` steps, the bar ticking before each chunk, outside any checkpoint (so
+  a bar costs nothing per step);
+* one ``lax.scan``.
+
+With every option off, ``scanax.scan`` never comes here and runs the plain
+``lax.scan``.
 """
 
 from __future__ import annotations
@@ -28,49 +35,54 @@ class Options:
     keep_every: int
     keep: Any
 
+    @property
+    def thin(self) -> bool:
+        return self.keep_every != 1 or self.keep != "all"
+
     def run(self, call: str, loop: Loop, reverse: bool, unroll: Any) -> Any:
-        thin = self.keep_every != 1 or self.keep != "all"
-        if thin:
+        if self.thin:
             _thin.check_length(call, loop.length, self.keep_every, self.keep)
         reporter = None
         if self.progress is not None and loop.length > 0:
             reporter = _progress.Reporter(self.progress, loop.length)
-        if self.remat == "sqrt" and loop.length > 0:
-            # Progress ticks per chunk, outside the checkpointed chunks.
+        sqrt = self.remat == "sqrt" and loop.length > 0
+        if self.remat is not None and self.remat != "sqrt":
+            loop = _remat.checkpoint_body(loop, self.remat)
+        per_step = reporter is not None and self.thin and not sqrt
+        if per_step:  # the thinned lowering ticks between chunks only with sqrt
+            loop, reporter = reporter.wrap(loop), None
+        carry, ys = self.lower(loop, reverse, unroll, sqrt, reporter)
+        return (carry[0] if per_step else carry), ys
+
+    def lower(
+        self, loop: Loop, reverse: bool, unroll: Any, sqrt: bool, reporter: Any
+    ) -> tuple[Any, Any]:
+        """The one lowering (see the module's docstring); ``reporter`` ticks
+        between chunks."""
+        if self.thin:
             k, keep = self.keep_every, self.keep
-            if thin:
-                return _thin.run_thinned(
-                    loop, reverse, unroll, k, keep, sqrt=True, reporter=reporter
-                )
-            count = None
-            if reporter is not None:
-                reporter.plan(_remat.blocks(loop.length, reverse))
-                count = reporter.init()
-            carry, ys, _ = _remat.run_sqrt(loop, reverse, unroll, reporter, count)
-        elif reporter is not None and not thin:
-            # Chunks of `every` steps, one tick before each: nothing per step.
-            if self.remat is not None:
-                loop = _remat.checkpoint_body(loop, self.remat)
-            blocks = _remat.blocks(loop.length, reverse, chunk=reporter.every)
-            reporter.plan(blocks)
-            with jax.named_scope("scanax.progress"):
-                carry, ys, _ = _remat.run_chunks(
-                    loop, reporter.every, reverse, unroll, reporter, reporter.init()
-                )
-        else:
-            if self.remat is not None and self.remat != "sqrt":
-                loop = _remat.checkpoint_body(loop, self.remat)
-            if reporter is not None:
-                loop = reporter.wrap(loop)
-            if thin:
-                carry, ys = _thin.run_thinned(
-                    loop, reverse, unroll, self.keep_every, self.keep
-                )
-            else:
-                carry, ys = run_lax(loop, reverse, unroll)
-            if reporter is not None:
-                carry, _ = carry
-        return carry, ys
+            return _thin.run_thinned(
+                loop, reverse, unroll, k, keep, sqrt=sqrt, reporter=reporter
+            )
+        if sqrt or reporter is not None:
+            return _chunks(loop, reverse, unroll, sqrt, reporter)
+        return run_lax(loop, reverse, unroll)
+
+
+def _chunks(
+    loop: Loop, reverse: bool, unroll: Any, sqrt: bool, reporter: Any
+) -> tuple[Any, Any]:
+    """Chunks of √T checkpointed steps (``sqrt``), else of the bar's ``every``."""
+    c = _remat.chunk_size(loop.length) if sqrt else reporter.every
+    count = None
+    if reporter is not None:
+        reporter.plan(_remat.blocks(loop.length, reverse, chunk=c))
+        count = reporter.init()
+    with jax.named_scope("scanax.remat_sqrt" if sqrt else "scanax.progress"):
+        carry, ys, _ = _remat.run_chunks(
+            loop, c, reverse, unroll, reporter, count, checkpoint=sqrt
+        )
+    return carry, ys
 
 
 def resolve(
