@@ -266,6 +266,7 @@ def test_seq_lengths_freeze_state_and_zero_outputs(reverse):
     close(ours, ref)
 
 
+@pytest.mark.standard_promotion("compares outputs times a bool mask")
 def test_seq_lengths_match_nnx_rnn_final_carry():
     cells = nnx_cells()
     xs = xs_tbd((B, T, D))
@@ -318,6 +319,7 @@ def test_reverse_matches_loop_and_nnx():
 
 
 @pytest.mark.parametrize("with_lengths", [False, True])
+@pytest.mark.standard_promotion("compares outputs times a bool mask")
 def test_birnn_matches_nnx_bidirectional(with_lengths):
     fwd = nnx.GRUCell(D, 4, rngs=nnx.Rngs(0))
     bwd = nnx.LSTMCell(D, 3, rngs=nnx.Rngs(1))
@@ -583,6 +585,9 @@ def test_error_output_read_by_the_next_layer_is_not_an_array():
         scanax.rnn([tuple_state_cell, lambda h, x: h + x], xs_tbd(), init=init)
 
 
+@pytest.mark.standard_promotion(
+    "the cell mixes bfloat16 and float32: what the test is about"
+)
 def test_error_default_state_in_xs_dtype_but_cell_computes_in_another():
     cell = Rnn(D, 4, jr.key(0))  # float32 weights
     with pytest.raises(
