@@ -87,7 +87,7 @@ class ArraySource:
         """``(data, key)`` for the compiled loop, on the devices."""
         if mesh is None:
             return jax.device_put(self.data), self.key
-        return _mesh.replicate(mesh, (self.data, self.key))
+        return _mesh.place_data(mesh, self.data), _mesh.replicate(mesh, self.key)
 
     def describe(self) -> dict:
         """What a checkpoint records of the data (a resume must see the same)."""
@@ -106,7 +106,7 @@ class ArraySource:
         the batches are drawn inside, ``xs`` holds the example orders (shuffled
         data) of the epochs the call may reach."""
         while start < end:
-            count = schedule.want(start, end)
+            count = _mesh.fewest(mesh, schedule.want(start, end))  # across processes
             orders = None
             if self.shuffle:
                 orders = self.orders(start, schedule.length)
@@ -237,10 +237,14 @@ class IterSource:
         ``schedule.length``) and put on the devices (for the next call, while
         the previous one trains)."""
         while start < end:
-            taken = self.take(schedule.want(start, end), schedule.length)
-            if taken is None:
+            taken = self.take(
+                _mesh.fewest(mesh, schedule.want(start, end)), schedule.length
+            )
+            # Across processes: as many steps as the shortest iterable gave.
+            count = _mesh.fewest(mesh, 0 if taken is None else taken[1])
+            if not count:
                 return
-            xs, count = taken
+            xs = taken[0]
             xs = jax.device_put(xs) if mesh is None else _mesh.put_chunk(mesh, xs)
             yield start, start + count, self.on_device(xs)
             start += count

@@ -1,12 +1,23 @@
-"""Data parallelism for ``scanax.fit`` on a ``jax.sharding.Mesh``.
+"""Data parallelism for ``scanax.fit`` on a ``jax.sharding.Mesh``, in one process
+or across the processes of a ``jax.distributed`` job.
 
 Nothing is home-made: batches get a ``NamedSharding`` over the mesh's ``"data"``
-axis, the training state is replicated (or placed as NNX sharding annotations
-say), and XLA's SPMD partitioner inserts the gradient all-reduce.
+axis, the training state is replicated (or placed as NNX sharding annotations or
+the leaves' own shardings say, or sharded by ``shard="fsdp"``'s rule), and XLA's
+SPMD partitioner inserts the gradient all-reduce and parameter all-gathers.
+
+Across processes every process runs the same ``fit``; what each decides on its
+own host (how many steps the next call runs: timed calls, the bar's stops, an
+iterable that runs out) is agreed through the coordination service's key-value
+store (``agree``), so that every process runs the same compiled calls.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import json
+import warnings
 from typing import Any
 
 import jax
@@ -15,10 +26,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._errors import fit as errors, population as pop_errors
+from ._errors import fit as errors, population as pop_errors, short_type
 
 AXIS = "data"
 MEMBERS = "members"  # a population's member axis (population parallelism)
+SHARD = ("fsdp",)  # the values of fit's ``shard=``
+# How long a process waits for the others to reach the same point of a ``fit``
+# (a dead process ends the job earlier: jax.distributed's heartbeats).
+AGREE_TIMEOUT_MS = 10 * 60 * 1000
 
 
 def check(mesh: Any) -> None:
@@ -72,27 +87,91 @@ def check_batch(mesh: Any, batch_size: int, what: str) -> None:
         raise errors.batch_not_divisible(what, batch_size, n)
 
 
-def state_shardings(mesh: Any, adapter: Any, leaves: list) -> list:
-    """One sharding per state leaf: the model's own sharding annotations where
-    present (``adapter.partition_specs()``; axes the mesh does not have are
-    replicated), replicated otherwise."""
-    replicated = NamedSharding(mesh, P())
-    specs = None
+def check_shard(shard: Any, mesh: Any, population: bool) -> None:
+    """``fit``'s ``shard=``: None, or ``"fsdp"`` with a mesh, for one model."""
+    if shard is None:
+        return
+    if not isinstance(shard, str) or shard not in SHARD:
+        raise errors.shard_value(shard, SHARD)
+    if mesh is None:
+        raise errors.shard_without_mesh(shard)
+    if population:
+        raise errors.shard_with_population(shard)
+
+
+def state_shardings(
+    mesh: Any, adapter: Any, leaves: list, shard: str | None = None
+) -> list:
+    """One sharding per state leaf.
+
+    A leaf's partition spec is the model's own sharding annotation where present
+    (``adapter.partition_specs()``), else the spec of the ``NamedSharding`` the
+    leaf already has on this mesh's devices, else replicated; axes the mesh does
+    not have are replicated. With ``shard="fsdp"``, a leaf whose spec does not
+    use ``"data"`` is also split over ``"data"`` on its largest axis that the
+    ``"data"`` size divides and that the spec leaves free (the first of equal
+    ones); a leaf with no such axis stays as it is, and those with at least as
+    many elements as ``"data"`` has devices are listed in one warning. Optimizer
+    moments have their parameter's shape, so they get their parameter's
+    sharding.
+    """
+    specs: list = [None] * len(leaves)
     tree = adapter.partition_specs()
     if tree is not None:
-        specs = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
-        if len(specs) != len(leaves):
-            specs = None
-    if specs is None:
-        return [replicated] * len(leaves)
-    out = []
-    for spec, leaf in zip(specs, leaves):
-        if not isinstance(spec, P) or getattr(leaf, "ndim", 0) == 0:
-            out.append(replicated)
-            continue
-        axes = [a if _known(mesh, a) else None for a in spec]
+        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
+        if len(found) == len(leaves):
+            specs = [x if isinstance(x, P) else None for x in found]
+    n = data_size(mesh)
+    out, unsharded = [], []
+    for i, leaf in enumerate(leaves):
+        ndim = getattr(leaf, "ndim", 0)
+        spec = specs[i] if specs[i] is not None else _own_spec(mesh, leaf)
+        axes = [None] * ndim
+        if spec is not None and ndim:
+            axes = [a if _known(mesh, a) else None for a in spec]
+            axes += [None] * (ndim - len(axes))
+        if shard == "fsdp" and ndim and n > 1 and AXIS not in _names(axes):
+            axis = fsdp_axis(leaf.shape, axes, n)
+            if axis is not None:
+                axes[axis] = AXIS
+            elif leaf.size >= n:
+                unsharded.append(i)
         out.append(NamedSharding(mesh, P(*axes)))
+    if unsharded:
+        names = adapter.names()
+        rows = [(names[i], short_type(leaves[i])) for i in unsharded]
+        warnings.warn(errors.fsdp_unsharded(rows, n), RuntimeWarning, stacklevel=3)
     return out
+
+
+def fsdp_axis(shape: tuple, axes: list, n: int) -> int | None:
+    """``shard="fsdp"``'s rule: the largest axis of ``shape`` that ``n`` divides
+    and ``axes`` leaves free (the first of equal ones), or None."""
+    free = [d for d, size in enumerate(shape) if axes[d] is None and size % n == 0]
+    if not free:
+        return None
+    return max(free, key=lambda d: (shape[d], -d))
+
+
+def _names(axes: list) -> set:
+    out: set = set()
+    for a in axes:
+        out.update(a if isinstance(a, tuple) else (a,))
+    return out
+
+
+def _own_spec(mesh: Any, leaf: Any) -> Any:
+    """The spec of a leaf already placed with a ``NamedSharding`` over the devices
+    of ``mesh`` (by the user, or by an earlier ``fit``), else None."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    own = sharding.mesh
+    if own.axis_names != mesh.axis_names or own.devices.shape != mesh.devices.shape:
+        return None
+    if [d.id for d in own.devices.flat] != [d.id for d in mesh.devices.flat]:
+        return None
+    return sharding.spec
 
 
 def _known(mesh: Any, axis: Any) -> bool:
@@ -103,12 +182,26 @@ def _known(mesh: Any, axis: Any) -> bool:
 
 
 def place(leaves: list, shardings: list) -> list:
-    return [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+    return [_put(x, s) for x, s in zip(leaves, shardings)]
 
 
 def replicate(mesh: Any, tree: Any) -> Any:
     sharding = NamedSharding(mesh, P())
     return jtu.tree_map(lambda x: _put(x, sharding), tree)
+
+
+def place_data(mesh: Any, data: Any) -> Any:
+    """Array data on the mesh: a leaf that already has a ``NamedSharding`` over
+    the mesh's devices keeps its spec (a global array made with
+    ``jax.make_array_from_process_local_data``: each process holds only its
+    rows), every other leaf is replicated."""
+
+    def put(x):
+        spec = _own_spec(mesh, x)
+        spec = spec if spec is not None and all(_known(mesh, a) for a in spec) else P()
+        return _put(x, NamedSharding(mesh, spec))
+
+    return jtu.tree_map(put, data)
 
 
 def batch_constraint(mesh: Any, batch: Any) -> Any:
@@ -136,6 +229,8 @@ def put_chunk(mesh: Any, chunk: Any) -> Any:
 
 
 def _put(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)  # a global array: JAX reshards it
     if jax.process_count() > 1:
         if jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
             # A typed PRNG key has no NumPy form: it travels as its key data.
@@ -144,3 +239,111 @@ def _put(x: Any, sharding: Any) -> Any:
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(sharding, x, x.shape)
     return jax.device_put(x, sharding)
+
+
+# ---------------------------------------------------------------- several processes
+
+
+def processes(mesh: Any) -> tuple[int, ...]:
+    """The processes whose devices make up ``mesh`` (one in a single process)."""
+    if mesh is None:
+        return (jax.process_index(),)
+    return tuple(sorted({d.process_index for d in mesh.devices.flat}))
+
+
+def bar_here(mesh: Any, spec: Any) -> Any:
+    """The progress bar's spec where this process shows it: on a mesh that spans
+    processes only the first of them does; None elsewhere."""
+    procs = processes(mesh)
+    if spec is None or len(procs) == 1 or jax.process_index() == procs[0]:
+        return spec
+    return None
+
+
+_ROUNDS: collections.defaultdict = collections.defaultdict(itertools.count)
+
+
+def agree(mesh: Any, value: str) -> list[str]:
+    """Every process's ``value`` (in process order), where ``mesh`` spans
+    processes; ``[value]`` otherwise. Host-side only (the coordination service of
+    ``jax.distributed``): nothing is dispatched to the devices, so it cannot
+    interleave with a running compiled call's collectives. Every process of the
+    mesh must make the same sequence of calls (``fit`` does)."""
+    procs = processes(mesh)
+    if len(procs) == 1:
+        return [value]
+    from jax._src import distributed  # the client orbax uses too
+
+    client = distributed.global_state.client
+    me = jax.process_index()
+    tag = "-".join(map(str, procs))
+    r = next(_ROUNDS[procs])
+    client.key_value_set(f"scanax/{tag}/{r}/{me}", value)
+    out = []
+    for p in procs:
+        if p == me:
+            out.append(value)
+            continue
+        try:
+            got = client.blocking_key_value_get(
+                f"scanax/{tag}/{r}/{p}", AGREE_TIMEOUT_MS
+            )
+        except Exception as err:  # noqa: BLE001 - a dead or stuck process
+            raise errors.process_unreachable(p, AGREE_TIMEOUT_MS // 1000) from err
+        out.append(got)
+    if r >= 2:  # every process has read round r - 2 once any reaches round r
+        client.key_value_delete(f"scanax/{tag}/{r - 2}/{me}")
+    return out
+
+
+def fewest(mesh: Any, count: int) -> int:
+    """The smallest ``count`` of all processes of ``mesh`` (steps of the next
+    call: every process must run the same compiled calls)."""
+    return min(int(v) for v in agree(mesh, str(int(count))))
+
+
+def check_processes(mesh: Any, data: Any, **arguments: Any) -> None:
+    """Every process of ``mesh`` called ``fit`` with the same ``arguments``
+    (hyperparameters, the key) and array ``data`` of the same shapes, or an error
+    naming the differences, in every process."""
+    if len(processes(mesh)) == 1:
+        return
+    arguments = {**arguments, "data": describe_data(data)}
+    mine = json.dumps({k: _plain(v) for k, v in arguments.items()}, sort_keys=True)
+    everyone = [json.loads(v) for v in agree(mesh, mine)]
+    first = everyone[0]
+    rows = [
+        (name, [seen.get(name) for seen in everyone])
+        for name in first
+        if any(seen.get(name) != first[name] for seen in everyone)
+    ]
+    if rows:
+        raise errors.processes_differ(processes(mesh), rows)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able description of an argument: arrays by type and shape."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and len(value) <= 64:
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # a key: its words
+            value = jax.random.key_data(value)
+            if value.is_fully_addressable:
+                return np.asarray(value).ravel().tolist()
+        return short_type(value)
+    return type(value).__name__
+
+
+def describe_data(data: Any) -> Any:
+    """Array data by leaf path and type (compared across processes); an iterable
+    by its type only (each process yields its own batches)."""
+    if isinstance(data, list):
+        return "list"
+    leaves = jtu.tree_flatten_with_path(data)[0]
+    if not all(hasattr(x, "shape") for _, x in leaves):
+        return type(data).__name__
+    return {jtu.keystr(p): short_type(x) for p, x in leaves}

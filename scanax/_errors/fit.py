@@ -517,3 +517,69 @@ def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
         f"order, so this call's checkpoints (up to step {end}) are not written "
         "(the later ones are kept). Use another checkpoint_dir to keep both."
     )
+
+
+def shard_value(shard: Any, allowed: tuple) -> ValueError:
+    return ValueError(
+        f"{CALL}: shard={shard!r} is not a sharding rule; expected None "
+        f"(replicated state) or one of {', '.join(map(repr, allowed))}.\nFix: pass "
+        "shard='fsdp' to split parameters and optimizer state over the mesh's "
+        "'data' axis, or leave it out."
+    )
+
+
+def shard_without_mesh(shard: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: shard={shard!r} needs a mesh to shard over, but mesh is None.\n"
+        "Fix: pass mesh=jax.make_mesh((jax.device_count(),), ('data',)) too."
+    )
+
+
+def shard_with_population(shard: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: shard={shard!r} is for one model; a population's members are "
+        "split over the mesh's 'members' axis instead.\nFix: drop shard=."
+    )
+
+
+def fsdp_unsharded(rows: list[tuple[str, str]], n: int) -> str:
+    return (
+        f"{CALL}: shard='fsdp' leaves {len(rows)} state "
+        f"{'leaf' if len(rows) == 1 else 'leaves'} replicated: no free axis is "
+        f"divisible by the mesh's 'data' size {n}:\n{listing(rows)}\nTo shard "
+        "them, give them an axis divisible by it, or a mesh whose 'data' size "
+        "divides one of their axes."
+    )
+
+
+def process_unreachable(process: int, seconds: int) -> RuntimeError:
+    return RuntimeError(
+        f"{CALL}: process {process} did not reach the same point of training "
+        f"within {seconds} s; every process of the mesh must call fit with the "
+        "same arguments (a process that died or raised ends the job).\nFix: see "
+        "the other processes' output for the first error."
+    )
+
+
+def processes_differ(procs: tuple, rows: list[tuple[str, list]]) -> ValueError:
+    lines = listing(
+        [
+            (name, ", ".join(f"process {p}: {v!r}" for p, v in zip(procs, values)))
+            for name, values in rows
+        ]
+    )
+    return ValueError(
+        f"{CALL}: the processes of the mesh called fit with different arguments:\n"
+        f"{lines}\nEvery process trains the same model on one global mesh, so it "
+        "must pass the same arguments and arrays of the same shapes.\nFix: pass "
+        "the same values in every process (process-local rows of a dataset: "
+        "jax.make_array_from_process_local_data, see docs/multi_device.md)."
+    )
+
+
+def accumulate_too_large(k: int, batch_size: int, n: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: accumulate={k} micro-batches of batch_size={batch_size} need "
+        f"{k * batch_size} examples per optimizer step, but the data has {n}.\nFix: "
+        f"use accumulate <= {n // batch_size}, or a smaller batch_size."
+    )
