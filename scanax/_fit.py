@@ -43,6 +43,7 @@ def fit(
     checkpoint_dir: Any = None,
     checkpoint_every: int | None = None,
     mesh: Any = None,
+    shard: str | None = None,
     shared_batches: bool | None = None,
     members_per_call: int | None = None,
 ) -> FitResult:
@@ -116,6 +117,11 @@ def fit(
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
             over; see ``docs/multi_device.md``. A population: a ``"members"``
             axis to split the members over (and optionally ``"data"``).
+            Across the processes of a ``jax.distributed`` job: the same call in
+            every process (see ``docs/multi_device.md``).
+        shard: ``"fsdp"``: parameters and optimizer state split over the mesh's
+            ``"data"`` axis too (each leaf on its largest axis the axis size
+            divides; see ``docs/multi_device.md``). Default: replicated.
         shared_batches, members_per_call: populations only
             (``fit(scanax.population(...), None, ...)``, see
             ``docs/populations.md``): every member gets the batches of a solo
@@ -198,6 +204,7 @@ def fit(
             raise errors.checkpoint_dir_type(checkpoint_dir) from None
         if os.path.exists(path) and not os.path.isdir(path):
             raise errors.checkpoint_dir_not_dir(path)
+    _mesh.check_shard(shard, mesh, pop is not None)
     if mesh is not None:
         if pop is None:
             _mesh.check(mesh)
@@ -205,7 +212,17 @@ def fit(
             _mesh.check_population(mesh, members_per_call or pop.n)
         mesh = _mesh.auto(mesh)
         source.check_mesh(mesh)
-    spec = _progress.resolve(_CALL, progress)
+        _mesh.check_processes(
+            mesh,
+            data,
+            steps=steps,
+            batch_size=batch_size,
+            key=key,
+            shard=shard,
+            steps_per_call=steps_per_call,
+            checkpoint_every=checkpoint_every,
+        )
+    spec = _mesh.bar_here(mesh, _progress.resolve(_CALL, progress))
     _compile_cache.enable_from_env()
     if pop is not None:
         args = (pop, loss_fn, source, key, (takes_hp, takes_key), length)
@@ -221,7 +238,7 @@ def fit(
     leaves = _fit_loop.strong(leaves)
     shardings = None
     if mesh is not None:
-        shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves))
+        shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves, shard))
         leaves = _mesh.place(leaves, shardings)
     # In-loop bar reports only where calls are not sized to a quarter second:
     # host batches, or a steps_per_call of the user's.
