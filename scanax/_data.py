@@ -70,6 +70,7 @@ class ArraySource:
         self.seed = _seed(key) if self.shuffle else None
         self._orders: dict[tuple, np.ndarray] = {}  # (seed, epoch) -> the order
         self.members: list | None = None  # per-member seeds (a population)
+        self.micro = 1  # batches per optimizer step (``accumulate``)
         self.data = data
         self.static = ("array", self.n, self.batch_size, self.shuffle)
 
@@ -89,14 +90,25 @@ class ArraySource:
             return jax.device_put(self.data), self.key
         return _mesh.place_data(mesh, self.data), _mesh.replicate(mesh, self.key)
 
+    def accumulate(self, k: int) -> None:
+        """Step ``t`` takes the ``k`` batches of data steps ``t*k ... t*k+k-1``
+        (stacked on a leading axis), as ``k`` steps of ``optax.MultiSteps`` would."""
+        if k * self.batch_size > self.n:
+            raise errors.accumulate_too_large(k, self.batch_size, self.n)
+        self.micro = k
+        self.static = (*self.static[:4], k)
+
     def describe(self) -> dict:
         """What a checkpoint records of the data (a resume must see the same)."""
-        return {
+        out = {
             "kind": "array",
             "n": self.n,
             "batch_size": self.batch_size,
             "shuffle": self.shuffle,
         }
+        if self.micro > 1:
+            out["accumulate"] = self.micro
+        return out
 
     def skip(self, count: int) -> None:
         """Nothing to skip: step ``t``'s batch is a function of ``t``."""
@@ -109,7 +121,8 @@ class ArraySource:
             count = _mesh.fewest(mesh, schedule.want(start, end))  # across processes
             orders = None
             if self.shuffle:
-                orders = self.orders(start, schedule.length)
+                k = self.micro
+                orders = self.orders(start * k, schedule.length * k)
                 orders = (
                     jax.device_put(orders)
                     if mesh is None
@@ -158,12 +171,18 @@ class ArraySource:
 
     def first(self, key: Any, t: Any) -> Any:
         """The sampler's state: the epoch the call starts in (row 0 of ``xs``)."""
-        return t // self.per_epoch
+        return t * self.micro // self.per_epoch
 
     def advance(self, first: Any, key: Any, t: Any) -> Any:
         return first
 
     def batch(self, first: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
+        if self.micro > 1:  # the micro-batches of data steps t*k ... t*k+k-1
+            steps = t * self.micro + jnp.arange(self.micro)
+            return jax.vmap(lambda m: self._batch(first, data, xs, m))(steps)
+        return self._batch(first, data, xs, t)
+
+    def _batch(self, first: Any, data: Any, xs: Any, t: Any) -> Any:
         start = (t % self.per_epoch) * self.batch_size
         if self.shuffle:
             row = t // self.per_epoch - first
@@ -208,6 +227,7 @@ class IterSource:
         self.paths: list[str] = []
         self.impls: list[Any] = []  # per leaf: the PRNG impl of a key leaf, or None
         self.static = ("iter",)
+        self.micro = 1
 
     def length(self, steps: int, steps_per_call: int | None) -> int:
         """Host batches are stacked per call, so the buffers are as long as a
@@ -229,22 +249,31 @@ class IterSource:
             return None, self.key
         return None, _mesh.replicate(mesh, self.key)
 
+    def accumulate(self, k: int) -> None:
+        """Each step takes ``k`` consecutive batches (stacked on a leading axis)."""
+        self.micro = k
+        self.static = ("iter", k)
+
     def describe(self) -> dict:
-        return {"kind": "iter"}
+        out = {"kind": "iter"}
+        return {**out, "accumulate": self.micro} if self.micro > 1 else out
 
     def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
         """``(start, end, xs)`` of each call, with its batches stacked (padded to
         ``schedule.length``) and put on the devices (for the next call, while
         the previous one trains)."""
+        k = self.micro  # batches per step (accumulate)
         while start < end:
             taken = self.take(
-                _mesh.fewest(mesh, schedule.want(start, end)), schedule.length
+                _mesh.fewest(mesh, schedule.want(start, end)) * k, schedule.length * k
             )
             # Across processes: as many steps as the shortest iterable gave.
-            count = _mesh.fewest(mesh, 0 if taken is None else taken[1])
+            count = _mesh.fewest(mesh, 0 if taken is None else taken[1] // k)
             if not count:
                 return
             xs = taken[0]
+            if k > 1:  # [length * k, ...] -> [length, k, ...]
+                xs = jtu.tree_map(lambda a: a.reshape(-1, k, *a.shape[1:]), xs)
             xs = jax.device_put(xs) if mesh is None else _mesh.put_chunk(mesh, xs)
             yield start, start + count, self.on_device(xs)
             start += count
@@ -254,8 +283,9 @@ class IterSource:
         return _HOST_BATCHES
 
     def skip(self, count: int) -> int:
-        """Drop ``count`` batches (to resume); returns how many there were."""
-        skipped = sum(1 for _ in itertools.islice(self.iterator, count))
+        """Drop the batches of ``count`` steps (to resume); returns how many
+        batches there were."""
+        skipped = sum(1 for _ in itertools.islice(self.iterator, count * self.micro))
         self.consumed += skipped
         return skipped
 

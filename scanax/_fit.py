@@ -8,17 +8,22 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
 
 from . import (
     _compile_cache,
     _data,
+    _fingerprint,
+    _fit_checks,
     _fit_loop,
     _fit_population,
+    _log,
     _mesh,
     _models,
     _population,
     _progress,
+    _stop,
 )
 from ._errors import fit as errors, population as pop_errors
 
@@ -46,6 +51,14 @@ def fit(
     shard: str | None = None,
     shared_batches: bool | None = None,
     members_per_call: int | None = None,
+    eval_data: Any = None,
+    eval_every: int | None = None,
+    eval_fn: Callable | None = None,
+    eval_batch_size: int | None = None,
+    stop: Any = None,
+    log: Any = None,
+    log_every: int = 10,
+    accumulate: int = 1,
 ) -> FitResult:
     """Train ``model`` for ``steps`` more optimizer steps, fused into compiled
     loops (one ``lax.while_loop`` per call of ``steps_per_call`` steps).
@@ -181,6 +194,9 @@ def fit(
             if members_per_call > pop.n:
                 raise pop_errors.members_per_call_too_large(members_per_call, pop.n)
     source = _data.make_source(data, batch_size, key)
+    accumulate = _data.positive_int("accumulate", accumulate)
+    if accumulate > 1:
+        source.accumulate(accumulate)
     if pop is not None:
         iterable = isinstance(source, _data.IterSource)
         if shared_batches is False and iterable:
@@ -223,9 +239,17 @@ def fit(
             checkpoint_every=checkpoint_every,
         )
     spec = _mesh.bar_here(mesh, _progress.resolve(_CALL, progress))
+    checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, stop)
+    checks, eval_arrays, eval_call = _checks(*checks_args, batch_size, loss_fn)
+    logger = None
+    if log is not None:
+        log_every = _data.positive_int("log_every", log_every)
+        logger = _fit_checks.Logger(_log.Sinks(log), log_every, pop is not None)
+    if pop is not None and checks is not None:
+        raise pop_errors.checks_with_population()
     _compile_cache.enable_from_env()
     if pop is not None:
-        args = (pop, loss_fn, source, key, (takes_hp, takes_key), length)
+        args = (pop, loss_fn, source, key, (takes_hp, takes_key, accumulate), length)
         how = (steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every)
         return _fit_population.fit_population(*args, shared, members_per_call, how)
 
@@ -245,10 +269,17 @@ def fit(
     ticks = spec is not None and mesh is None
     ticks = ticks and not source.sized_automatically(steps_per_call)
     call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
+    if eval_arrays is not None:
+        eval_arrays = (
+            jax.device_put(eval_arrays)
+            if mesh is None
+            else _mesh.replicate(mesh, eval_arrays)
+        )
     identity = _fit_loop.identity(
         adapter.fingerprint(),
         adapter.static,
         loss_fn,
+        None if checks is None else (checks.key(), _fingerprint_or(eval_call)),
         takes_key,
         treedef,
         source.static,
@@ -260,13 +291,15 @@ def fit(
     program = _fit_loop.program(
         identity,
         lambda: _fit_loop.build_chunk(
-            _solo_step(adapter, treedef, call),
+            _solo_step(adapter, treedef, call, accumulate),
             sampler,
             length,
             mesh,
             shardings,
             ticks,
             takes_key,
+            _with_eval(checks, adapter, treedef, eval_call),
+            accumulate,
         ),
     )
     schedule = _fit_loop.Schedule(
@@ -278,17 +311,86 @@ def fit(
         bar_every=spec.every if spec is not None and not ticks else None,
     )
     how = (start, start + steps, spec, mesh, ticks)
-    run = _fit_loop.Run(adapter, source, program, treedef, leaves, schedule, how)
+    extras = (checks, eval_arrays, logger)
+    run = _fit_loop.Run(
+        adapter, source, program, treedef, leaves, schedule, how, extras
+    )
     if checkpoint_dir is not None:
         run.resume(checkpoint_dir, checkpoint_every)
     return run.go()
 
 
-def _solo_step(adapter: Any, treedef: Any, call: Callable) -> Callable:
+def _checks(
+    eval_data: Any,
+    eval_every: Any,
+    eval_fn: Any,
+    eval_batch_size: Any,
+    stop: Any,
+    batch_size: Any,
+    loss_fn: Callable,
+) -> tuple[Any, Any, Any]:
+    """``(checks, eval arrays, eval call)`` from ``fit``'s evaluation and early-stop
+    arguments, validated; ``(None, None, None)`` when none is given."""
+    if eval_data is None and eval_every is None and stop is None:
+        for name, value in (("eval_fn", eval_fn), ("eval_batch_size", eval_batch_size)):
+            if value is not None:
+                raise errors.eval_option_without_data(name)
+        return None, None, None
+    if stop is not None and not isinstance(stop, _stop.EarlyStop):
+        raise errors.stop_type(stop)
+    if eval_every is None:
+        raise errors.eval_every_missing(eval_data is not None)
+    eval_every = _data.positive_int("eval_every", eval_every)
+    if eval_data is None:
+        if stop is None:
+            raise errors.eval_every_without_data()
+        if stop.monitor.startswith("val_"):
+            raise errors.val_monitor_without_data(stop.monitor)
+        return _fit_checks.Checks(eval_every, None, 0, 1, stop), None, None
+    if isinstance(eval_data, list) or not _data.is_array_data(eval_data):
+        raise errors.eval_data_not_arrays(eval_data)
+    source = _data.make_source(eval_data, eval_batch_size or batch_size or 1, None)
+    size = source.n
+    if eval_batch_size is not None:
+        size = _data.positive_int("eval_batch_size", eval_batch_size)
+    elif batch_size is not None:
+        size = min(batch_size, source.n)
+    if eval_fn is not None and not callable(eval_fn):
+        raise errors.eval_fn_not_callable(eval_fn)
+    fn = loss_fn if eval_fn is None else eval_fn
+    call = fn if _takes_key(fn) else (lambda model, batch, key: fn(model, batch))
+    checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), stop)
+    return checks, eval_data, fn
+
+
+def _fingerprint_or(fn: Any) -> Any:
+    if fn is None:
+        return None
+    found = _fingerprint.of(fn)
+    return fn if found is None else found
+
+
+def _with_eval(checks: Any, adapter: Any, treedef: Any, call: Any) -> Any:
+    """``checks`` with its evaluation on flat leaves (in eval mode)."""
+    if checks is None or checks.evaluate is None:
+        return checks
+    evaluate = adapter.make_eval(checks.evaluate)
+
+    def flat(leaves, batch, key, hp):
+        return evaluate(jtu.tree_unflatten(treedef, leaves), batch, key)
+
+    return _fit_checks.Checks(
+        checks.every, flat, checks.n, checks.batch_size, checks.stop
+    )
+
+
+def _solo_step(
+    adapter: Any, treedef: Any, call: Callable, accumulate: int = 1
+) -> Callable:
     """``step(leaves, batch, key, hp)`` on flat leaves (``hp`` is unused): the
     step gets containers of its own (an NNX step mutates the Variables it
     merges)."""
-    step = adapter.make_step(call)
+    step = adapter.make_step(call, accumulate)
 
     def flat_step(leaves, batch, key, hp):
         new, loss, metrics, grads = step(

@@ -71,6 +71,15 @@ class FitResult:
     optimizer: Any
     history: dict[str, np.ndarray]
     steps: Any
+    best_step: Any = None
+
+    def plot(self, path: Any = None) -> Any:
+        """Train loss (raw and smoothed) and every validation metric against the
+        step, saved to ``path`` if given; returns the matplotlib figure (the
+        ``plot`` extra: ``pip install scanax[plot]``)."""
+        from . import _plot
+
+        return _plot.plot(self.history, path)
 
     def best(self, metric: str = "loss", mode: str = "min") -> int:
         """A population's best member: the index whose last finite value of
@@ -202,11 +211,16 @@ def build_chunk(
     shardings: tuple | None,
     ticks: bool,
     takes_key: bool,
+    checks: Any = None,
+    accumulate: int = 1,
 ) -> Callable:
-    """``chunk(leaves, stopped, start, count, every, data, key, xs, hp)``: up to
-    ``count`` steps of ``step(leaves, batch, key, hp)`` from global step ``start``,
-    ending early at a non-finite step (``hp``: a population member's
-    hyperparameters, else None).
+    """``chunk(leaves, stopped, start, count, every, data, key, xs, hp, aux)``: up
+    to ``count`` steps of ``step(leaves, batch, key, hp)`` from global step
+    ``start``, ending early at a non-finite step (``hp``: a population member's
+    hyperparameters, else None). With ``checks`` (``_fit_checks.Checks``): an
+    evaluation over ``aux["eval"]`` and the early-stop rule (its carry
+    ``aux["stop"]``, returned updated) every ``checks.every`` steps; the loop also
+    ends when the rule says stop.
     With ``ticks`` (a bar, and calls not sized automatically: host batches or a
     ``steps_per_call``), every ``every``-th global step reports to the host from
     inside the loop (``_progress.tick_newest``), so the bar moves during long
@@ -249,16 +263,42 @@ def build_chunk(
         batch = source.batch(perm, data, xs, t, i)
         return batch if mesh is None else _mesh.batch_constraint(mesh, batch)
 
-    def chunk(leaves, stopped, start, count, every, data, key, xs, hp):
+    def chunk(leaves, stopped, start, count, every, data, key, xs, hp, aux):
         with jax.named_scope(_CALL):
             perm = source.first(key, start)
             root = jr.split(key)[1] if takes_key else None
 
             def key_at(t):
-                return jr.fold_in(root, t) if takes_key else None
+                if not takes_key:
+                    return None
+                if accumulate == 1:
+                    return jr.fold_in(root, t)
+                # one key per micro-batch: those of data steps t*k ... t*k+k-1
+                micro = t * accumulate + jnp.arange(accumulate)
+                return jax.vmap(lambda m: jr.fold_in(root, m))(micro)
 
+            def one(leaves, batch, t, extra):
+                """A step, then (``checks``) evaluation and early stopping."""
+                leaves, out, loss_ok, grads_ok = guarded(leaves, batch, key_at(t), hp)
+                early = jnp.array(False)
+                if checks is not None:
+                    eval_key = jr.fold_in(jr.split(key)[0], t) if takes_key else None
+                    val, due, extra, early = checks.run(
+                        t + 1,
+                        leaves,
+                        out,
+                        loss_ok & grads_ok,
+                        aux["eval"],
+                        eval_key,
+                        hp,
+                        extra,
+                    )
+                    out = {**out, "val": val, "evaluated": due}
+                return leaves, out, loss_ok, grads_ok, extra, early
+
+            extra = None if aux is None else aux["stop"]
             first = batch_at(data, xs, perm, start, 0)
-            out_type = jax.eval_shape(guarded, leaves, first, key_at(start), hp)[1]
+            out_type = jax.eval_shape(one, leaves, first, start, extra)[1]
             # (loss_ok, grads_ok) of the last step run: the bad one, if any.
             flags = (jnp.array(True), jnp.array(True))
             bufs = jtu.tree_map(
@@ -266,15 +306,15 @@ def build_chunk(
             )
 
             def cond(carry):
-                i, _, stopped, _, _, _ = carry
-                return (i < count) & ~stopped
+                i, _, stopped, _, _, _, _, early = carry
+                return (i < count) & ~stopped & ~early
 
             def body(carry):
-                i, leaves, _, perm, bufs, _ = carry
+                i, leaves, _, perm, bufs, _, extra, _ = carry
                 t = start + i
                 perm = source.advance(perm, key, t)
-                leaves, out, loss_ok, grads_ok = guarded(
-                    leaves, batch_at(data, xs, perm, t, i), key_at(t), hp
+                leaves, out, loss_ok, grads_ok, extra, early = one(
+                    leaves, batch_at(data, xs, perm, t, i), t, extra
                 )
                 bufs = jtu.tree_map(
                     lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
@@ -284,10 +324,12 @@ def build_chunk(
                 stop = ~(loss_ok & grads_ok)
                 if ticks:
                     _progress.tick_newest((t + 1) % every == 0, t + 1, out["loss"])
-                return i + 1, leaves, stop, perm, bufs, (loss_ok, grads_ok)
+                flags = (loss_ok, grads_ok)
+                return i + 1, leaves, stop, perm, bufs, flags, extra, early & ~stop
 
-            i, leaves, stopped_out, _, bufs, flags = jax.lax.while_loop(
-                cond, body, (jnp.int32(0), leaves, stopped, perm, bufs, flags)
+            init = (jnp.int32(0), leaves, stopped, perm, bufs, flags, extra, False)
+            i, leaves, stopped_out, _, bufs, flags, extra, early = jax.lax.while_loop(
+                cond, body, (*init[:-1], jnp.array(False))
             )
             applied = jnp.where(stopped_out & ~stopped, i - 1, i)
             if shardings is not None:  # the state keeps its placement
@@ -295,7 +337,8 @@ def build_chunk(
                     jax.lax.with_sharding_constraint(x, s)
                     for x, s in zip(leaves, shardings)
                 ]
-            return leaves, stopped_out, (applied, *flags), bufs
+            # A stop by the rule also stops the next call (already dispatched).
+            return leaves, stopped_out | early, (applied, *flags, early), bufs, extra
 
     return chunk
 
@@ -325,6 +368,7 @@ class History:
 
     def __init__(self):
         self.arrays: dict[str, list[np.ndarray]] = {"step": [], "loss": []}
+        self.val: dict[str, list[np.ndarray]] = {}  # "val_step" and "val_<name>"
         self.count = 0  # steps recorded
         self.warned = False
 
@@ -332,6 +376,10 @@ class History:
         """The history of a checkpoint at ``step``, from step ``after + 1`` on (a
         checkpoint of an older format has no step numbers: they are counted back)."""
         saved = dict(saved)
+        val = {k: saved.pop(k) for k in list(saved) if k.startswith("val_")}
+        if "val_step" in val:
+            keep_val = np.asarray(val["val_step"]) > after
+            self.val = {k: [np.compress(keep_val, v, axis=-1)] for k, v in val.items()}
         n = len(saved.get("loss", ()))
         steps = saved.pop("step", np.arange(step - n + 1, step + 1, dtype=np.int64))
         keep = np.asarray(steps) > after
@@ -351,6 +399,23 @@ class History:
         for name, value in metrics.items():
             self.arrays[name].append(np.asarray(value)[:count])
         self.count += count
+        if "val" in ys:  # evaluations: one entry each, at their steps
+            idx = np.flatnonzero(np.asarray(ys["evaluated"])[:count])
+            self.val.setdefault("val_step", []).append(first + 1 + idx)
+            for name, value in ys["val"].items():
+                self.val.setdefault(name, []).append(np.asarray(value)[idx])
+
+    def added(self, first: int, ys: dict, count: int) -> tuple:
+        """What ``add`` recorded of these steps, for the logger: ``(steps,
+        values, val_steps, val_values)``."""
+        steps = np.arange(first + 1, first + count + 1)
+        values = {"loss": ys["loss"][:count]}
+        values.update({k: np.asarray(v)[:count] for k, v in ys["metrics"].items()})
+        if "val" not in ys:
+            return steps, values, steps[:0], {}
+        idx = np.flatnonzero(np.asarray(ys["evaluated"])[:count])
+        val = {k: np.asarray(v)[idx] for k, v in ys["val"].items()}
+        return steps, values, first + 1 + idx, val
 
     def _align(self, metrics: dict, count: int) -> None:
         """Metric names differ from those of the history so far (a checkpoint of a
@@ -371,10 +436,10 @@ class History:
             self.arrays[name].append(np.full(count, np.nan, np.float32))
 
     def result(self) -> dict[str, np.ndarray]:
-        empty = {"step": np.zeros((0,), np.int64)}
+        empty = {"step": np.zeros((0,), np.int64), "val_step": np.zeros((0,), int)}
         return {
             k: np.concatenate(v) if v else empty.get(k, np.zeros((0,), np.float32))
-            for k, v in self.arrays.items()
+            for k, v in {**self.arrays, **self.val}.items()
         }
 
 
@@ -429,16 +494,22 @@ class Schedule:
 class Run:
     """One ``fit`` call: dispatch chunks, keep one in flight, collect history."""
 
-    def __init__(self, adapter, source, program, treedef, leaves, schedule, how):
+    def __init__(
+        self, adapter, source, program, treedef, leaves, schedule, how, extras=None
+    ):
         self.adapter, self.source, self.program = adapter, source, program
         self.treedef, self.leaves, self.schedule = treedef, leaves, schedule
         self.start, self.end, self.spec, self.mesh, self.ticks = how
+        # evaluation/early stop (``_fit_checks.Checks``), eval data, log=
+        self.checks, self.eval_data, self.logger = extras or (None, None, None)
+        self.extra = None if self.checks is None else self.checks.init(leaves)
         self.done = self.start  # the global step reached
         self.fn = None  # the compiled chunk, for this call's argument signature
         self.ckpt = None
         self.stopped = false()
         self.history = History()
         self.halted = False
+        self.stopped_early: int | None = None
         self.bar = None
         self.good = leaves  # the last state checked to be finite
         self.data, self.key = source.arguments(self.mesh)
@@ -458,7 +529,9 @@ class Run:
             directory, every, self._names(), self.source.describe()
         )
         past = self.ckpt.steps_after(self.end)
-        found = self.ckpt.restore(self._saved(self.leaves), self.key, at_most=self.end)
+        found = self.ckpt.restore(
+            self._saved(self.leaves, self.extra), self.key, at_most=self.end
+        )
         if past and found is None:  # nothing to resume but a longer run
             raise errors.checkpoint_past_end(
                 self.ckpt.directory, past, self.start, self.end
@@ -475,6 +548,8 @@ class Run:
         self._load(saved)
         self.ckpt.last_saved = step
         self.history.restore(history, self.start, step)
+        if self.logger is not None:
+            self.logger.resume(step, self.history.result())
         self.done = step
         self.good = self.leaves
         if step == self.end:
@@ -487,16 +562,35 @@ class Run:
 
     def _names(self) -> list[str]:
         """The names of the checkpointed leaves."""
-        return self.adapter.names()
+        names = self.adapter.names()
+        if self.extra is None:
+            return names
+        rule = [f"stop.rule.{f}" for f in self.extra.rule._fields]
+        return [
+            *names,
+            *rule,
+            *(f"stop.best.{n}" for n in names),
+            "stop.total",
+            "stop.count",
+        ]
 
-    def _saved(self, leaves: list) -> list:
-        """What a checkpoint holds: the state's leaves."""
-        return leaves
+    def _saved(self, leaves: list, extra: Any = None) -> list:
+        """What a checkpoint holds: the state's leaves (and, with ``stop=``, the
+        rule's state and the best state kept)."""
+        if extra is None:
+            return list(leaves)
+        return [*leaves, *jtu.tree_leaves(extra)]
 
     def _load(self, saved: list) -> None:
-        self.leaves = saved
+        n = len(self.leaves)
+        self.leaves = list(saved[:n])
+        if self.extra is not None:
+            treedef = jtu.tree_structure(self.extra)
+            self.extra = jtu.tree_unflatten(treedef, saved[n:])
 
     def go(self) -> FitResult:
+        if self.logger is not None and self.done == self.start:
+            self.logger.resume(self.start)  # (a restored run resumed it already)
         shown: Any = contextlib.nullcontext()
         if self.spec is not None:
             self.bar = _progress.open_bar(
@@ -515,7 +609,10 @@ class Run:
                 self.bar.refresh()
             return result
 
-    def _call(self, leaves, stopped, start, count, every, xs):
+    def _call(self, leaves, stopped, start, count, every, xs, extra=None):
+        aux = None
+        if self.checks is not None:
+            aux = {"eval": self.eval_data, "stop": extra}
         args = (
             leaves,
             stopped,
@@ -526,6 +623,7 @@ class Run:
             self.key,
             xs,
             self.hp,
+            aux,
         )
         with self.context():
             if self.fn is None:
@@ -541,20 +639,21 @@ class Run:
             nxt = next(chunks, None)
             while nxt is not None:
                 start, end, xs = nxt
-                inputs = (self.leaves, start, xs)
-                self.leaves, self.stopped, applied, ys = self._call(
+                inputs = (self.leaves, start, xs, self.extra)
+                self.leaves, self.stopped, applied, ys, self.extra = self._call(
                     self.leaves,
                     self.stopped,
                     start,
                     end - start,
                     self._every(end - start),
                     xs,
+                    self.extra,
                 )
                 # Compiling happens in the call above, running after it returns.
                 inputs = (*inputs, time.perf_counter())
                 if pending is not None:
                     self._collect(*pending)
-                pending = (start, end, applied, ys, self.leaves, inputs)
+                pending = (start, end, applied, ys, self.leaves, inputs, self.extra)
                 if self.schedule.timing:
                     # Time the first call before sizing the next ones.
                     self._collect(*pending)
@@ -567,11 +666,19 @@ class Run:
             if pending is not None:
                 # Hand the result over while the last call runs (an NNX update
                 # then overlaps it); a bad step found below replaces it.
-                handed = True
-                model, optimizer = self._finish(self.leaves)
+                handed = self.best_step() is None
+                if handed:
+                    model, optimizer = self._finish(self.leaves)
                 self._collect(*pending)
             if self.ckpt is not None:
-                self.ckpt.save(self.done, self.leaves, self.key, self.history.result())
+                self.ckpt.save(
+                    self.done,
+                    self._saved(self.leaves, self.extra),
+                    self.key,
+                    self.history.result(),
+                )
+            if self.logger is not None:
+                self.logger.write(final=True)
         except BaseException:
             # Interrupted or failed: NNX objects keep the last checked state.
             if handed or self.good is not first:
@@ -580,11 +687,28 @@ class Run:
         finally:
             if self.ckpt is not None:
                 self.ckpt.close()
-        if not handed or self.halted:
+            if self.logger is not None:
+                self.logger.sinks.close()
+        best = self.best_step()
+        if best is not None:  # stop=EarlyStop(restore_best=True): the best state
+            model, optimizer = self._finish(list(self.extra.best))
+        elif not handed or self.halted:
             model, optimizer = self._finish(self.leaves)
-        return FitResult(
-            model, optimizer, self.history.result(), self.done - self.start
+        result = FitResult(
+            model, optimizer, self.history.result(), self.done - self.start, best
         )
+        if self.logger is not None:
+            self.logger.sinks.raise_pending(result)
+        return result
+
+    def best_step(self) -> int | None:
+        """The step of the best state kept by ``stop=`` (to restore), if any."""
+        if self.checks is None or self.checks.stop is None:
+            return None
+        if not self.checks.stop.restore_best:
+            return None
+        step = int(jax.device_get(self.extra.rule.best_step))
+        return step if step >= 0 else None
 
     def _finish(self, leaves: list) -> tuple[Any, Any]:
         """The model and optimizer holding ``leaves`` (NNX: written in place)."""
@@ -598,20 +722,28 @@ class Run:
         ys: Any,
         leaves: list,
         inputs: tuple,
+        extra: Any = None,
     ) -> None:
         applied, ys = jax.device_get((applied, ys))
-        count, loss_ok, grads_ok = (int(a) for a in applied)
+        count, loss_ok, grads_ok, early = (int(a) for a in applied)
         self.schedule.ran(end - start, inputs[-1])
         self.history.add(start, ys, count)
+        if self.logger is not None:
+            steps, values, val_steps, val = self.history.added(start, ys, count)
+            self.logger.add(steps, values)
+            self.logger.add_val(val_steps, val)
         self.done += count
         # In-loop reports of the next call may have moved the bar ahead already: it
         # never moves back (go() sets the final count).
         if self.bar is not None and count and self.done > self.bar.n:
             self.bar.update(self.done - self.bar.n)
             self.bar.set_postfix(loss=f"{float(ys['loss'][count - 1]):.4g}")
-        if not self.halted and start + count < end:
+        if early and not self.halted:  # stop= said stop: a clean end
             self.halted = True
-            self.leaves = self._redo(inputs, count)
+            self.stopped_early = start + count
+        elif not self.halted and start + count < end:
+            self.halted = True
+            self.leaves, self.extra = self._redo(inputs, count)
             self._warn(start + count, ys["loss"][count], loss_ok, grads_ok)
         elif (
             self.ckpt is not None
@@ -619,21 +751,25 @@ class Run:
             and start + count == end
             and end % self.ckpt.every == 0
         ):
-            self.ckpt.save(end, leaves, self.key, self.history.result())
+            self.ckpt.save(
+                end, self._saved(leaves, extra), self.key, self.history.result()
+            )
+        if self.logger is not None:
+            self.logger.write()
         self.good = self.leaves if self.halted else leaves
 
     def _redo(self, inputs: tuple, count: int) -> list:
         """The state after the ``count`` good steps of a call that hit a bad one."""
-        leaves, start, xs, _ = inputs
-        out, _, applied, _ = self._call(
-            leaves, false(), start, count, count + 1, xs
+        leaves, start, xs, extra, _ = inputs
+        out, _, applied, _, extra = self._call(
+            leaves, false(), start, count, count + 1, xs, extra
         )  # count + 1: no reports
         if int(applied[0]) != count:  # the same program on the same inputs
             raise RuntimeError(
                 f"{_CALL}: internal error: replaying {count} good steps applied "
                 f"{int(applied[0])}. Please report this with your model and data."
             )
-        return out
+        return out, extra
 
     def _every(self, count: int) -> int:
         """Steps between in-loop reports: ``Progress.every``, or about 10 a second

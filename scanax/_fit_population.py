@@ -41,7 +41,7 @@ def fit_population(
     """Train every member of ``pop`` for ``steps`` more steps; ``pop`` is updated
     in place. Members run ``members_per_call`` at a time (all by default)."""
     steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every = how
-    takes_hp, takes_key = takes
+    takes_hp, takes_key, accumulate = takes
     n = pop.n
     k = members_per_call or n
     per_member = not shared and getattr(source, "shuffle", False)
@@ -76,16 +76,18 @@ def fit_population(
 
     def build():
         chunk = _fit_loop.build_chunk(
-            pop.step_factory(call_for),
+            pop.step_factory(call_for, accumulate),
             sampler,
             length,
             batch_mesh,
             None,
             False,
             takes_key,
+            None,
+            accumulate,
         )
-        # leaves, stopped, start, count, every, data, key, xs, hp
-        axes = (0, 0, None, 0, None, None, 0, xs_axis, 0)
+        # leaves, stopped, start, count, every, data, key, xs, hp, aux
+        axes = (0, 0, None, 0, None, None, 0, xs_axis, 0, None)
         members = None if mesh is None else _mesh.MEMBERS
         return jax.vmap(chunk, in_axes=axes, spmd_axis_name=members)
 
@@ -224,7 +226,7 @@ class PopRun(_fit_loop.Run):
     def _names(self) -> list[str]:
         return [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
 
-    def _saved(self, leaves: list) -> list:
+    def _saved(self, leaves: list, extra: Any = None) -> list:
         return [*leaves, self.stopped]
 
     def _load(self, saved: list) -> None:
@@ -249,7 +251,10 @@ class PopRun(_fit_loop.Run):
                 self._loop(bar)
             if self.ckpt is not None:
                 self.ckpt.save(
-                    self.done, self._saved(self.leaves), self.key, self.history.result()
+                    self.done,
+                    self._saved(self.leaves),
+                    self.key,
+                    self.history.result(),
                 )
         finally:
             if self.ckpt is not None:
@@ -261,7 +266,7 @@ class PopRun(_fit_loop.Run):
         for start, end, xs in calls:
             ran = end - start
             count = np.full(self.k, ran, np.int32)
-            leaves, stopped, applied, ys = self._call(
+            leaves, stopped, applied, ys, _ = self._call(
                 self.leaves, self.stopped, start, count, ran + 1, xs
             )
             dispatched = time.perf_counter()
@@ -270,7 +275,7 @@ class PopRun(_fit_loop.Run):
             self.schedule.ran(ran, dispatched)
             bad = (counts < ran) & ~self.mask
             if bad.any():  # the good steps again, from this call's input
-                leaves, _, again, _ = self._call(
+                leaves, _, again, _, _ = self._call(
                     self.leaves,
                     self.stopped,
                     start,

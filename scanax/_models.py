@@ -44,6 +44,41 @@ def split_loss(call: str, out: Any) -> tuple[Any, dict]:
     return loss, metrics
 
 
+def accumulated(one: Callable, state: Any, batches: Any, keys: Any, k: int) -> tuple:
+    """``k`` micro-batches (``batches``/``keys`` stacked on a leading axis) of
+    ``one(state, batch, key) -> (state, loss, metrics, grads)``: the state
+    threaded through (BatchNorm statistics, RNG counts), the gradients averaged
+    as ``optax.MultiSteps`` does (``acc + (g - acc) / (j + 1)``, so that
+    ``accumulate=k`` equals it), the loss and floating metrics averaged (other
+    metrics: the last value). ``k == 1``: ``one`` itself."""
+    if k == 1:
+        return one(state, batches, keys)
+
+    def at(tree, j):
+        return jtu.tree_map(lambda x: x[j], tree)
+
+    state, loss, metrics, grads = one(state, at(batches, 0), at(keys, 0))
+
+    def body(carry, j):
+        state, acc, total, sums = carry
+        state, loss, metrics, grads = one(state, at(batches, j), at(keys, j))
+        acc = jtu.tree_map(lambda a, g: a + (g - a) / (j + 1), acc, grads)
+        sums = {
+            n: (s + v if jnp.issubdtype(v.dtype, jnp.inexact) else v)
+            for (n, s), v in zip(sums.items(), metrics.values())
+        }
+        return (state, acc, total + loss, sums), None
+
+    (state, grads, total, sums), _ = jax.lax.scan(
+        body, (state, grads, loss, dict(metrics)), jnp.arange(1, k)
+    )
+    metrics = {
+        n: (v / k if jnp.issubdtype(v.dtype, jnp.inexact) else v)
+        for n, v in sums.items()
+    }
+    return state, total / k, metrics, grads
+
+
 class NNXAdapter:
     """``(nnx.Module, nnx.Optimizer)``: both carried as one flat list of Variable
     values, written back into the same Variables at the end."""
@@ -85,18 +120,35 @@ class NNXAdapter:
         """The Variables' sharding annotations, one per leaf of the state."""
         return sys.modules["flax.nnx"].get_partition_spec(self.variables)
 
-    def make_step(self, loss_fn: Callable) -> Callable:
+    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
+        """``step(state, batch, key)``; with ``accumulate`` > 1, ``batch`` and
+        ``key`` hold that many micro-batches (see ``accumulated``)."""
         nnx = sys.modules["flax.nnx"]
         graphdef, known = self.graphdef, self.paths
 
-        def step(state, batch, key):
-            model, optimizer = _nnx.unflatten(graphdef, state)
+        def grads_at(model, optimizer, batch, key):
             grad_fn = nnx.value_and_grad(
                 lambda m, b: split_loss(_CALL, loss_fn(m, b, key)),
                 argnums=nnx.DiffState(0, optimizer.wrt),
                 has_aux=True,
             )
             (loss, metrics), grads = grad_fn(model, batch)
+            return loss, metrics, grads
+
+        def one(state, batch, key):  # a micro-batch, on the state as values
+            model, optimizer = _nnx.unflatten(graphdef, state)
+            loss, metrics, grads = grads_at(model, optimizer, batch, key)
+            return _nnx.values([model, optimizer])[1], loss, metrics, grads
+
+        def step(state, batch, key):
+            if accumulate > 1:
+                state, loss, metrics, grads = accumulated(
+                    one, state, batch, key, accumulate
+                )
+                model, optimizer = _nnx.unflatten(graphdef, state)
+            else:
+                model, optimizer = _nnx.unflatten(graphdef, state)
+                loss, metrics, grads = grads_at(model, optimizer, batch, key)
             optimizer.update(model, grads)
             after, values = _nnx.values([model, optimizer])
             same = after == graphdef and (
@@ -110,6 +162,19 @@ class NNXAdapter:
             return values, loss, metrics, grads
 
         return step
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)`` of the model in eval
+        mode (``Module.eval()``: Dropout off, BatchNorm on its running averages),
+        on a copy: nothing it changes is kept."""
+        graphdef = self.graphdef
+
+        def evaluate(state, batch, key):
+            model, _ = _nnx.unflatten(graphdef, state)
+            model.eval()
+            return split_loss(_CALL, loss_fn(model, batch, key))
+
+        return evaluate
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         if self.writable:
@@ -185,16 +250,20 @@ class OptaxAdapter:
         flat = jtu.tree_flatten_with_path(self.state)[0]
         return [_optax_name(self, path) for path, _ in flat]
 
-    def make_step(self, loss_fn: Callable) -> Callable:
+    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         tx, layout = self.tx, self.layout  # no arrays: the step is cached
 
         def step(state, batch, key):
             params, others = state["params"], state["other"]
 
-            def objective(p):
-                return split_loss(_CALL, loss_fn(layout.model(p, others), batch, key))
+            def one(p, b, k):
+                def objective(q):
+                    return split_loss(_CALL, loss_fn(layout.model(q, others), b, k))
 
-            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+                (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(p)
+                return p, loss, metrics, grads
+
+            _, loss, metrics, grads = accumulated(one, params, batch, key, accumulate)
             updates, opt_state = tx.update(
                 layout.filtered(grads), state["opt_state"], layout.filtered(params)
             )
@@ -204,6 +273,21 @@ class OptaxAdapter:
             return out, loss, metrics, grads
 
         return step
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)``; an Equinox model in
+        inference mode (``eqx.nn.inference_mode``: Dropout off, BatchNorm on its
+        running averages)."""
+        layout = self.layout
+
+        def evaluate(state, batch, key):
+            model = layout.model(state["params"], state["other"])
+            eqx = sys.modules.get("equinox")
+            if eqx is not None:
+                model = eqx.nn.inference_mode(model)
+            return split_loss(_CALL, loss_fn(model, batch, key))
+
+        return evaluate
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         model = self.layout.model(state["params"], state["other"])
@@ -256,10 +340,12 @@ class TrainStateAdapter:
         flat = jtu.tree_flatten_with_path(self.state)[0]
         return ["state" + jtu.keystr(path) for path, _ in flat]
 
-    def make_step(self, loss_fn: Callable) -> Callable:
+    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         """``loss_fn`` may return ``(loss, metrics, updates)``: ``updates`` replaces
         fields of the state after ``apply_gradients`` (a linen model's new
         ``batch_stats``, from ``apply_fn(..., mutable=["batch_stats"])``)."""
+        if accumulate > 1:
+            return self._accumulating_step(loss_fn, accumulate)
 
         def step(state, batch, key):
             def objective(params):
@@ -279,6 +365,47 @@ class TrainStateAdapter:
                 new = new.replace(**_check_updates(state, updates))
             elif _has_arrays(getattr(state, "batch_stats", None)):
                 warnings.warn(errors.batch_stats_not_updated(), stacklevel=2)
+            return new, loss, metrics, grads
+
+        return step
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)``: ``loss_fn`` on the
+        state as it is (a ``(loss, metrics, updates)`` result's updates are
+        dropped); deterministic evaluation is ``loss_fn``'s to choose."""
+
+        def evaluate(state, batch, key):
+            out = loss_fn(state, batch, key)
+            if isinstance(out, tuple) and len(out) == 3:
+                out = out[:2]
+            return split_loss(_CALL, out)
+
+        return evaluate
+
+    def _accumulating_step(self, loss_fn: Callable, k: int) -> Callable:
+        """``accumulate=k``: the micro-batches' gradients averaged, then one
+        ``apply_gradients``; field ``updates`` from the last micro-batch."""
+
+        def one(state, batch, key):
+            def objective(params):
+                out = loss_fn(state.replace(params=params), batch, key)
+                updates: dict = {}
+                if isinstance(out, tuple) and len(out) == 3:
+                    *out, updates = out
+                    out = tuple(out)
+                loss, metrics = split_loss(_CALL, out)
+                return loss, (metrics, updates)
+
+            (loss, (metrics, updates)), grads = jax.value_and_grad(
+                objective, has_aux=True
+            )(state.params)
+            if updates:
+                state = state.replace(**_check_updates(state, updates))
+            return state, loss, metrics, grads
+
+        def step(state, batch, key):
+            after, loss, metrics, grads = accumulated(one, state, batch, key, k)
+            new = after.apply_gradients(grads=grads)
             return new, loss, metrics, grads
 
         return step

@@ -88,7 +88,7 @@ class Population:
         """The hyperparameters as stacked JAX arrays (the compiled loop's input)."""
         return self._hp
 
-    def step_factory(self, call_for: Callable) -> Callable:
+    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
         """``step(leaves, batch, key, hp)`` of one member, for the compiled loop:
         ``make`` is called again while tracing, with ``hp`` traced, for the
         optimizer (and static structure) it builds; the model it builds is unused
@@ -105,7 +105,7 @@ class Population:
                 for a, b in zip(flat, leaves)
             ):
                 raise errors.structure_depends_on_hp(kind, list(hp))
-            new, loss, metrics, grads = adapter.make_step(call_for(hp))(
+            new, loss, metrics, grads = adapter.make_step(call_for(hp), accumulate)(
                 jtu.tree_unflatten(own, leaves), batch, key
             )
             return jtu.tree_leaves(new), loss, metrics, grads

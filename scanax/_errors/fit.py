@@ -519,6 +519,61 @@ def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
     )
 
 
+def eval_option_without_data(name: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `{name}` is given without eval_data.\nFix: pass eval_data=(x_val, "
+        "y_val) and eval_every=N too, or drop it."
+    )
+
+
+def stop_type(stop: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `stop` must be a scanax.EarlyStop, got {short_type(stop)}.\nFix: "
+        'stop=scanax.EarlyStop("val_loss", patience=5).'
+    )
+
+
+def eval_every_missing(has_data: bool) -> TypeError:
+    what = "eval_data" if has_data else "stop"
+    return TypeError(
+        f"{CALL}: `{what}` is given without eval_every: evaluation and the early-stop "
+        "rule run every eval_every steps, inside the compiled loop.\nFix: pass "
+        "eval_every=N (e.g. 100)."
+    )
+
+
+def eval_every_without_data() -> TypeError:
+    return TypeError(
+        f"{CALL}: eval_every is given without eval_data (and without stop=).\nFix: "
+        "pass eval_data=(x_val, y_val), or drop eval_every."
+    )
+
+
+def val_monitor_without_data(monitor: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: stop monitors {monitor!r}, a validation metric, but no eval_data "
+        "is given.\nFix: pass eval_data=..., or monitor a training metric such as "
+        "'loss'."
+    )
+
+
+def eval_data_not_arrays(data: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: eval_data must be arrays with a leading example axis (a tuple or "
+        f"dict of arrays), got {short_type(data)}: the whole of it is evaluated "
+        "inside the compiled loop.\nFix: stack the validation set into arrays, "
+        "e.g. eval_data=(x_val, y_val)."
+    )
+
+
+def eval_fn_not_callable(fn: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: eval_fn must be callable as eval_fn(model, batch) -> loss or "
+        f"(loss, metrics), got {short_type(fn)}.\nFix: pass a function, or drop "
+        "eval_fn to evaluate loss_fn."
+    )
+
+
 def shard_value(shard: Any, allowed: tuple) -> ValueError:
     return ValueError(
         f"{CALL}: shard={shard!r} is not a sharding rule; expected None "

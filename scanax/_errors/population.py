@@ -190,3 +190,11 @@ def replay_mismatch() -> RuntimeError:
         "other step counts than the first run. Please report this with your model "
         "and data."
     )
+
+
+def checks_with_population() -> TypeError:
+    return TypeError(
+        f"{FIT}: eval_data/eval_every/stop are not supported for populations yet "
+        "(log= is).\nFix: evaluate members after training (result.model[i]), or "
+        "train them one by one with fit."
+    )
