@@ -85,12 +85,16 @@ class FitResult:
         """A population's best member: the index whose last finite value of
         ``metric`` is lowest (``mode="min"``) or highest (``"max"``); members
         with no finite value rank last."""
-        values = self.history.get(metric)
         if np.ndim(self.steps) != 1:
             raise pop_errors.best_not_population()
-        if values is None:
-            names = sorted(k for k in self.history if k != "step")
+        names = sorted(
+            k
+            for k, v in self.history.items()
+            if not k.endswith("step") and np.ndim(v) == 2
+        )
+        if metric not in names:
             raise pop_errors.best_metric(metric, names)
+        values = self.history[metric]
         if mode not in ("min", "max"):
             raise pop_errors.best_mode(mode)
         values = np.asarray(values, np.float64)
@@ -526,7 +530,7 @@ class Run:
         """Continue from the newest usable checkpoint in ``directory`` that lies
         between this call's start and end (see ``docs/checkpoint.md``)."""
         self.ckpt = _checkpoint.Checkpoints(
-            directory, every, self._names(), self.source.describe()
+            directory, every, self._names(), self._describe()
         )
         past = self.ckpt.steps_after(self.end)
         found = self.ckpt.restore(
@@ -559,6 +563,11 @@ class Run:
                 stacklevel=3,
             )
         self.source.skip(step - self.start)  # the batches those steps used
+
+    def _describe(self) -> dict:
+        """What a checkpoint records of the run's inputs (a resume must see the
+        same): the data."""
+        return self.source.describe()
 
     def _names(self) -> list[str]:
         """The names of the checkpointed leaves."""

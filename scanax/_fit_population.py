@@ -117,7 +117,7 @@ def fit_population(
             run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
         if directory is not None:
             run.resume(directory, checkpoint_every)
-        leaves, stop, history, count = run.go()
+        leaves, stop, history, count, done = run.go()
         real = len(members)
         states.append([x[:real] for x in leaves])
         stopped.append(stop[:real])
@@ -130,7 +130,8 @@ def fit_population(
         if len(groups) > 1
         else states[0]
     )
-    pop.update(state, np.concatenate(stopped), pop.step + steps)
+    # The clock: the steps run (an iterable may end early).
+    pop.update(state, np.concatenate(stopped), done)
     history = histories[0]
     if len(groups) > 1:
         history = {
@@ -223,6 +224,24 @@ class PopRun(_fit_loop.Run):
         self.history = PopHistory(self.k)
         self.label = _CALL
 
+    def _call(self, *args, **kwargs):
+        try:
+            return super()._call(*args, **kwargs)
+        except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
+            raise errors.hp_used_as_python_value(list(self.hp), err) from err
+
+    def resume(self, directory: Any, every: int | None) -> None:
+        super().resume(directory, every)
+        if self.done > self.start:  # restored: the steps each member had applied
+            loss = self.history.result()["loss"]
+            self.applied += np.isfinite(loss).sum(axis=1)
+
+    def _describe(self) -> dict:
+        """The data and the members' hyperparameters: a sweep re-run with other
+        values in the same directory is refused, not silently restored."""
+        values = {k: [float(x) for x in np.asarray(v)] for k, v in self.hp.items()}
+        return {**self.source.describe(), "hyperparameters": values}
+
     def _names(self) -> list[str]:
         return [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
 
@@ -259,7 +278,7 @@ class PopRun(_fit_loop.Run):
         finally:
             if self.ckpt is not None:
                 self.ckpt.close()
-        return self.leaves, self.mask, self.history.result(), self.applied
+        return self.leaves, self.mask, self.history.result(), self.applied, self.done
 
     def _loop(self, bar: Any) -> None:
         calls = self.source.calls(self.done, self.end, self.schedule, self.mesh)

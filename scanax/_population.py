@@ -60,7 +60,7 @@ class Population:
         return self.n
 
     def __repr__(self) -> str:
-        hp = ", ".join(f"{k}={short_type(v)}" for k, v in self.hyperparameters.items())
+        hp = ", ".join(f"{k}={short_type(v)}" for k, v in self._hp.items())
         return (
             f"scanax.Population({self.kind}, n={self.n}, step={self.step}"
             + (f", {hp}" if hp else "")
@@ -246,22 +246,41 @@ def _build(make: Callable, keys: Any, hp: dict) -> tuple[list, Any, str, list]:
             flat, treedef = jtu.tree_flatten(adapter.state)
             box["treedef"], box["kind"] = treedef, _kind(adapter)
             box["names"] = adapter.names()
+            box["arrays"] = _array_pattern(adapter)
             return flat
 
         found = (jax.jit(jax.vmap(one)), box)
     built, box = found
     try:
         leaves = built(keys, hp)
-    except (
-        jax.errors.ConcretizationTypeError,
-        jax.errors.TracerIntegerConversionError,
-    ) as err:
+    except PYTHON_VALUE_ERRORS as err:
         raise errors.hp_used_as_python_value(list(hp), err) from err
+    if box["kind"] == "optax" and hp:
+        # A hyperparameter kept as a model field is a Python number (static, not
+        # trained) in a solo run, but a traced array here: compare with member 0.
+        values = {k: v[0].item() for k, v in hp.items()}
+        extra = box["arrays"] - _array_pattern(_adapt(make, keys[0], values))
+        if extra:
+            raise errors.hp_in_model_fields(list(hp), sorted(extra))
     if cache is not None:
         _BUILDS[cache] = found
         while len(_BUILDS) > 32:
             _BUILDS.pop(next(iter(_BUILDS)))
     return leaves, box["treedef"], box["kind"], box["names"]
+
+
+PYTHON_VALUE_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def _array_pattern(adapter: Any) -> set:
+    """The paths of an optax-kind model's array leaves (trained or carried)."""
+    if not isinstance(adapter, _models.OptaxAdapter):
+        return set()
+    return {jtu.keystr(adapter.paths[i]) for i in (*adapter.train, *adapter.other)}
 
 
 def _adapt(make: Callable, key: Any, values: dict) -> Any:

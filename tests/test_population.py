@@ -301,6 +301,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
     allclose(resumed.history, whole.history)
     for i in range(N):
         allclose(nnx.state(resumed.model[i]), nnx.state(whole.model[i]))
+    with pytest.raises(ValueError, match="written for other data.*hyperparameters"):
+        pop_fit("nnx", lrs=LRS * 2, checkpoint_dir=tmp_path)  # another sweep
 
 
 def test_progress_bar_shows_best_and_median(capsys):
@@ -385,8 +387,10 @@ def test_fit_errors():
     with pytest.raises(TypeError, match="ranks the members of a population"):
         result.best()
     _, result = pop_fit("eqx", steps=2)
-    with pytest.raises(ValueError, match="no such metric .* available: loss"):
+    with pytest.raises(ValueError, match="not a scalar metric .* available: loss"):
         result.best("acc")
+    with pytest.raises(ValueError, match="not a scalar metric"):
+        result.best("step")
     with pytest.raises(IndexError, match="member 5 of a population of 2"):
         result.model[5]
 
@@ -413,3 +417,46 @@ def test_mesh_without_a_members_axis():
     mesh = jax.make_mesh((1,), ("data",))
     with pytest.raises(ValueError, match="needs a `members` axis"):
         scanax.fit(pop, None, loss, (X, Y), steps=2, batch_size=BATCH, mesh=mesh)
+
+
+def test_a_hyperparameter_kept_as_a_model_field_is_refused():
+    """Solo, a float field is static (never trained); traced, it would be trained:
+    refused instead of silently differing from the solo run."""
+
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        lin: eqx.nn.Linear
+        scale: float
+
+        def __call__(self, x):
+            return self.scale * self.lin(x)
+
+    def make(key, lr, scale):
+        return Model(eqx.nn.Linear(4, 1, key=key), scale), optax.adam(lr)
+
+    with pytest.raises(ValueError, match=r"stores a hyperparameter .* model\.scale"):
+        scanax.population(make, N, key=KEY, lr=LRS, scale=np.ones(N))
+
+
+def test_a_hyperparameter_in_a_python_branch_of_the_model():
+    """nnx.Dropout(rate) branches on the rate (`if rate == 0`): found while
+    tracing the step, reported as such."""
+
+    def make(key, lr, rate):
+        model = MLP(nnx.Rngs(key), dropout=rate)
+        return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+    pop = scanax.population(make, N, key=KEY, lr=LRS, rate=np.full(N, 0.1))
+    with pytest.raises(ValueError, match=r"uses a hyperparameter \(lr, rate\)"):
+        pop_fit("nnx", pop=pop)
+
+
+def test_clock_follows_the_steps_run_and_resume_counts_restored_steps(tmp_path):
+    batches = [(X[:8], Y[:8])] * 5
+    pop, result = pop_fit("eqx", data=batches)  # 12 asked, 5 given
+    assert pop.step == 5 and list(result.steps) == [5, 5]
+    pytest.importorskip("orbax.checkpoint")
+    pop_fit("eqx", steps=8, checkpoint_dir=tmp_path, checkpoint_every=4)
+    _, resumed = pop_fit("eqx", checkpoint_dir=tmp_path, checkpoint_every=4)
+    assert list(resumed.steps) == [STEPS, STEPS]

@@ -155,8 +155,9 @@ def best_not_population() -> TypeError:
 
 def best_metric(name: str, available: list[str]) -> ValueError:
     return ValueError(
-        f"{FIT}: result.best({name!r}): no such metric in the history; available: "
-        f"{', '.join(available)}.\nFix: pass one of those names."
+        f"{FIT}: result.best({name!r}): not a scalar metric of the history; "
+        f"available: {', '.join(available)}.\nFix: pass one of those names (a "
+        "metric with one number per member and step)."
     )
 
 
@@ -197,4 +198,15 @@ def checks_with_population() -> TypeError:
         f"{FIT}: eval_data/eval_every/stop are not supported for populations yet "
         "(log= is).\nFix: evaluate members after training (result.model[i]), or "
         "train them one by one with fit."
+    )
+
+
+def hp_in_model_fields(names: list[str], paths: list[str]) -> ValueError:
+    return ValueError(
+        f"{CALL}: `make` stores a hyperparameter ({', '.join(names)}) in the model: "
+        f"model{', model'.join(paths)}. In a solo run it is a Python number (static, "
+        "never trained); traced for the population it would be an array, and "
+        "trained.\nFix: keep it out of the model and read it in the loss "
+        "(loss_fn(model, batch, hp) gets hp['name']), or build one population per "
+        "value."
     )
