@@ -203,3 +203,106 @@ def test_typed_key_placed_as_in_a_multi_process_job(monkeypatch):
     np.testing.assert_array_equal(jr.key_data(out["key"]), jr.key_data(jr.key(3)))
     np.testing.assert_array_equal(out["x"], np.arange(3.0))
     assert out["x"].sharding == NamedSharding(mesh, PartitionSpec())
+
+
+def _bytes_per_device(tree):
+    return sum(x.addressable_shards[0].data.nbytes for x in jtu.tree_leaves(tree))
+
+
+def test_fsdp_splits_parameters_and_optimizer_state_and_matches_replicated():
+    mesh = jax.make_mesh((4,), ("data",))
+    one, m1, o1 = run(mesh, (X, Y), batch_size=BS, key=KEY)
+    fsdp, m4, o4 = run(mesh, (X, Y), batch_size=BS, key=KEY, shard="fsdp")
+    np.testing.assert_allclose(fsdp.history["loss"], one.history["loss"], rtol=1e-5)
+    close(nnx.state(m4), nnx.state(m1))
+    close(nnx.state(o4), nnx.state(o1))
+    # Each leaf on its largest axis that 4 divides; Adam's moments as their
+    # parameter; l2's bias (1 element) and the step counts stay replicated.
+    assert m4.l1.kernel[...].sharding.spec == P(None, "data")  # [3, 8]
+    assert m4.l2.kernel[...].sharding.spec == P("data")  # [8, 1]
+    assert m4.l2.bias[...].sharding.is_fully_replicated
+    mu = o4.opt_state[0].mu
+    assert mu["l1"]["kernel"][...].sharding.spec == P(None, "data")
+    state = (nnx.state(m4), nnx.state(o4))
+    replicated = (nnx.state(m1), nnx.state(o1))
+    # 3 x (3*8 + 8 + 8 [split in 4] + 1) floats + 2 step counts, against 3 x 41 + 2.
+    assert _bytes_per_device(replicated) == (3 * 41 + 2) * 4
+    assert _bytes_per_device(state) == (3 * (40 // 4 + 1) + 2) * 4
+
+
+def test_fsdp_keeps_shardings_leaves_already_have_and_warns_for_the_rest():
+    """A pytree (Equinox-style) leaf placed by the user keeps its spec; a leaf
+    with no axis divisible by the 'data' size stays replicated, listed once."""
+    mesh = jax.make_mesh((4,), ("data",))
+    placed = jax.device_put(
+        jnp.ones((8, 4)), jax.sharding.NamedSharding(mesh, P(None, "data"))
+    )
+    params = {"w": placed, "v": jnp.ones((8, 6)), "odd": jnp.ones((3, 5))}
+
+    def loss(p, batch):
+        x, _ = batch
+        return jnp.mean(x[:, :1] * (p["w"].sum() + p["v"].sum() + p["odd"].sum()))
+
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"(?s)shard='fsdp' leaves 3 state leaves replicated: no free axis is "
+        r"divisible by the mesh's 'data' size 4:\n.*  model\['odd'\] +float32\[3, 5\]",
+    ):
+        result = scanax.fit(
+            params,
+            optax.adam(1e-2),
+            loss,
+            (X, Y),
+            steps=2,
+            batch_size=BS,
+            progress=False,
+            mesh=mesh,
+            shard="fsdp",
+        )
+    assert result.model["w"].sharding.spec == P(None, "data")  # the user's
+    assert result.model["v"].sharding.spec == P("data")  # the rule's: 8
+    assert result.model["odd"].sharding.is_fully_replicated
+    plain = scanax.fit(
+        {k: np.asarray(v) for k, v in params.items()},
+        optax.adam(1e-2),
+        loss,
+        (X, Y),
+        steps=2,
+        batch_size=BS,
+        progress=False,
+    )
+    close(result.model, plain.model)
+
+
+def test_shard_errors():
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    kw = dict(steps=2, batch_size=BS, progress=False)
+    with pytest.raises(ValueError, match=r"shard='zero' is not a sharding rule"):
+        scanax.fit(
+            model,
+            opt,
+            loss_fn,
+            (X, Y),
+            mesh=jax.make_mesh((4,), ("data",)),
+            shard="zero",
+            **kw,
+        )
+    with pytest.raises(ValueError, match=r"shard='fsdp' needs a mesh to shard over"):
+        scanax.fit(model, opt, loss_fn, (X, Y), shard="fsdp", **kw)
+
+
+def test_array_data_already_on_the_mesh_keeps_its_sharding():
+    """Rows split over 'data' (in several processes: each process's own rows,
+    from jax.make_array_from_process_local_data) stay split; other arrays are
+    replicated."""
+    from scanax import _mesh
+
+    mesh = jax.make_mesh((4,), ("data",))
+    rows = jax.device_put(X, jax.sharding.NamedSharding(mesh, P("data")))
+    placed = _mesh.place_data(_mesh.auto(mesh), (rows, Y))
+    assert placed[0].sharding.spec == P("data")
+    assert placed[1].sharding.is_fully_replicated
+    split, _, _ = run(mesh, (rows, Y), batch_size=BS, key=KEY)
+    whole, _, _ = run(mesh, (X, Y), batch_size=BS, key=KEY)
+    np.testing.assert_allclose(split.history["loss"], whole.history["loss"], rtol=1e-6)
