@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
 
 from . import _data, _fit_loop, _mesh, _population, _progress
@@ -75,21 +76,16 @@ def fit_population(
     batch_mesh = mesh if mesh is not None and _mesh.has_data_axis(mesh) else None
 
     def build():
-        chunk = _fit_loop.build_chunk(
+        return build_chunk(
             pop.step_factory(call_for, accumulate),
             sampler,
             length,
             batch_mesh,
-            None,
-            False,
             takes_key,
-            None,
             accumulate,
+            xs_axis,
+            None if mesh is None else _mesh.MEMBERS,
         )
-        # leaves, stopped, start, count, every, data, key, xs, hp, aux
-        axes = (0, 0, None, 0, None, None, 0, xs_axis, 0, None)
-        members = None if mesh is None else _mesh.MEMBERS
-        return jax.vmap(chunk, in_axes=axes, spmd_axis_name=members)
 
     program = _fit_loop.program(identity, build)
     schedule = _fit_loop.Schedule(
@@ -144,6 +140,91 @@ def fit_population(
         history,
         np.concatenate(applied),
     )
+
+
+def build_chunk(
+    step: Callable,
+    source: Any,
+    length: int,
+    mesh: Any,
+    takes_key: bool,
+    accumulate: int,
+    xs_axis: int | None,
+    members: str | None,
+) -> Callable:
+    """``chunk(leaves, stopped, start, count, every, data, keys, xs, hp, aux)`` of
+    a population: one ``lax.while_loop`` over the steps whose body is the
+    members' step under ``vmap``. A member takes step ``i`` while ``i <
+    count[m]`` and it has not stopped; a non-finite step is not applied (a
+    select per state leaf) and stops that member alone. The loop itself is not
+    vmapped: a vmapped loop with a per-member condition would select every
+    carried buffer at every step.
+
+    Returns ``(leaves, stopped, (applied, early), bufs, None)``: per member, the
+    steps applied; per-step outputs ``[length, members, ...]``.
+    """
+
+    def one(leaves, key, xs, hp, perm, data, t, i):
+        batch = source.batch(perm, data, xs, t, i)
+        if mesh is not None:
+            batch = _mesh.batch_constraint(mesh, batch)
+        key_t = None
+        if takes_key:
+            root = jr.split(key)[1]
+            if accumulate == 1:
+                key_t = jr.fold_in(root, t)
+            else:
+                micro = t * accumulate + jnp.arange(accumulate)
+                key_t = jax.vmap(lambda m: jr.fold_in(root, m))(micro)
+        new, loss, metrics, grads = step(leaves, batch, key_t, hp)
+        ok = jnp.isfinite(loss)
+        for g in jtu.tree_leaves(grads):
+            if g.size:
+                ok = ok & jnp.isfinite(jnp.max(jnp.abs(g)))
+        return new, {"loss": loss, "metrics": metrics}, ok
+
+    axes = (0, 0, xs_axis, 0, None, None, None, None)
+    members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)
+
+    def chunk(leaves, stopped, start, count, every, data, keys, xs, hp, aux):
+        with jax.named_scope(_CALL):
+            perm = source.first(None, start)
+            out_type = jax.eval_shape(
+                members_step, leaves, keys, xs, hp, perm, data, start, 0
+            )[1]
+            bufs = jtu.tree_map(
+                lambda s: jnp.zeros((length, *s.shape), s.dtype), out_type
+            )
+            applied = jnp.zeros(stopped.shape, jnp.int32)
+
+            def cond(carry):
+                i, _, stopped, _, _, _ = carry
+                return (i < jnp.max(count)) & ~jnp.all(stopped)
+
+            def body(carry):
+                i, leaves, stopped, perm, bufs, applied = carry
+                t = start + i
+                perm = source.advance(perm, None, t)
+                new, out, ok = members_step(leaves, keys, xs, hp, perm, data, t, i)
+                active = (i < count) & ~stopped
+                take = active & ok
+                leaves = [
+                    jnp.where(take.reshape(take.shape + (1,) * (x.ndim - 1)), n, x)
+                    for n, x in zip(new, leaves)
+                ]
+                bufs = jtu.tree_map(
+                    lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
+                    bufs,
+                    out,
+                )
+                stopped = stopped | (active & ~ok)
+                return i + 1, leaves, stopped, perm, bufs, applied + take
+
+            init = (jnp.int32(0), leaves, stopped, perm, bufs, applied)
+            _, leaves, stopped, _, bufs, applied = jax.lax.while_loop(cond, body, init)
+            return leaves, stopped, (applied, jnp.array(False)), bufs, None
+
+    return chunk
 
 
 class PopHistory(_fit_loop.History):
@@ -289,25 +370,13 @@ class PopRun(_fit_loop.Run):
                 self.leaves, self.stopped, start, count, ran + 1, xs
             )
             dispatched = time.perf_counter()
-            applied, ys = jax.device_get((applied, ys))
+            applied, ys, now = jax.device_get((applied, ys, stopped))
+            ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]
             counts = np.asarray(applied[0]).astype(np.int64)
             self.schedule.ran(ran, dispatched)
-            bad = (counts < ran) & ~self.mask
-            if bad.any():  # the good steps again, from this call's input
-                leaves, _, again, _, _ = self._call(
-                    self.leaves,
-                    self.stopped,
-                    start,
-                    counts.astype(np.int32),
-                    ran + 1,
-                    xs,
-                )
-                if not np.array_equal(np.asarray(again[0]), counts):
-                    raise errors.replay_mismatch()
+            bad = np.asarray(now) & ~self.mask  # stopped in this call
+            if bad.any():  # (their bad step was not applied)
                 self.mask = self.mask | bad
-                stopped = jnp.asarray(self.mask)
-                if self.mesh is not None:
-                    stopped = _mesh.by_member(self.mesh, stopped)
                 rows = [m for m in np.flatnonzero(bad) if m < self.real]
                 warnings.warn(
                     errors.nonfinite_members(

@@ -185,14 +185,6 @@ def member_index(i: Any, n: int) -> Exception:
     )
 
 
-def replay_mismatch() -> RuntimeError:
-    return RuntimeError(
-        f"{FIT}: internal error: replaying the good steps of a population applied "
-        "other step counts than the first run. Please report this with your model "
-        "and data."
-    )
-
-
 def checks_with_population() -> TypeError:
     return TypeError(
         f"{FIT}: eval_data/eval_every/stop are not supported for populations yet "
