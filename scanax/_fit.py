@@ -135,6 +135,19 @@ def fit(
         shard: ``"fsdp"``: parameters and optimizer state split over the mesh's
             ``"data"`` axis too (each leaf on its largest axis the axis size
             divides; see ``docs/multi_device.md``). Default: replicated.
+        eval_data, eval_every, eval_fn, eval_batch_size: evaluate the whole
+            ``eval_data`` (arrays) every ``eval_every`` steps inside the compiled
+            loop, with ``eval_fn`` (default ``loss_fn``) in eval mode, in batches
+            of ``eval_batch_size`` (default ``batch_size``); its metrics join
+            ``history`` as ``val_<name>`` at ``history["val_step"]``.
+        stop: a ``scanax.EarlyStop``: checked every ``eval_every`` steps; keeps
+            the best state on device and restores it (``result.best_step``).
+        log, log_every: a sink (``scanax.TensorBoard``, ``scanax.CSV``, or any
+            ``sink(step, metrics)``) or a list of them, given the metrics'
+            means over each window of ``log_every`` steps and the evaluations,
+            at the end of each compiled call. See ``docs/training_features.md``.
+        accumulate: micro-batches per optimizer step, their gradients averaged
+            (as ``optax.MultiSteps``).
         shared_batches, members_per_call: populations only
             (``fit(scanax.population(...), None, ...)``, see
             ``docs/populations.md``): every member gets the batches of a solo
