@@ -8,6 +8,7 @@ JAX's persistent compilation cache.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,10 +109,45 @@ def jobs(tmp_path_factory):
     }
     if SLOW:
         started[4] = Job(root / "four", 4, 1, ["array", "fsdp"], cache)
+    recipe = _start_recipe(root / "docs", cache)
     for j in started.values():
         j.finish()
     started["cache"] = cache
+    started["recipe"] = _finish_recipe(recipe, started[2].deadline)
     return started
+
+
+def _start_recipe(directory, cache):
+    """docs/multi_device.md's launch.py and train.py, written out and started:
+    ``python launch.py 2 train.py`` with 2 forced devices per process."""
+    text = (HERE.parent / "docs" / "multi_device.md").read_text()
+    files = dict(re.findall(r'```python title="(\w+\.py)"\n(.*?)\n```', text, re.S))
+    assert set(files) == {"launch.py", "train.py"}
+    directory.mkdir()
+    for name, code in files.items():
+        (directory / name).write_text(code + "\n")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    with open(directory / "log.txt", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", "2", "train.py"],
+            cwd=directory,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # the launcher and its processes: one group
+        )
+    return proc, directory / "log.txt"
+
+
+def _finish_recipe(recipe, deadline):
+    proc, log = recipe
+    try:
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode, log.read_text(errors="replace")
 
 
 def _state(result):
@@ -176,6 +212,15 @@ def test_fsdp_splits_the_state_and_trains_as_replicated(jobs):
         assert got["bytes"] == 3 * (384 // 4 + 1) * 4 + 8  # 1172: 25.3%
     # 2x2 (data x model), l1's kernel also split over 'model' by its annotation.
     assert jobs[2].result("fsdp_2x2")["bytes"] == 3 * (256 // 4 + 128 // 2 + 1) * 4 + 8
+
+
+def test_the_docs_recipe_trains_with_two_processes(jobs):
+    code, log = jobs["recipe"]
+    assert code == 0, log[-3000:]
+    lines = re.findall(r"2 processes, 4 devices: loss ([\d.]+) -> ([\d.]+)", log)
+    assert len(lines) == 1, log[-3000:]  # printed by process 0 only
+    first, last = map(float, lines[0])
+    assert last < first
 
 
 def test_progress_bar_on_process_zero_only(jobs):
