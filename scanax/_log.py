@@ -1,16 +1,11 @@
-"""``log=``: training metrics reduced over windows of steps on device and written
-by sinks on the host while training runs.
+"""``log=``: training metrics reduced over windows of steps and written by sinks
+on the host while training runs.
 
-Two halves, meant for ``scanax.fit``'s compiled loop and its host side:
-
-* On device, ``Windows`` (``windows_init``/``windows_add``) reduces each metric
-  over windows of ``log_every`` steps inside the loop body: a mean for floating
-  metrics, the last value for integer and boolean ones (a count or a flag has no
-  mean). Closed windows gather in a fixed-size buffer in the loop's carry, handed
-  to the host at chunk boundaries (``windows_take``, then ``windows_clear``).
-  ``window_reduce`` is the host reference, bit-identical on CPU.
-* On the host, ``Sinks`` (built from ``log=``) hands each window to every sink as
-  ``sink(step, metrics)``: ``TensorBoard``, ``CSV`` or any callable.
+``scanax.fit`` brings every step's metrics to the host at the end of each
+compiled call (for ``history``); ``window_reduce`` turns them into windows (a
+mean for floating metrics, the last value for integer and boolean ones: a count
+or a flag has no mean) and ``Sinks`` (built from ``log=``) hands each window to
+every sink as ``sink(step, metrics)``: ``TensorBoard``, ``CSV`` or any callable.
 
 A window closes at every step that is a multiple of ``log_every`` (global step
 numbers, so windows line up across calls and resumes) and at the last step of a
@@ -25,7 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -412,122 +407,15 @@ def _window_dtype(dtype: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
-class Windows(NamedTuple):
-    """On-device window reduction state (a pytree: put it in the loop's carry).
-
-    Attributes:
-        acc: per metric, the open window's running sum (floating metrics, in at
-            least float32) or last value (integer and boolean ones).
-        count: steps in the open window, ``int32[]``.
-        rows: per metric, the closed windows' values, ``[capacity, *shape]``.
-        steps: the closed windows' steps, ``int32[capacity]``.
-        n: how many rows are filled, ``int32[]``.
-    """
-
-    acc: dict[str, jax.Array]
-    count: jax.Array
-    rows: dict[str, jax.Array]
-    steps: jax.Array
-    n: jax.Array
-
-
-def windows_capacity(chunk_steps: int, log_every: int) -> int:
-    """Rows a buffer needs for ``chunk_steps`` steps: every multiple of
-    ``log_every`` among them plus the run's last step."""
-    return chunk_steps // log_every + 2
-
-
-def windows_init(metrics: Mapping[str, Any], capacity: int) -> Windows:
-    """An empty ``Windows`` for metrics shaped like ``metrics`` (arrays or
-    ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``; per-step shapes)."""
-
-    accs = {k: jnp.zeros(m.shape, _window_dtype(m.dtype)) for k, m in metrics.items()}
-    return Windows(
-        acc=accs,
-        count=jnp.zeros((), jnp.int32),
-        rows={k: jnp.zeros((capacity, *a.shape), a.dtype) for k, a in accs.items()},
-        steps=jnp.zeros((capacity,), jnp.int32),
-        n=jnp.zeros((), jnp.int32),
-    )
-
-
-def windows_add(
-    w: Windows,
-    metrics: Mapping[str, jax.Array],
-    step: jax.Array,
-    log_every: int,
-    last: jax.Array | bool = False,
-) -> Windows:
-    """Add one step's ``metrics`` (global step number ``step``); close the window
-    when ``step`` is a multiple of ``log_every`` or ``last`` (the run's last step)
-    is true. Pure, branch-free: usable in a ``lax.while_loop`` body and under
-    ``jax.vmap`` (metrics batched per member, ``step`` shared)."""
-    with jax.named_scope("scanax.log"):
-        step = jnp.asarray(step, jnp.int32)
-        close = (step % log_every == 0) | jnp.asarray(last, bool)
-        count = w.count + 1
-        acc, rows = {}, {}
-        for k, a in w.acc.items():
-            m = jnp.asarray(metrics[k])
-            if _averaged(a.dtype):
-                total = a + m.astype(a.dtype)
-                # times the reciprocal: what XLA makes of a division by a
-                # scalar anyway (window_reduce does the same, to match bit for bit)
-                value = total * (1 / count.astype(a.dtype))
-            else:
-                total = value = m.astype(a.dtype)
-            old = jax.lax.dynamic_index_in_dim(w.rows[k], w.n, keepdims=False)
-            rows[k] = jax.lax.dynamic_update_index_in_dim(
-                w.rows[k], jnp.where(close, value, old), w.n, 0
-            )
-            acc[k] = jnp.where(close, jnp.zeros_like(total), total)
-        old_step = jax.lax.dynamic_index_in_dim(w.steps, w.n, keepdims=False)
-        steps = jax.lax.dynamic_update_index_in_dim(
-            w.steps, jnp.where(close, step, old_step), w.n, 0
-        )
-        return Windows(
-            acc=acc,
-            count=jnp.where(close, 0, count),
-            rows=rows,
-            steps=steps,
-            n=w.n + close.astype(jnp.int32),
-        )
-
-
-def windows_clear(w: Windows) -> Windows:
-    """Empty the buffer (after ``windows_take``), keeping the open window."""
-    return w._replace(n=jnp.zeros_like(w.n))
-
-
-def windows_take(w: Windows) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The closed windows as ``(steps, windows)`` for ``Sinks.write`` (host side).
-
-    A ``Windows`` batched over a population (``jax.vmap``: one leading member
-    axis) gives ``windows[name]`` as ``[n, members, *shape]``.
-    """
-    w = jax.device_get(w)
-    n = np.asarray(w.n)
-    if n.ndim == 0:
-        k = int(n)
-        return np.asarray(w.steps[:k]), {
-            a: np.asarray(v[:k]) for a, v in w.rows.items()
-        }
-    k = int(n.reshape(-1)[0])
-    steps = np.asarray(w.steps).reshape(-1, w.steps.shape[-1])[0, :k]
-    return steps, {
-        a: np.moveaxis(np.asarray(v)[:, :k], 1, 0) for a, v in w.rows.items()
-    }
-
-
 def window_reduce(
     steps: np.ndarray, values: Mapping[str, np.ndarray], log_every: int
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Host reference of the device reduction: ``(window steps, windows)`` from
+    """The window reduction: ``(window steps, windows)`` from
     per-step ``values`` (``[T, *shape]`` each) at global ``steps`` (``int[T]``).
 
     A window closes at each multiple of ``log_every`` and at the last step;
     floating metrics give the window's mean (summed in order in at least float32
-    and multiplied by 1/count, as on device), the others the window's last value.
+    and multiplied by 1/count), the others the window's last value.
 
     Example:
         >>> import numpy as np

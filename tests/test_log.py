@@ -1,6 +1,6 @@
 """Logging: sinks (TensorBoard read back with TensorBoard's own reader, CSV,
 callables), their failures, the resume rule after kill -9, and the window
-reduction on device against its host reference and a plain Python loop."""
+reduction against a plain Python loop."""
 
 import csv
 import math
@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,11 +18,6 @@ from scanax._log import (
     Sinks,
     merge,
     window_reduce,
-    windows_add,
-    windows_capacity,
-    windows_clear,
-    windows_init,
-    windows_take,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,79 +356,6 @@ def test_window_reduce_is_a_windowed_mean(first, n, every):
     ref_steps, ref = ref_windows(steps.tolist(), values.tolist(), every)
     assert got_steps.tolist() == ref_steps
     np.testing.assert_allclose(got["x"], ref, rtol=1e-6)
-
-
-def run_device(metrics, first, log_every, chunk):
-    """The device reduction in a jitted while_loop per chunk of ``chunk`` steps,
-    taken and cleared at each chunk boundary, as fit's loop would."""
-    n = len(next(iter(metrics.values())))
-    last_step = first + n - 1
-    like = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in metrics.items()}
-    w = windows_init(like, windows_capacity(chunk, log_every))
-
-    @jax.jit
-    def run(w, xs, start, count):
-        def body(c):
-            i, w = c
-            m = {k: v[i] for k, v in xs.items()}
-            t = start + i
-            return i + 1, windows_add(w, m, t, log_every, last=t == last_step)
-
-        return jax.lax.while_loop(lambda c: c[0] < count, body, (0, w))[1]
-
-    all_steps, parts = [], []
-    for lo in range(0, n, chunk):
-        xs = {k: jnp.asarray(v[lo : lo + chunk]) for k, v in metrics.items()}
-        w = run(w, xs, first + lo, min(chunk, n - lo))
-        steps, windows = windows_take(w)
-        w = windows_clear(w)
-        all_steps.append(steps)
-        parts.append(windows)
-    return np.concatenate(all_steps), {
-        k: np.concatenate([p[k] for p in parts]) for k in metrics
-    }
-
-
-@pytest.mark.parametrize(
-    ("first", "n", "every", "chunk"),
-    [(1, 47, 10, 20), (1, 40, 10, 10), (12, 30, 7, 9), (1, 5, 1, 5)],
-)
-def test_device_windows_equal_the_host_reference(first, n, every, chunk):
-    rng = np.random.default_rng(0)
-    metrics = {
-        "loss": rng.normal(size=n).astype(np.float32),
-        "vec": rng.normal(size=(n, 3)).astype(np.float32),
-        "count": np.arange(n, dtype=np.int32) * 2,  # integers: the last value
-        "flag": rng.normal(size=n) > 0,
-    }
-    steps = np.arange(first, first + n)
-    got_steps, got = run_device(metrics, first, every, chunk)
-    ref_steps, ref = window_reduce(steps, metrics, every)
-    np.testing.assert_array_equal(got_steps, ref_steps)
-    for k in metrics:
-        assert got[k].dtype == ref[k].dtype, k
-        np.testing.assert_array_equal(got[k], ref[k])  # bit-identical on CPU
-
-
-def test_device_windows_under_vmap():
-    """A population: vmap over members, the step shared."""
-    rng = np.random.default_rng(1)
-    losses = rng.normal(size=(3, 12)).astype(np.float32)  # [members, steps]
-    like = {"loss": jax.ShapeDtypeStruct((), jnp.float32)}
-    w = jax.vmap(lambda _: windows_init(like, windows_capacity(12, 5)))(jnp.arange(3))
-
-    def step(w, t):
-        add = jax.vmap(windows_add, in_axes=(0, 0, None, None, None))
-        m = {"loss": jnp.asarray(losses)[:, t - 1]}
-        return add(w, m, t, 5, t == 12), None
-
-    w, _ = jax.lax.scan(step, w, jnp.arange(1, 13))
-    steps, windows = windows_take(w)
-    assert steps.tolist() == [5, 10, 12]
-    assert windows["loss"].shape == (3, 3)  # [windows, members]
-    for member in range(3):
-        _, ref = window_reduce(np.arange(1, 13), {"loss": losses[member]}, 5)
-        np.testing.assert_array_equal(windows["loss"][:, member], ref["loss"])
 
 
 def test_window_means_written_to_csv_match_history(tmp_path):
