@@ -264,7 +264,11 @@ def fit(
     if pop is not None:
         args = (pop, loss_fn, source, key, (takes_hp, takes_key, accumulate), length)
         how = (steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every)
-        return _fit_population.fit_population(*args, shared, members_per_call, how)
+        if logger is not None and (members_per_call or pop.n) < pop.n:
+            raise pop_errors.log_with_groups()
+        return _fit_population.fit_population(
+            *args, shared, members_per_call, how, logger
+        )
 
     start = adapter.start_step()
     if start is None:

@@ -38,6 +38,7 @@ def fit_population(
     shared: bool,
     members_per_call: int | None,
     how: tuple,
+    logger: Any = None,
 ) -> _fit_loop.FitResult:
     """Train every member of ``pop`` for ``steps`` more steps; ``pop`` is updated
     in place. Members run ``members_per_call`` at a time (all by default)."""
@@ -109,6 +110,7 @@ def fit_population(
                 os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
             )
         run = PopRun(pop, idx, len(members), keys[idx], source, program, schedule, how)
+        run.logger = logger
         if len(groups) > 1:
             run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
         if directory is not None:
@@ -134,12 +136,15 @@ def fit_population(
             name: v if v.ndim == 1 else np.concatenate([h[name] for h in histories])
             for name, v in histories[0].items()
         }
-    return _fit_loop.FitResult(
+    result = _fit_loop.FitResult(
         _population.Members(pop, 0),
         _population.Members(pop, 1),
         history,
         np.concatenate(applied),
     )
+    if logger is not None:
+        logger.sinks.raise_pending(result)
+    return result
 
 
 def build_chunk(
@@ -334,6 +339,8 @@ class PopRun(_fit_loop.Run):
         self.mask = np.asarray(self.stopped)
 
     def go(self) -> tuple:
+        if self.logger is not None and self.done == self.start:
+            self.logger.resume(self.start)  # (a restored run resumed it already)
         bar = None
         shown: Any = contextlib.nullcontext()
         if self.spec is not None:
@@ -356,9 +363,13 @@ class PopRun(_fit_loop.Run):
                     self.key,
                     self.history.result(),
                 )
+            if self.logger is not None:
+                self.logger.write(final=True)
         finally:
             if self.ckpt is not None:
                 self.ckpt.close()
+            if self.logger is not None:
+                self.logger.sinks.close()
         return self.leaves, self.mask, self.history.result(), self.applied, self.done
 
     def _loop(self, bar: Any) -> None:
@@ -388,6 +399,10 @@ class PopRun(_fit_loop.Run):
                     stacklevel=5,
                 )
             self.history.add_members(start, ys, counts, ran)
+            if self.logger is not None:
+                h = {k: v[-1] for k, v in self.history.arrays.items()}
+                self.logger.add(h.pop("step"), h)
+                self.logger.write()
             self.leaves, self.stopped = leaves, stopped
             self.applied += counts
             self.done = end

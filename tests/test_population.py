@@ -460,3 +460,16 @@ def test_clock_follows_the_steps_run_and_resume_counts_restored_steps(tmp_path):
     pop_fit("eqx", steps=8, checkpoint_dir=tmp_path, checkpoint_every=4)
     _, resumed = pop_fit("eqx", checkpoint_dir=tmp_path, checkpoint_every=4)
     assert list(resumed.steps) == [STEPS, STEPS]
+
+
+def test_log_writes_per_member_window_means(tmp_path):
+    seen = []
+    _, result = pop_fit("eqx", log=lambda s, m: seen.append((s, m)), log_every=5)
+    from scanax._log import window_reduce
+
+    assert [s for s, _ in seen] == [5, 10, 12]
+    for i in range(N):
+        _, ref = window_reduce(
+            result.history["step"], {"loss": result.history["loss"][i]}, 5
+        )
+        np.testing.assert_allclose([m["loss"][i] for _, m in seen], ref["loss"], 1e-6)

@@ -202,3 +202,11 @@ def hp_in_model_fields(names: list[str], paths: list[str]) -> ValueError:
         "(loss_fn(model, batch, hp) gets hp['name']), or build one population per "
         "value."
     )
+
+
+def log_with_groups() -> TypeError:
+    return TypeError(
+        f"{FIT}: log= with members_per_call: the groups run one after another, so "
+        "one log would go back in steps.\nFix: drop members_per_call, or log each "
+        "group yourself from result.history."
+    )
