@@ -274,7 +274,10 @@ class IterSource:
             xs = taken[0]
             if k > 1:  # [length * k, ...] -> [length, k, ...]
                 xs = jtu.tree_map(lambda a: a.reshape(-1, k, *a.shape[1:]), xs)
-            xs = jax.device_put(xs) if mesh is None else _mesh.put_chunk(mesh, xs)
+            if mesh is not None:
+                xs = _mesh.put_chunk(mesh, xs, 2 if k > 1 else 1)
+            else:
+                xs = jax.device_put(xs)
             yield start, start + count, self.on_device(xs)
             start += count
 

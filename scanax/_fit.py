@@ -258,6 +258,8 @@ def fit(
     if log is not None:
         log_every = _data.positive_int("log_every", log_every)
         logger = _fit_checks.Logger(_log.Sinks(log), log_every, pop is not None)
+        if jax.process_index() != 0:  # a multi-process job logs once, from process 0
+            logger = None
     if pop is not None and checks is not None:
         raise pop_errors.checks_with_population()
     _compile_cache.enable_from_env()
@@ -366,12 +368,12 @@ def _checks(
         return _fit_checks.Checks(eval_every, None, 0, 1, stop), None, None
     if isinstance(eval_data, list) or not _data.is_array_data(eval_data):
         raise errors.eval_data_not_arrays(eval_data)
-    source = _data.make_source(eval_data, eval_batch_size or batch_size or 1, None)
-    size = source.n
+    source = _data.make_source(eval_data, 1, None)  # (checks the leading axes)
+    size = source.n  # default: batch_size, or all at once if that is larger
     if eval_batch_size is not None:
         size = _data.positive_int("eval_batch_size", eval_batch_size)
     elif batch_size is not None:
-        size = min(batch_size, source.n)
+        size = batch_size
     if eval_fn is not None and not callable(eval_fn):
         raise errors.eval_fn_not_callable(eval_fn)
     fn = loss_fn if eval_fn is None else eval_fn

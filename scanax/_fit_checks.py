@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
@@ -121,8 +122,9 @@ class Checks:
                 lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), data
             )
 
-        def metrics(batch):
-            loss, extra = self.evaluate(leaves, batch, key, hp)
+        def metrics(batch, j):  # batch j gets its own key
+            batch_key = None if key is None else jr.fold_in(key, j)
+            loss, extra = self.evaluate(leaves, batch, batch_key, hp)
             values = {"loss": loss, **extra}
             return {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
 
@@ -130,13 +132,13 @@ class Checks:
         if full:
 
             def body(acc, i):
-                m = jtu.tree_map(lambda v: v * b, metrics(at(i * b, b)))
+                m = jtu.tree_map(lambda v: v * b, metrics(at(i * b, b), i))
                 return jtu.tree_map(jnp.add, acc, m), None
 
-            first = jtu.tree_map(lambda v: v * b, metrics(at(0, b)))
+            first = jtu.tree_map(lambda v: v * b, metrics(at(0, b), 0))
             total, _ = jax.lax.scan(body, first, jnp.arange(1, full))
         if rest:
-            m = jtu.tree_map(lambda v: v * rest, metrics(at(full * b, rest)))
+            m = jtu.tree_map(lambda v: v * rest, metrics(at(full * b, rest), full))
             total = m if total is None else jtu.tree_map(jnp.add, total, m)
         return {f"val_{k}": v / self.n for k, v in total.items()}
 

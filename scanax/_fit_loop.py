@@ -60,6 +60,9 @@ class FitResult:
             ``loss_fn`` returns.
         steps: the number of steps this result holds beyond the model passed in
             (those trained, and those restored from ``checkpoint_dir``).
+        best_step: with ``stop=EarlyStop(..., restore_best=True)``: the step
+            whose state ``model`` holds (``steps`` still counts the steps
+            trained); else None.
 
     For a population (``scanax.population``): ``model[i]`` and ``optimizer[i]``
     are member ``i`` as ordinary objects of its kind; ``history`` arrays other
@@ -265,7 +268,9 @@ def build_chunk(
 
     def batch_at(data, xs, perm, t, i):
         batch = source.batch(perm, data, xs, t, i)
-        return batch if mesh is None else _mesh.batch_constraint(mesh, batch)
+        if mesh is None:
+            return batch
+        return _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
 
     def chunk(leaves, stopped, start, count, every, data, key, xs, hp, aux):
         with jax.named_scope(_CALL):
@@ -286,7 +291,9 @@ def build_chunk(
                 leaves, out, loss_ok, grads_ok = guarded(leaves, batch, key_at(t), hp)
                 early = jnp.array(False)
                 if checks is not None:
-                    eval_key = jr.fold_in(jr.split(key)[0], t) if takes_key else None
+                    # (fit's key, or a placeholder: an eval_fn may take a key
+                    # when loss_fn does not)
+                    eval_key = jr.fold_in(jr.split(key)[0], t)
                     val, due, extra, early = checks.run(
                         t + 1,
                         leaves,
@@ -746,7 +753,11 @@ class Run:
         # never moves back (go() sets the final count).
         if self.bar is not None and count and self.done > self.bar.n:
             self.bar.update(self.done - self.bar.n)
-            self.bar.set_postfix(loss=f"{float(ys['loss'][count - 1]):.4g}")
+            shown = {"loss": f"{float(ys['loss'][count - 1]):.4g}"}
+            for name, values in self.history.val.items():  # the last evaluation
+                if name != "val_step" and values and len(values[-1]):
+                    shown[name] = f"{float(np.ravel(values[-1][-1])[0]):.4g}"
+            self.bar.set_postfix(shown)
         if early and not self.halted:  # stop= said stop: a clean end
             self.halted = True
             self.stopped_early = start + count
@@ -763,9 +774,9 @@ class Run:
             self.ckpt.save(
                 end, self._saved(leaves, extra), self.key, self.history.result()
             )
+        self.good = self.leaves if self.halted else leaves
         if self.logger is not None:
             self.logger.write()
-        self.good = self.leaves if self.halted else leaves
 
     def _redo(self, inputs: tuple, count: int) -> list:
         """The state after the ``count`` good steps of a call that hit a bad one."""

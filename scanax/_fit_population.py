@@ -172,7 +172,7 @@ def build_chunk(
     def one(leaves, key, xs, hp, perm, data, t, i):
         batch = source.batch(perm, data, xs, t, i)
         if mesh is not None:
-            batch = _mesh.batch_constraint(mesh, batch)
+            batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
         key_t = None
         if takes_key:
             root = jr.split(key)[1]

@@ -433,14 +433,16 @@ def window_reduce(
     for name, v in values.items():
         v = np.asarray(v)
         dtype = np.dtype(_window_dtype(v.dtype))
-        if _averaged(v.dtype):
-            out[name] = np.stack(
-                [
-                    np.cumsum(v[a : b + 1].astype(dtype), axis=0, dtype=dtype)[-1]
-                    * (dtype.type(1) / dtype.type(b + 1 - a))
-                    for a, b in zip(starts, ends)
-                ]
-            )
+        if _averaged(v.dtype):  # NaN (a population member not training) skipped
+            rows = []
+            for a, b in zip(starts, ends):
+                w = v[a : b + 1].astype(dtype)
+                seen = ~np.isnan(w)
+                total = np.cumsum(np.where(seen, w, 0), axis=0, dtype=dtype)[-1]
+                count = seen.sum(axis=0).astype(dtype)
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    rows.append(np.where(count > 0, total * (1 / count), np.nan))
+            out[name] = np.stack(rows).astype(dtype)
         else:
             out[name] = v[ends].astype(dtype)
     return steps[ends], out

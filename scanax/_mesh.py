@@ -204,24 +204,27 @@ def place_data(mesh: Any, data: Any) -> Any:
     return jtu.tree_map(put, data)
 
 
-def batch_constraint(mesh: Any, batch: Any) -> Any:
-    """Inside the compiled loop: each batch leaf split over 'data' on axis 0."""
-    sharding = NamedSharding(mesh, P(AXIS))
+def batch_constraint(mesh: Any, batch: Any, axis: int = 0) -> Any:
+    """Inside the compiled loop: each batch leaf split over 'data' on ``axis``
+    (1 for the micro-batches of ``accumulate``)."""
+    sharding = NamedSharding(mesh, P(*(None,) * axis, AXIS))
     return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), batch)
 
 
-def put_chunk(mesh: Any, chunk: Any) -> Any:
-    """A host chunk ``[steps, batch, ...]`` onto the mesh, batch axis sharded.
+def put_chunk(mesh: Any, chunk: Any, axis: int = 1) -> Any:
+    """A host chunk ``[steps, batch, ...]`` onto the mesh, batch axis (``axis``;
+    2 for ``[steps, micro-batches, batch, ...]``) sharded.
 
     Multi-process: each process passes its own part of the global batch (its
     iterable yields process-local batches), as ``jax.make_array_from_process_local
     _data`` expects.
     """
     for path, x in jtu.tree_flatten_with_path(chunk)[0]:
-        if x.ndim < 2:
+        if x.ndim < axis + 1:
             raise errors.batch_no_leading_axis(jtu.keystr(path), x)
-        check_batch(mesh, x.shape[1] * jax.process_count(), "the batch size")
-    sharding = NamedSharding(mesh, P(None, AXIS) if has_data_axis(mesh) else P())
+        check_batch(mesh, x.shape[axis] * jax.process_count(), "the batch size")
+    spec = P(*(None,) * axis, AXIS) if has_data_axis(mesh) else P()
+    sharding = NamedSharding(mesh, spec)
     return jtu.tree_map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
         chunk,

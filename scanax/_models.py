@@ -39,6 +39,8 @@ def split_loss(call: str, out: Any) -> tuple[Any, dict]:
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise errors.loss_not_scalar(call, loss)
     for name, leaf in metrics.items():  # flat: history has one entry per name
+        if name in ("loss", "step") or str(name).endswith("_step"):
+            raise errors.metric_name_reserved(call, name)
         if not hasattr(leaf, "shape"):
             raise errors.metric_not_array(call, jtu.keystr((jtu.DictKey(name),)), leaf)
     return loss, metrics

@@ -392,3 +392,49 @@ def test_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         fit(model, opt, nnx_loss, 5, **kwargs)
     assert int(opt.step.get_raw_value()) == 0  # nothing trained, nothing changed
+
+
+def test_small_validation_sets_and_keyed_eval_fn():
+    """A validation set smaller than batch_size is one batch; an eval_fn taking a
+    key gets one although loss_fn does not."""
+
+    def eval_fn(model, batch, key):
+        loss, metrics = nnx_loss(model, batch)
+        return loss, {"noise": jr.normal(key, ())}
+
+    model, opt = nnx_pair()
+    small = (XV[:5], YV[:5])
+    result = fit(
+        model, opt, nnx_loss, 10, eval_data=small, eval_every=5, eval_fn=eval_fn
+    )
+    assert result.history["val_noise"].shape == (2,)
+    assert result.history["val_noise"][0] != result.history["val_noise"][1]
+    model.eval()
+    allclose(result.history["val_loss"][-1], nnx_loss(model, small)[0])
+
+
+def test_reserved_metric_names():
+    def loss(model, batch):
+        return nnx_loss(model, batch)[0], {"step": jnp.zeros(())}
+
+    model, opt = nnx_pair()
+    with pytest.raises(ValueError, match="metric named 'step'"):
+        fit(model, opt, loss, 5)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")
+@pytest.mark.parametrize("iterable", [False, True])
+def test_accumulate_on_a_mesh_shards_the_batch_not_the_micro_batches(iterable):
+    m = eqx.nn.MLP(4, 1, 8, 1, key=jr.key(0))
+    tx = optax.sgd(0.1)
+    mesh = jax.make_mesh((4,), ("data",))
+    if iterable:
+        data, kw = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 48, 4)], {}
+    else:
+        data, kw = (X, Y), {"batch_size": 4}
+    run = ft.partial(scanax.fit, m, tx, eqx_loss, data, steps=4, accumulate=3)
+    one = run(progress=False, **kw)
+    sharded = run(progress=False, mesh=mesh, **kw)
+    allclose(
+        eqx.filter(sharded.model, eqx.is_array), eqx.filter(one.model, eqx.is_array)
+    )

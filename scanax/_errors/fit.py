@@ -638,3 +638,11 @@ def accumulate_too_large(k: int, batch_size: int, n: int) -> ValueError:
         f"{k * batch_size} examples per optimizer step, but the data has {n}.\nFix: "
         f"use accumulate <= {n // batch_size}, or a smaller batch_size."
     )
+
+
+def metric_name_reserved(call: str, name: str) -> ValueError:
+    return ValueError(
+        f"{call}: `loss_fn` (or `eval_fn`) returns a metric named {name!r}, a name "
+        "the history keeps for itself ('loss', 'step', '..._step').\nFix: rename "
+        f"it, e.g. {name!r} -> 'my_{name}'."
+    )
