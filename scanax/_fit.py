@@ -138,7 +138,8 @@ def fit(
         eval_data, eval_every, eval_fn, eval_batch_size: evaluate the whole
             ``eval_data`` (arrays) every ``eval_every`` steps inside the compiled
             loop, with ``eval_fn`` (default ``loss_fn``) in eval mode, in batches
-            of ``eval_batch_size`` (default ``batch_size``); its metrics join
+            of ``eval_batch_size`` (default 1024, or ``batch_size`` if larger);
+            its metrics join
             ``history`` as ``val_<name>`` at ``history["val_step"]``.
         stop: a ``scanax.EarlyStop``: checked every ``eval_every`` steps; keeps
             the best state on device and restores it (``result.best_step``).
@@ -369,11 +370,12 @@ def _checks(
     if isinstance(eval_data, list) or not _data.is_array_data(eval_data):
         raise errors.eval_data_not_arrays(eval_data)
     source = _data.make_source(eval_data, 1, None)  # (checks the leading axes)
-    size = source.n  # default: batch_size, or all at once if that is larger
+    # Default: batches of 1024 examples (of batch_size if larger), so that a
+    # validation set of up to 1024 is one batch: one forward pass to compile,
+    # where a loop over small batches doubled a small model's compile time.
+    size = max(batch_size or 1, 1024)
     if eval_batch_size is not None:
         size = _data.positive_int("eval_batch_size", eval_batch_size)
-    elif batch_size is not None:
-        size = batch_size
     if eval_fn is not None and not callable(eval_fn):
         raise errors.eval_fn_not_callable(eval_fn)
     fn = loss_fn if eval_fn is None else eval_fn
