@@ -2,8 +2,8 @@
 test_fit_features.py.
 
 ``python tests/_fit_log_job.py CHECKPOINT_DIR LOG_CSV`` trains (resuming from
-CHECKPOINT_DIR if it has checkpoints; no checkpoints when it is "") and logs
-window means to LOG_CSV.
+CHECKPOINT_DIR if it has checkpoints) and logs window means to LOG_CSV;
+``job(None, path)`` is the same run without checkpoints, in-process.
 """
 
 import sys
@@ -16,6 +16,7 @@ from flax import nnx
 
 import scanax
 
+STEPS = 120
 X = jr.normal(jr.key(0), (40, 3))
 Y = jnp.sin(X[:, :1])
 
@@ -34,8 +35,7 @@ def loss_fn(model, batch):
     return jnp.mean((model(x) - y) ** 2)
 
 
-if __name__ == "__main__":
-    directory, log = sys.argv[1] or None, sys.argv[2]
+def job(directory, log):
     model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     scanax.fit(
@@ -43,7 +43,7 @@ if __name__ == "__main__":
         optimizer,
         loss_fn,
         (X, Y),
-        steps=400,
+        steps=STEPS,
         batch_size=8,
         key=jr.key(3),
         steps_per_call=4,
@@ -53,3 +53,7 @@ if __name__ == "__main__":
         log=scanax.CSV(log),
         log_every=3,
     )
+
+
+if __name__ == "__main__":
+    job(sys.argv[1] or None, sys.argv[2])
