@@ -344,49 +344,10 @@ class TrainStateAdapter:
 
     def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         """``loss_fn`` may return ``(loss, metrics, updates)``: ``updates`` replaces
-        fields of the state after ``apply_gradients`` (a linen model's new
-        ``batch_stats``, from ``apply_fn(..., mutable=["batch_stats"])``)."""
-        if accumulate > 1:
-            return self._accumulating_step(loss_fn, accumulate)
-
-        def step(state, batch, key):
-            def objective(params):
-                out = loss_fn(state.replace(params=params), batch, key)
-                updates: dict = {}
-                if isinstance(out, tuple) and len(out) == 3:
-                    *out, updates = out
-                    out = tuple(out)
-                loss, metrics = split_loss(_CALL, out)
-                return loss, (metrics, updates)
-
-            (loss, (metrics, updates)), grads = jax.value_and_grad(
-                objective, has_aux=True
-            )(state.params)
-            new = state.apply_gradients(grads=grads)
-            if updates:
-                new = new.replace(**_check_updates(state, updates))
-            elif _has_arrays(getattr(state, "batch_stats", None)):
-                warnings.warn(errors.batch_stats_not_updated(), stacklevel=2)
-            return new, loss, metrics, grads
-
-        return step
-
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        """``evaluate(state, batch, key) -> (loss, metrics)``: ``loss_fn`` on the
-        state as it is (a ``(loss, metrics, updates)`` result's updates are
-        dropped); deterministic evaluation is ``loss_fn``'s to choose."""
-
-        def evaluate(state, batch, key):
-            out = loss_fn(state, batch, key)
-            if isinstance(out, tuple) and len(out) == 3:
-                out = out[:2]
-            return split_loss(_CALL, out)
-
-        return evaluate
-
-    def _accumulating_step(self, loss_fn: Callable, k: int) -> Callable:
-        """``accumulate=k``: the micro-batches' gradients averaged, then one
-        ``apply_gradients``; field ``updates`` from the last micro-batch."""
+        fields of the state (a linen model's new ``batch_stats``, from
+        ``apply_fn(..., mutable=["batch_stats"])``); then ``apply_gradients``.
+        With ``accumulate`` > 1, the micro-batches' gradients are averaged
+        (``accumulated``), the updates threaded through them."""
 
         def one(state, batch, key):
             def objective(params):
@@ -403,14 +364,32 @@ class TrainStateAdapter:
             )(state.params)
             if updates:
                 state = state.replace(**_check_updates(state, updates))
+            elif _has_arrays(getattr(state, "batch_stats", None)):
+                warnings.warn(errors.batch_stats_not_updated(), stacklevel=2)
             return state, loss, metrics, grads
 
         def step(state, batch, key):
-            after, loss, metrics, grads = accumulated(one, state, batch, key, k)
-            new = after.apply_gradients(grads=grads)
-            return new, loss, metrics, grads
+            after, loss, metrics, grads = accumulated(
+                one, state, batch, key, accumulate
+            )
+            # (apply_gradients changes step, params and opt_state only: the same
+            # as applying the updates after it)
+            return after.apply_gradients(grads=grads), loss, metrics, grads
 
         return step
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)``: ``loss_fn`` on the
+        state as it is (a ``(loss, metrics, updates)`` result's updates are
+        dropped); deterministic evaluation is ``loss_fn``'s to choose."""
+
+        def evaluate(state, batch, key):
+            out = loss_fn(state, batch, key)
+            if isinstance(out, tuple) and len(out) == 3:
+                out = out[:2]
+            return split_loss(_CALL, out)
+
+        return evaluate
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         return state, None
