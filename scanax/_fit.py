@@ -322,13 +322,9 @@ def fit(
             accumulate,
         ),
     )
+    bar_every = spec.every if spec is not None and not ticks else None
     schedule = _fit_loop.Schedule(
-        program,
-        length,
-        fixed=min(length, steps_per_call or length),
-        auto=source.sized_automatically(steps_per_call),
-        checkpoint_every=checkpoint_every,
-        bar_every=spec.every if spec is not None and not ticks else None,
+        program, length, source, steps_per_call, checkpoint_every, bar_every
     )
     how = (start, start + steps, spec, mesh, ticks)
     extras = (checks, eval_arrays, logger)

@@ -251,14 +251,7 @@ def build_chunk(
         slower on CPU.
         """
         new, loss, metrics, grads = step(leaves, batch, key, hp)
-        loss_ok = jnp.isfinite(loss)
-        # Per leaf, the largest magnitude, finite iff every element is: one
-        # reduction and a scalar test, cheaper to compile than an elementwise
-        # finite test and its reduction (about 15% of a small model's compile).
-        grads_ok = jnp.array(True)
-        for g in jtu.tree_leaves(grads):
-            if g.size:
-                grads_ok = grads_ok & jnp.isfinite(jnp.max(jnp.abs(g)))
+        loss_ok, grads_ok = finite(loss, grads)
         return (
             new,
             {"loss": loss, "metrics": metrics},
@@ -278,13 +271,7 @@ def build_chunk(
             root = jr.split(key)[1] if takes_key else None
 
             def key_at(t):
-                if not takes_key:
-                    return None
-                if accumulate == 1:
-                    return jr.fold_in(root, t)
-                # one key per micro-batch: those of data steps t*k ... t*k+k-1
-                micro = t * accumulate + jnp.arange(accumulate)
-                return jax.vmap(lambda m: jr.fold_in(root, m))(micro)
+                return step_key(root, t, accumulate) if takes_key else None
 
             def one(leaves, batch, t, extra):
                 """A step, then (``checks``) evaluation and early stopping."""
@@ -354,6 +341,28 @@ def build_chunk(
     return chunk
 
 
+def finite(loss: Any, grads: Any) -> tuple[Any, Any]:
+    """``(loss_ok, grads_ok)``. Per gradient leaf, the largest magnitude, finite
+    iff every element is: one reduction and a scalar test, cheaper to compile
+    than an elementwise finite test and its reduction (about 15% of a small
+    model's compile)."""
+    grads_ok = jnp.array(True)
+    for g in jtu.tree_leaves(grads):
+        if g.size:
+            grads_ok = grads_ok & jnp.isfinite(jnp.max(jnp.abs(g)))
+    return jnp.isfinite(loss), grads_ok
+
+
+def step_key(root: Any, t: Any, accumulate: int) -> Any:
+    """The key of global step ``t`` from ``root`` (``split(key)[1]``); with
+    ``accumulate=k``, one per micro-batch: those of data steps ``t*k ...
+    t*k+k-1``."""
+    if accumulate == 1:
+        return jr.fold_in(root, t)
+    micro = t * accumulate + jnp.arange(accumulate)
+    return jax.vmap(lambda m: jr.fold_in(root, m))(micro)
+
+
 @functools.cache
 def false() -> Any:
     return jnp.array(False)
@@ -399,33 +408,27 @@ class History:
         self.arrays.setdefault("loss", [])
         self.count = int(keep.sum())
 
-    def add(self, first: int, ys: dict, count: int) -> None:
+    def add(self, first: int, ys: dict, count: int) -> tuple:
         """``count`` steps from global step ``first`` (0-based; recorded 1-based,
-        as the optimizer's step count after each)."""
-        self.arrays["step"].append(np.arange(first + 1, first + count + 1))
-        self.arrays["loss"].append(ys["loss"][:count])
-        metrics = ys["metrics"]
+        as the optimizer's step count after each). Returns what it recorded, for
+        the logger: ``(steps, values, val_steps, val_values)``."""
+        steps = np.arange(first + 1, first + count + 1)
+        metrics = {k: np.asarray(v)[:count] for k, v in ys["metrics"].items()}
         if set(metrics) != set(self.arrays) - {"loss", "step"}:
             self._align(metrics, count)
-        for name, value in metrics.items():
-            self.arrays[name].append(np.asarray(value)[:count])
+        values = {"loss": ys["loss"][:count], **metrics}
+        self.arrays["step"].append(steps)
+        for name, value in values.items():
+            self.arrays[name].append(value)
         self.count += count
-        if "val" in ys:  # evaluations: one entry each, at their steps
-            idx = np.flatnonzero(np.asarray(ys["evaluated"])[:count])
-            self.val.setdefault("val_step", []).append(first + 1 + idx)
-            for name, value in ys["val"].items():
-                self.val.setdefault(name, []).append(np.asarray(value)[idx])
-
-    def added(self, first: int, ys: dict, count: int) -> tuple:
-        """What ``add`` recorded of these steps, for the logger: ``(steps,
-        values, val_steps, val_values)``."""
-        steps = np.arange(first + 1, first + count + 1)
-        values = {"loss": ys["loss"][:count]}
-        values.update({k: np.asarray(v)[:count] for k, v in ys["metrics"].items()})
         if "val" not in ys:
             return steps, values, steps[:0], {}
+        # evaluations: one entry each, at their steps
         idx = np.flatnonzero(np.asarray(ys["evaluated"])[:count])
         val = {k: np.asarray(v)[idx] for k, v in ys["val"].items()}
+        self.val.setdefault("val_step", []).append(first + 1 + idx)
+        for name, value in val.items():
+            self.val.setdefault(name, []).append(value)
         return steps, values, first + 1 + idx, val
 
     def _align(self, metrics: dict, count: int) -> None:
@@ -463,12 +466,15 @@ class Schedule:
     to time them, when nothing is known yet); calls also end on checkpoint steps
     and on multiples of the progress bar's ``every``."""
 
-    def __init__(self, program, length, fixed, auto, checkpoint_every, bar_every):
-        self.program, self.length, self.auto = program, length, auto
+    def __init__(
+        self, program, length, source, steps_per_call, checkpoint_every, bar_every
+    ):
+        self.program, self.length = program, length
+        self.auto = auto = source.sized_automatically(steps_per_call)
         self.stops = [e for e in (checkpoint_every, bar_every) if e]
         known = program.seconds_per_step
         if not auto:
-            self.per_call = fixed
+            self.per_call = min(length, steps_per_call or length)
         elif known is None:
             self.per_call = min(length, 8)
         else:
@@ -520,7 +526,6 @@ class Run:
         self.stopped = false()
         self.history = History()
         self.halted = False
-        self.stopped_early: int | None = None
         self.bar = None
         self.good = leaves  # the last state checked to be finite
         self.data, self.key = source.arguments(self.mesh)
@@ -743,9 +748,8 @@ class Run:
         applied, ys = jax.device_get((applied, ys))
         count, loss_ok, grads_ok, early = (int(a) for a in applied)
         self.schedule.ran(end - start, inputs[-1])
-        self.history.add(start, ys, count)
+        steps, values, val_steps, val = self.history.add(start, ys, count)
         if self.logger is not None:
-            steps, values, val_steps, val = self.history.added(start, ys, count)
             self.logger.add(steps, values)
             self.logger.add_val(val_steps, val)
         self.done += count
@@ -760,7 +764,6 @@ class Run:
             self.bar.set_postfix(shown)
         if early and not self.halted:  # stop= said stop: a clean end
             self.halted = True
-            self.stopped_early = start + count
         elif not self.halted and start + count < end:
             self.halted = True
             self.leaves, self.extra = self._redo(inputs, count)

@@ -89,13 +89,9 @@ def fit_population(
         )
 
     program = _fit_loop.program(identity, build)
+    bar_every = spec.every if spec is not None else None
     schedule = _fit_loop.Schedule(
-        program,
-        length,
-        fixed=min(length, steps_per_call or length),
-        auto=source.sized_automatically(steps_per_call),
-        checkpoint_every=checkpoint_every,
-        bar_every=spec.every if spec is not None else None,
+        program, length, source, steps_per_call, checkpoint_every, bar_every
     )
     groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
     states, stopped, histories, applied = [], [], [], []
@@ -175,18 +171,10 @@ def build_chunk(
             batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
         key_t = None
         if takes_key:
-            root = jr.split(key)[1]
-            if accumulate == 1:
-                key_t = jr.fold_in(root, t)
-            else:
-                micro = t * accumulate + jnp.arange(accumulate)
-                key_t = jax.vmap(lambda m: jr.fold_in(root, m))(micro)
+            key_t = _fit_loop.step_key(jr.split(key)[1], t, accumulate)
         new, loss, metrics, grads = step(leaves, batch, key_t, hp)
-        ok = jnp.isfinite(loss)
-        for g in jtu.tree_leaves(grads):
-            if g.size:
-                ok = ok & jnp.isfinite(jnp.max(jnp.abs(g)))
-        return new, {"loss": loss, "metrics": metrics}, ok
+        loss_ok, grads_ok = _fit_loop.finite(loss, grads)
+        return new, {"loss": loss, "metrics": metrics}, loss_ok & grads_ok
 
     axes = (0, 0, xs_axis, 0, None, None, None, None)
     members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)

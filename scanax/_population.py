@@ -47,7 +47,6 @@ class Population:
         self.make = make
         self.n = n
         self.keys = jr.split(key, n)
-        self.hyperparameters = hyperparameters
         self._hp = {k: jnp.asarray(v) for k, v in hyperparameters.items()}
         self.state, self.treedef, self.kind, self.names = _build(
             make, self.keys, self._hp
@@ -58,6 +57,12 @@ class Population:
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def hyperparameters(self) -> dict:
+        """``{name: values}``: the values the members get (NumPy, in the dtype
+        they are traced in)."""
+        return {k: np.asarray(v) for k, v in self._hp.items()}
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={short_type(v)}" for k, v in self._hp.items())
@@ -79,10 +84,6 @@ class Population:
             for k, v in self._hp.items()
         )
         return ("population", make, self.kind, hp)
-
-    def member_values(self, i: int) -> dict:
-        """``{name: value}`` of member ``i``'s hyperparameters (JAX scalars)."""
-        return {k: v[i] for k, v in self._hp.items()}
 
     def hp(self) -> dict:
         """The hyperparameters as stacked JAX arrays (the compiled loop's input)."""

@@ -1,5 +1,5 @@
 """A checkpointed training job with a CSV log, for the kill -9 test in
-test_fit_features.py.
+test_fit_features.py: ``_fit_kill_job``'s model, data and loss, logged.
 
 ``python tests/_fit_log_job.py CHECKPOINT_DIR LOG_CSV`` trains (resuming from
 CHECKPOINT_DIR if it has checkpoints) and logs window means to LOG_CSV;
@@ -8,36 +8,18 @@ CHECKPOINT_DIR if it has checkpoints) and logs window means to LOG_CSV;
 
 import sys
 
-import jax
-import jax.numpy as jnp
 import jax.random as jr
-import optax
+from _fit_kill_job import TX, Net, X, Y, loss_fn
 from flax import nnx
 
 import scanax
 
 STEPS = 120
-X = jr.normal(jr.key(0), (40, 3))
-Y = jnp.sin(X[:, :1])
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(3, 8, rngs=rngs)
-        self.out = nnx.Linear(8, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.lin(x)))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
 
 
 def job(directory, log):
-    model = Net(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    model = Net(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     scanax.fit(
         model,
         optimizer,

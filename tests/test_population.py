@@ -109,14 +109,15 @@ def solo(kind, i, lrs=LRS, steps=STEPS, data=(X, Y), **kwargs):
     return out
 
 
-def pop_fit(kind, lrs=LRS, steps=STEPS, pop=None, data=(X, Y), **kwargs):
-    make, loss = KINDS[kind]
+def pop_fit(kind, lrs=LRS, steps=STEPS, pop=None, data=(X, Y), loss=None, **kwargs):
+    make, kind_loss = KINDS[kind]
     if pop is None:
         pop = scanax.population(make, len(lrs), key=KEY, lr=lrs)
     kwargs.setdefault("key", FIT_KEY)
+    kwargs.setdefault("progress", False)
     batch = {"batch_size": BATCH} if isinstance(data, tuple) else {}
     return pop, scanax.fit(
-        pop, None, loss, data, steps=steps, progress=False, **batch, **kwargs
+        pop, None, loss or kind_loss, data, steps=steps, **batch, **kwargs
     )
 
 
@@ -171,16 +172,7 @@ def test_dropout_and_per_step_keys_per_member():
         return mse(model(x), y + noise)
 
     pop = scanax.population(make, 2, key=KEY, lr=lrs)
-    scanax.fit(
-        pop,
-        None,
-        loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BATCH,
-        key=FIT_KEY,
-        progress=False,
-    )
+    pop_fit("nnx", pop=pop, loss=loss)
     for i in range(2):
         model, opt = make(jr.split(KEY, 2)[i], lr=float(lrs[i]))
         scanax.fit(
@@ -307,18 +299,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 def test_progress_bar_shows_best_and_median(capsys):
     pytest.importorskip("tqdm")
-    make, loss = KINDS["eqx"]
-    pop = scanax.population(make, N, key=KEY, lr=LRS)
-    scanax.fit(
-        pop,
-        None,
-        loss,
-        (X, Y),
-        steps=STEPS,
-        batch_size=BATCH,
-        key=FIT_KEY,
-        progress=True,
-    )
+    pop_fit("eqx", progress=True)
     err = capsys.readouterr().err
     assert re.search(r"best=[\d.e-]+, median=[\d.e-]+", err)
 
