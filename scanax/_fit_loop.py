@@ -687,7 +687,8 @@ class Run:
             if pending is not None:
                 # Hand the result over while the last call runs (an NNX update
                 # then overlaps it); a bad step found below replaces it.
-                handed = self.best_step() is None
+                # (not when the best state kept by stop= replaces it anyway)
+                handed = not self.restoring
                 if handed:
                     model, optimizer = self._finish(self.leaves)
                 self._collect(*pending)
@@ -722,11 +723,15 @@ class Run:
             self.logger.sinks.raise_pending(result)
         return result
 
+    @property
+    def restoring(self) -> bool:
+        """Whether ``stop=`` restores the best state it keeps."""
+        stop = None if self.checks is None else self.checks.stop
+        return stop is not None and stop.restore_best
+
     def best_step(self) -> int | None:
         """The step of the best state kept by ``stop=`` (to restore), if any."""
-        if self.checks is None or self.checks.stop is None:
-            return None
-        if not self.checks.stop.restore_best:
+        if not self.restoring:
             return None
         step = int(jax.device_get(self.extra.rule.best_step))
         return step if step >= 0 else None
