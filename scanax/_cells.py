@@ -28,9 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 
 from . import _nnx
+from ._tree import same_types
 
 # Attribute names that give a generic cell's widths (`dim`: the state width of a
 # plain `cell(h, x) -> h` function object).
@@ -125,15 +125,6 @@ def detect(cell: Any) -> Cell | None:
     return Cell("?", _attr_int(cell, IN_ATTRS), _attr_int(cell, OUT_ATTRS))
 
 
-def _same_types(a: Any, b: Any, dtypes: bool = True) -> bool:
-    la, ta = jtu.tree_flatten(a)
-    lb, tb = jtu.tree_flatten(b)
-    return ta == tb and all(
-        x.shape == y.shape and (x.dtype == y.dtype or not dtypes)
-        for x, y in zip(la, lb, strict=True)
-    )
-
-
 def dtype_only_change(state: Any, out: Any) -> Any:
     """The new state of a cell whose output matches ``state`` (as a new h or as a
     pair's first element) in all but dtype, else None."""
@@ -141,8 +132,8 @@ def dtype_only_change(state: Any, out: Any) -> Any:
     for new in (out, out[0] if pair else None):
         if (
             new is not None
-            and _same_types(state, new, dtypes=False)
-            and not _same_types(state, new)
+            and same_types(state, new, dtypes=False)
+            and not same_types(state, new)
         ):
             return new
     return None
@@ -150,9 +141,9 @@ def dtype_only_change(state: Any, out: Any) -> Any:
 
 def probe_kind(spec: Cell, state: Any, out: Any) -> str | None:
     """``state`` or ``pair`` from what a generic cell returned, or None if neither."""
-    if _same_types(state, out):
+    if same_types(state, out):
         return "state"
-    if isinstance(out, (tuple, list)) and len(out) == 2 and _same_types(state, out[0]):
+    if isinstance(out, (tuple, list)) and len(out) == 2 and same_types(state, out[0]):
         return "pair"
     return None
 

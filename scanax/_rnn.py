@@ -13,6 +13,7 @@ import jax.tree_util as jtu
 from . import _cells, _eager, _nnx
 from ._errors import rnn as errors, short_type
 from ._scan import scan
+from ._tree import same_types
 
 ORDERS = ("auto", "time", "layer")
 
@@ -68,11 +69,11 @@ def _plan(
             state = default
         else:
             state = init[i]
-            if default is not None and not _same(state, default):
+            if default is not None and not same_types(state, default):
                 alt = [
                     a
                     for a, b in other_axes
-                    if _same(state, spec.default_state(cell, b, width, x0.dtype))
+                    if same_types(state, spec.default_state(cell, b, width, x0.dtype))
                 ]
                 alt_axis = alt[0] if alt else None
                 raise errors.init_state(i, cell, state, default, alt_axis)
@@ -92,7 +93,7 @@ def _plan(
             if spec.kind == "state":
                 out = (out, out)
         new_state, y = out
-        if not _same(new_state, state):
+        if not same_types(new_state, state):
             raise errors.state_changed(i, cell, state, new_state)
         if i + 1 < len(cells) and not isinstance(y, jax.ShapeDtypeStruct):
             raise errors.output_not_array(i, cell, y, cells[i + 1], i + 1)
@@ -101,16 +102,6 @@ def _plan(
         x = y
         source = f"the output of {errors.cell_name(i, cell)}"
     return specs, tuple(states)
-
-
-def _same(a: Any, b: Any) -> bool:
-    la, ta = jtu.tree_flatten(a)
-    lb, tb = jtu.tree_flatten(b)
-    return ta == tb and all(
-        tuple(jnp.shape(x)) == tuple(jnp.shape(y))
-        and jnp.result_type(x) == jnp.result_type(y)
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 def _other_time_axes(xs: Any, ax: int) -> list[tuple[int, tuple[int, ...]]]:

@@ -1,4 +1,5 @@
-"""Pytree leaves: which are arrays and which static, and new values put back.
+"""Pytree leaves: which are arrays and which static, their shapes and dtypes as JAX
+takes them in (``leaf_type``, ``same_types``), and new values put back.
 
 Modules that pass part of a pytree through JAX (the arrays of a carry into a scan,
 a layer's arrays through ``jax.checkpoint``, a call's arrays into a compiled
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -25,6 +27,24 @@ def is_array(x: Any) -> bool:
 def is_arraylike(x: Any) -> bool:
     """What ``lax.scan`` accepts as a carry leaf: arrays and Python numbers."""
     return is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def leaf_type(x: Any) -> tuple[tuple[int, ...], Any]:
+    """An array leaf's shape and dtype as JAX takes it in (``jnp.result_type``): a
+    NumPy float64 array is float32 unless x64 is on, as it would be as a ``lax.scan``
+    carry; a Python number has its default dtype."""
+    return tuple(jnp.shape(x)), jnp.result_type(x)
+
+
+def same_types(a: Any, b: Any, dtypes: bool = True) -> bool:
+    """Whether two pytrees of arrays have the same structure and leaves of the same
+    shapes and (with ``dtypes``) dtypes, each leaf taken as ``leaf_type`` does."""
+    la, ta = jtu.tree_flatten(a)
+    lb, tb = jtu.tree_flatten(b)
+    if ta != tb:
+        return False
+    pairs = [(leaf_type(x), leaf_type(y)) for x, y in zip(la, lb, strict=True)]
+    return all(x == y if dtypes else x[0] == y[0] for x, y in pairs)
 
 
 def same_static(a: Any, b: Any) -> bool:

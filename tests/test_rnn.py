@@ -402,6 +402,58 @@ def test_zero_length_sequence():
     close(finals, tuple(ref_init(c, (B,)) for c in cells))
 
 
+def _f32_state_cell(h, x):  # no width attribute: its protocol is probed
+    return jnp.tanh(0.5 * h.astype(x.dtype) + x)
+
+
+def _f32_pair_cell(c, x):
+    h = _f32_state_cell(c, x)
+    return h, 2 * h
+
+
+@pytest.mark.parametrize("cell", [_f32_state_cell, _f32_pair_cell])
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
+def test_numpy_float64_init_taken_as_lax_scan_takes_it(cell, x64):
+    """A NumPy float64 state (closed over under jit: rnn sees it unconverted) is
+    what ``lax.scan`` makes of it: float32 with x64 off, so it runs and gives the
+    hand-written scan's result; float64 with x64 on, which a cell returning float32
+    cannot carry, and both refuse it."""
+    xs = xs_tbd()
+    init = np.linspace(-1.0, 1.0, B * D).reshape(B, D)  # float64
+    assert init.dtype == np.float64
+
+    def body(h, x):
+        out = cell(h, x)
+        return (out, out) if cell is _f32_state_cell else out
+
+    ours = jit(lambda xs: scanax.rnn([cell], xs, init=(init,)))
+    ref = jit(lambda xs: jax.lax.scan(body, init, xs))
+    with jax.enable_x64(x64):
+        if x64:
+            with pytest.raises(TypeError, match=r"carry"):
+                ref(xs)
+            with pytest.raises(
+                TypeError,
+                match=r"cells\[0\] \(function\) returns its state in another dtype: "
+                r"given h float64\[3, 2\], it returned float32\[3, 2\]",
+            ):
+                ours(xs)
+            return
+        (final,), ys = ours(xs)
+        ref_final, ref_ys = ref(xs)
+    helpers.close((final, ys), (ref_final, ref_ys), types=True, **TOL)
+    # the state as the scan carried it: float32, not the caller's float64
+    assert final.dtype == jnp.float32
+
+
+def test_python_number_init_taken_as_lax_scan_takes_it():
+    cell = lambda h, x: h + jnp.sum(x)  # noqa: E731
+    xs = xs_tbd((T, D))
+    (final,), ys = scanax.rnn([cell], xs, init=(0.0,))
+    ref_final, ref_ys = jax.lax.scan(lambda h, x: (cell(h, x),) * 2, 0.0, xs)
+    helpers.close((final, ys), (ref_final, ref_ys), types=True, **TOL)
+
+
 # ---------------------------------------------------------------------------- errors
 
 
