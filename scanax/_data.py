@@ -122,14 +122,28 @@ class ArraySource:
             orders = None
             if self.shuffle:
                 k = self.micro
-                orders = self.orders(start * k, schedule.length * k)
-                orders = (
-                    jax.device_put(orders)
-                    if mesh is None
-                    else (_mesh.replicate(mesh, orders))
-                )
+                orders = self._placed(start * k, schedule.length * k, count * k, mesh)
             yield start, start + count, orders
             start += count
+
+    def _placed(self, start: int, length: int, count: int, mesh: Any) -> Any:
+        """``orders`` on the devices; the last one placed is kept (small ones
+        only): the short calls of an epoch loop ask for the same rows again."""
+        first = start // self.per_epoch
+        last = (start + count - 1) // self.per_epoch
+        seeds = self.seed if self.members is None else self.members
+        key = (repr(seeds), first, last, length, self.n, self.per_epoch, mesh)
+        found = _PLACED.get(key)
+        if found is not None:
+            return found
+        orders = self.orders(start, length, count)
+        placed = (
+            jax.device_put(orders) if mesh is None else _mesh.replicate(mesh, orders)
+        )
+        _PLACED.clear()
+        if orders.nbytes <= _PLACED_BYTES:
+            _PLACED[key] = placed
+        return placed
 
     def for_members(self, keys: Any) -> None:
         """Draw one order per member (a population's members, each shuffled as a
@@ -137,13 +151,18 @@ class ArraySource:
         self.members = [_seed(k) for k in keys]
         self._orders = {}
 
-    def orders(self, start: int, length: int) -> np.ndarray:
+    def orders(self, start: int, length: int, count: int | None = None) -> np.ndarray:
         """``[epochs, n]``: row ``j`` is the order of epoch ``start // per_epoch +
         j``, for every epoch a call of ``length`` steps from ``start`` can reach
         (a fixed number of rows: one compiled program); ``[members, epochs, n]``
-        after ``for_members``."""
+        after ``for_members``. With ``count`` (the steps the call runs), rows past
+        the epochs those steps reach repeat the last one (never read)."""
         first = start // self.per_epoch
-        epochs = range(first, first + length // self.per_epoch + 2)
+        rows = length // self.per_epoch + 2
+        last = first + rows - 1
+        if count is not None:
+            last = min(last, (start + count - 1) // self.per_epoch)
+        epochs = [min(e, last) for e in range(first, first + rows)]
         if self.members is None:
             out = np.stack([self.order(self.seed, e) for e in epochs])
         else:
@@ -191,6 +210,11 @@ class ArraySource:
         return jtu.tree_map(
             lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.batch_size), data
         )
+
+
+# The shuffled orders last placed on device (see ``ArraySource._placed``).
+_PLACED: dict = {}
+_PLACED_BYTES = 16 << 20
 
 
 def epoch_order(seed: Any, epoch: int, n: int) -> np.ndarray:
