@@ -1,5 +1,6 @@
 """What several test files share: ``close`` (two pytrees equal leaf by leaf, within
-a tolerance) and ``ref_scan`` (``scanax.scan``'s semantics as a Python loop)."""
+a tolerance), ``ref_scan`` (``scanax.scan``'s semantics as a Python loop) and
+``count_compiles`` (backend compiles inside a block)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,23 @@ def close(a, b, *, rtol, atol, structure=True, types=False):
             assert jnp.shape(x) == jnp.shape(y)
             assert jnp.result_type(x) == jnp.result_type(y)
         np.testing.assert_allclose(to_numpy(x), to_numpy(y), rtol=rtol, atol=atol)
+
+
+class count_compiles:
+    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __enter__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._seen)
+        return self
+
+    def _seen(self, event, duration, **kwargs):
+        self.n += event == self.EVENT
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._seen)
 
 
 def ref_scan(f, init, xs=None, length=None, reverse=False, in_axes=0, out_axes=0):

@@ -355,21 +355,6 @@ def test_no_retrace_on_new_values():
     assert len(traces) == 1
 
 
-class count_compiles:
-    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
-
-    def __enter__(self):
-        self.n = 0
-        jax.monitoring.register_event_duration_secs_listener(self._seen)
-        return self
-
-    def _seen(self, event, duration, **kwargs):
-        self.n += event == "/jax/core/compile/backend_compile_duration"
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._seen)
-
-
 def test_eager_calls_reuse_the_compiled_program():
     """Un-jitted calls are traced every time (new cell values are read) and
     compiled once per program."""
@@ -377,20 +362,20 @@ def test_eager_calls_reuse_the_compiled_program():
     ref = nnx_jit(lambda c, x: nnx_chain(c, x, time_major=False), cells)
     for seed in (2, 3, 4):
         xs = xs_tbd((B, T, D), seed=seed)
-        with count_compiles() as c:
+        with helpers.count_compiles() as c:
             got = scanax.rnn(cells, xs, time_axis=1)
         close(got, ref(xs))
         assert seed == 2 or c.n == 0
     cells[0].dense_i.bias[...] = cells[0].dense_i.bias[...] + 1.0  # a new value
     ref = nnx_jit(lambda c, x: nnx_chain(c, x, time_major=False), cells)
-    with count_compiles() as c:
+    with helpers.count_compiles() as c:
         got = scanax.rnn(cells, xs, time_axis=1)
     close(got, ref(xs))
     assert c.n == 0
     lengths = jnp.array([4, 2, 0])
     cells = state_cells()
     for _ in range(2):
-        with count_compiles() as c:
+        with helpers.count_compiles() as c:
             got = scanax.birnn(cells, cells, xs_tbd(), seq_lengths=lengths)
     assert c.n == 0
 

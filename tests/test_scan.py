@@ -133,35 +133,17 @@ def test_no_stale_closure_eagerly():
 
 # ------------------------------------------------------------------ eager calls
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class count_compiles:
-    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
-
-    def __enter__(self):
-        self.n = 0
-        jax.monitoring.register_event_duration_secs_listener(self._seen)
-        return self
-
-    def _seen(self, event, duration, **kwargs):
-        if event == _COMPILE_EVENT:
-            self.n += 1
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._seen)
-
 
 def test_eager_call_with_a_new_closure_of_the_same_program_does_not_compile():
     xs = jr.normal(jr.key(0), (6, 3))
     w = jnp.full((3,), 0.5)
     for i in range(3):  # a new function each call, as typed at a REPL
-        with count_compiles() as c:
+        with helpers.count_compiles() as c:
             got = scanax.scan(lambda h, x: (jnp.tanh(h * w + x), h.sum()), INIT[0], xs)
         want = ref_scan(lambda h, x: (jnp.tanh(h * w + x), h.sum()), INIT[0], xs)
         close(got, want)
         assert i == 0 or c.n == 0  # only the first call compiles
-    with count_compiles() as c:  # a new shape is a new program
+    with helpers.count_compiles() as c:  # a new shape is a new program
         scanax.scan(lambda h, x: (h + x, None), jnp.zeros(3), xs[:4])
     assert c.n >= 1
 
@@ -183,13 +165,13 @@ def test_eager_call_after_changing_a_closed_over_value_gives_the_new_result():
     init = jnp.zeros(3)
     close(scanax.scan(f, init, xs), loop())
     shift = jnp.ones(3) * -3.0  # an array: an argument of the same program
-    with count_compiles() as c:
+    with helpers.count_compiles() as c:
         got = scanax.scan(f, init, xs)
     close(got, loop())
     assert c.n == 0
     scale = 0.5  # a Python float: a constant of the program, compiled again
     close(scanax.scan(f, init, xs), loop())
-    with count_compiles() as c:
+    with helpers.count_compiles() as c:
         got = scanax.scan(f, init, xs)
     close(got, loop())
     assert c.n == 0
@@ -204,7 +186,7 @@ def test_eager_reuse_with_nan_literals_integers_and_static_leaves():
     xs = (jnp.array([1.0, -1.0, 2.0]), {"act": jnp.tanh, "n": 3})
     want = ref_scan(f, 0.0, xs, in_axes=(0, None))
     close(scanax.scan(f, 0.0, xs, in_axes=(0, None)), want)
-    with count_compiles() as c:
+    with helpers.count_compiles() as c:
         got = scanax.scan(f, 0.0, xs, in_axes=(0, None))
     close(got, want)
     assert c.n == 0
@@ -223,7 +205,7 @@ def test_eager_nnx_carry_updates_in_place_and_reuses_the_program():
         return (model, optimizer), loss
 
     for i in range(2):
-        with count_compiles() as c:
+        with helpers.count_compiles() as c:
             (m, o), losses = scanax.scan(train_step, (model, optimizer), batches)
         assert m is model and o is optimizer
         assert i == 0 or c.n == 0
@@ -248,6 +230,20 @@ def test_eager_caching_changes_nothing_under_transformations():
     assert str(ours) == str(theirs)
     g = jax.grad(lambda c: scanax.scan(f, c, args[1])[0])(1.0)
     close(g, jax.grad(lambda c: jax.lax.scan(f, c, args[1])[0])(1.0))
+
+
+def test_eager_parameters_equal_as_python_values_are_different_programs():
+    """0.0 == -0.0 in Python, but a gather filling with -0.0 gives negative zeros:
+    its program is not the one that fills with 0.0."""
+    xs, idx = jnp.ones((2, 3)), jnp.array([0, 5])  # 5 is out of bounds: filled
+
+    def filled(value):
+        f = lambda c, x: (c, x.at[idx].get(mode="fill", fill_value=value))
+        return scanax.scan(f, 0.0, xs)[1][:, 1]
+
+    for value, negative in [(0.0, False), (-0.0, True), (0.0, False)]:
+        assert jnp.array_equal(filled(value), jnp.zeros(2))
+        assert bool(jnp.signbit(filled(value)).all()) is negative
 
 
 # ------------------------------------------------------------------ static leaves

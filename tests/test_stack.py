@@ -720,28 +720,13 @@ def test_warns_for_nnx_numbers_and_periods_but_not_for_other_differences():
 # ---------------------------------------------------------------------------- eager
 
 
-class count_compiles:
-    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
-
-    def __enter__(self):
-        self.n = 0
-        jax.monitoring.register_event_duration_secs_listener(self._seen)
-        return self
-
-    def _seen(self, event, duration, **kwargs):
-        self.n += event == "/jax/core/compile/backend_compile_duration"
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._seen)
-
-
 @pytest.mark.parametrize("make", [eqx_layers, nnx_layers, plain_layers])
 def test_eager_calls_reuse_the_compiled_program(make):
     layers = make()
     stack = scanax.Stack(layers)
     x = X[0] if make is eqx_layers else X
     for i in range(3):
-        with count_compiles() as c:
+        with helpers.count_compiles() as c:
             got = stack(x + i)
         close(got, loop(layers, x + i))
         assert i == 0 or c.n == 0
@@ -765,7 +750,7 @@ def test_eager_nnx_state_updates_are_written_back_each_call():
 
     stack, ref = scanax.Stack(layers()), layers()
     for i in range(3):
-        with count_compiles() as c:
+        with helpers.count_compiles() as c:
             got = stack(X * (i + 1))
         close(got, loop(ref, X * (i + 1)))
         assert i == 0 or c.n == 0
