@@ -44,7 +44,14 @@ from ._stack_plan import (
     signature_ids,
     span,
 )
-from ._tree import Partition, is_array, is_arraylike, partition, same_static
+from ._tree import (
+    Partition,
+    is_array,
+    is_arraylike,
+    leaf_type,
+    partition,
+    same_static,
+)
 
 
 class ShapeChange(Exception):
@@ -181,8 +188,7 @@ def check_carry(piece: Piece, x: Any, out: Any) -> None:
 
     def types(t):
         return jtu.tree_structure(t), [
-            (tuple(jnp.shape(v)), jnp.result_type(v)) if is_arraylike(v) else "static"
-            for v in jtu.tree_leaves(t)
+            leaf_type(v) if is_arraylike(v) else "static" for v in jtu.tree_leaves(t)
         ]
 
     if types(x) != types(out):

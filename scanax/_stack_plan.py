@@ -14,12 +14,11 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import stack as errors
-from ._tree import is_array, same_static
+from ._tree import is_array, leaf_type, same_static
 
 # A plan is a tuple of pieces ``(start, period, repeats)``: layers
 # ``start : start + period * repeats``, ``repeats`` blocks of ``period`` layers.
@@ -38,10 +37,7 @@ def span(piece: Piece) -> str:
 def pytree_signature(layer: Any) -> tuple[Any, list[Any]]:
     """What must match for two layers to be stacked: structure, statics, types."""
     leaves, treedef = jtu.tree_flatten(layer)
-    sig = [
-        ("array", tuple(x.shape), jnp.result_type(x)) if is_array(x) else ("static", x)
-        for x in leaves
-    ]
+    sig = [("array", *leaf_type(x)) if is_array(x) else ("static", x) for x in leaves]
     return treedef, sig
 
 
@@ -130,12 +126,7 @@ def number_differences(
 
 def _walk(a: Any, b: Any, path: str, diffs: list, expand: Any) -> bool:
     if is_array(a) or is_array(b):
-        return (
-            is_array(a)
-            and is_array(b)
-            and jnp.shape(a) == jnp.shape(b)
-            and jnp.result_type(a) == jnp.result_type(b)
-        )
+        return is_array(a) and is_array(b) and leaf_type(a) == leaf_type(b)
     if _is_number(a) and _is_number(b):
         if not same_static(a, b):
             diffs.append((path, a, b))
