@@ -150,6 +150,19 @@ def _steps(xs: Any, seq_lengths: Any) -> Any:
     return jnp.arange(xs.shape[0], dtype=jnp.int32)
 
 
+def _over_time(step, init, cells, xs, steps, reverse, unroll):
+    """``scan`` of ``step(carry, (cells, x, t))``: ``cells`` broadcast to every
+    step, ``xs`` and the step indices (None unless masking by length) scanned."""
+    return scan(
+        step,
+        init,
+        (cells, xs, steps),
+        reverse=reverse,
+        unroll=unroll,
+        in_axes=(None, 0, None if steps is None else 0),
+    )
+
+
 def _time_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
     """One scan over time; every layer runs inside the step (layers unrolled)."""
     steps = _steps(xs, seq_lengths)
@@ -166,14 +179,7 @@ def _time_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
             x = _mask_y(t < seq_lengths, x)
         return tuple(new_states), x
 
-    return scan(
-        step,
-        states,
-        (cells, xs, steps),
-        reverse=reverse,
-        unroll=unroll,
-        in_axes=(None, 0, None if steps is None else 0),
-    )
+    return _over_time(step, states, cells, xs, steps, reverse, unroll)
 
 
 def _layer_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
@@ -189,14 +195,7 @@ def _layer_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
                 new = _freeze(t < seq_lengths, new, carry)
             return new, y
 
-        final, xs = scan(
-            step,
-            state,
-            (cell, xs, steps),
-            reverse=reverse,
-            unroll=unroll,
-            in_axes=(None, 0, None if steps is None else 0),
-        )
+        final, xs = _over_time(step, state, cell, xs, steps, reverse, unroll)
         finals.append(final)
     if seq_lengths is not None:
         valid = steps.reshape((-1,) + (1,) * seq_lengths.ndim) < seq_lengths
