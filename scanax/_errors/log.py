@@ -9,8 +9,8 @@ import types
 from typing import Any
 
 from . import short_type
+from .fit import CALL
 
-CALL = "scanax.fit"
 _SINK_FIX = (
     "Fix: pass a sink or a list of sinks: scanax.TensorBoard(logdir), "
     "scanax.CSV(path), or a function sink(step, metrics) -> None."
