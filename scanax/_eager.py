@@ -261,51 +261,66 @@ class _Identity:
 
 def _jaxpr_key(jaxpr: Jaxpr, memo: dict[int, Any]) -> Any:
     """A hashable value equal for two jaxprs exactly when they compute the same
-    thing: equations, data flow, avals, literal values and parameters."""
+    thing: equations, data flow, avals, literal values and parameters.
+
+    One flat tuple, built in a single pass: each variable is its binding's number,
+    each list is preceded by its length (so the sequence reads back one way)."""
     cached = memo.get(id(jaxpr))
     if cached is not None:
         return cached
-    ids: dict[int, int] = {}
-
-    def bind(v):
-        ids[id(v)] = len(ids)
-        return v.aval
-
-    def ref(v):
-        if isinstance(v, Literal):
-            return ("literal", v.aval, _array_key(v.val))
-        return ids[id(v)]
-
-    head = (
-        tuple(bind(v) for v in jaxpr.constvars),
-        tuple(bind(v) for v in jaxpr.invars),
-    )
-    eqns = []
+    ids: dict[Any, int] = {}
+    key: list[Any] = []
+    push = key.append
+    for binders in (jaxpr.constvars, jaxpr.invars):
+        push(len(binders))
+        for v in binders:
+            ids[v] = len(ids)
+            push(v.aval)
     for e in jaxpr.eqns:
-        skip = _FORWARD_ONLY.get(e.primitive.name, ())
-        params = tuple(
-            (k, _param_key(p, memo)) for k, p in e.params.items() if k not in skip
-        )
-        eqns.append(
-            (
-                e.primitive,
-                tuple(ref(v) for v in e.invars),
-                params,
-                e.ctx,
-                tuple(bind(v) for v in e.outvars),
-            )
-        )
-    key = (head, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
-    memo[id(jaxpr)] = key
-    return key
+        push(e.primitive)
+        push(len(e.invars))
+        for v in e.invars:
+            push(_literal_key(v) if type(v) is Literal else ids[v])
+        push(_params_key(e.primitive.name, e.params, memo))
+        push(e.ctx)
+        push(len(e.outvars))
+        for v in e.outvars:
+            ids[v] = len(ids)
+            push(v.aval)
+    push(len(jaxpr.outvars))
+    for v in jaxpr.outvars:
+        push(_literal_key(v) if type(v) is Literal else ids[v])
+    memo[id(jaxpr)] = result = tuple(key)
+    return result
 
 
-_PLAIN = (int, float, bool, str, type(None), np.dtype)
+def _literal_key(v: Literal) -> Any:
+    return ("literal", v.aval, _array_key(v.val))
+
+
+def _params_key(primitive: str, params: dict[str, Any], memo: dict[int, Any]) -> Any:
+    skip = _FORWARD_ONLY.get(primitive, ())
+    key = []
+    push = key.append
+    for k, p in params.items():
+        if k in skip:
+            continue
+        t = type(p)
+        push(k)
+        push(t)  # True, 1 and 1.0 are equal keys, but not the same parameter
+        push(p if t in _EXACT else _param_key(p, memo))
+    return tuple(key)
+
+
+# Parameter values that are their own key (not float: -0.0 == 0.0, nan != nan)
+_EXACT = frozenset({int, bool, str, type(None)})
 
 
 def _param_key(x: Any, memo: dict[int, Any]) -> Any:
-    if isinstance(x, _PLAIN):
-        return x
+    if isinstance(x, float):
+        return (float, x.hex())
+    if isinstance(x, (int, str, type(None), np.dtype)):
+        return (type(x), x)
     if isinstance(x, ClosedJaxpr):
         consts = tuple(_array_key(c) for c in x.consts)
         return ("closed", _jaxpr_key(x.jaxpr, memo), consts)
