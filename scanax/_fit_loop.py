@@ -296,7 +296,8 @@ def build_chunk(
 
             extra = None if aux is None else aux["stop"]
             first = batch_at(data, xs, perm, start, 0)
-            out_type = jax.eval_shape(one, leaves, first, start, extra)[1]
+            one, shapes = trace_once(one, leaves, first, start, extra)
+            out_type = shapes[1]
             # (loss_ok, grads_ok) of the last step run: the bad one, if any.
             flags = (jnp.array(True), jnp.array(True))
             bufs = jtu.tree_map(
@@ -341,6 +342,23 @@ def build_chunk(
     return chunk
 
 
+def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
+    """``fn`` traced once, for arguments like ``args``: a function that replays
+    its equations, and the shapes of its output. The loop needs the shapes of a
+    step's outputs before the loop (its buffers) and the step inside it; tracing
+    the step twice (``eval_shape``, then the loop body) made a model's trace, the
+    Python part of the first call, about a third longer. Values ``fn`` closes
+    over (the call's tracers) are kept as the replay's constants."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jtu.tree_structure(shapes)
+
+    def replay(*args: Any) -> Any:
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jtu.tree_leaves(args))
+        return jtu.tree_unflatten(out_tree, flat)
+
+    return replay, shapes
+
+
 def finite(loss: Any, grads: Any) -> tuple[Any, Any]:
     """``(loss_ok, grads_ok)``. Per gradient leaf, the largest magnitude, finite
     iff every element is: one reduction and a scalar test, cheaper to compile
@@ -365,7 +383,8 @@ def step_key(root: Any, t: Any, accumulate: int) -> Any:
 
 @functools.cache
 def false() -> Any:
-    return jnp.array(False)
+    """A device ``False`` (``jnp.array(False)`` compiles a program, ~20 ms)."""
+    return jax.device_put(np.False_)
 
 
 def strong(leaves: list) -> list:
