@@ -192,7 +192,6 @@ def test_eager_reuse_with_nan_literals_integers_and_static_leaves():
     assert c.n == 0
 
 
-@pytest.mark.standard_promotion("optax's Adam: decay ** count")
 def test_eager_nnx_carry_updates_in_place_and_reuses_the_program():
     nnx, model, optimizer = _nnx_setup()
     _, ref_model, ref_opt = _nnx_setup()
@@ -378,7 +377,6 @@ def _batches(n=4):
     return x, x.sum(-1, keepdims=True)
 
 
-@pytest.mark.standard_promotion("optax's Adam: decay ** count")
 def test_nnx_model_optimizer_carry_matches_python_loop():
     nnx, model, optimizer = _nnx_setup()
     _, ref_model, ref_opt = _nnx_setup()

@@ -221,7 +221,6 @@ def test_equal_numbers_of_different_types_are_not_grouped():
     assert [type(layer.scale) for layer in stack] == [int, float, bool, float]
 
 
-@pytest.mark.standard_promotion("optax's Adam: decay ** count")
 def test_equinox_trains_with_optax():
     layers = eqx_layers(3)
     stack = scanax.Stack(layers)
@@ -412,7 +411,6 @@ class NNXModel(nnx.Module):
         return loop(self.body, x)
 
 
-@pytest.mark.standard_promotion("optax's Adam: decay ** count")
 def test_nnx_nested_and_trained_with_optimizer_matches_unstacked():
     model = NNXModel(nnx_layers(), stacked=True)
     ref = NNXModel(nnx_layers(), stacked=False)
