@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import functools as ft
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -80,7 +81,11 @@ _NEEDS_VALUES = (
 )
 
 
-_local = threading.local()  # .plain: inside a call run the plain way
+class _Local(threading.local):
+    plain = False  # inside a call run the plain way (a class default: no getattr)
+
+
+_local = _Local()
 
 
 def active() -> bool:
@@ -88,16 +93,12 @@ def active() -> bool:
     (and not inside a call this module runs the plain way)."""
     if _trace_state_clean is None:  # pragma: no cover - another JAX
         return False
-    return (
-        _trace_state_clean()
-        and not jax.config.jax_disable_jit
-        and not getattr(_local, "plain", False)
-    )
+    return _trace_state_clean() and not _local.plain and not jax.config.jax_disable_jit
 
 
 def _plain(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` as without this module: nothing inside is cached."""
-    before = getattr(_local, "plain", False)
+    before = _local.plain
     _local.plain = True
     try:
         return fn(*args, **kwargs)
@@ -112,15 +113,16 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     leaves, treedef = jtu.tree_flatten((args, kwargs), is_leaf=is_node)
     dyn_idx, node_idx = [], []
     for i, x in enumerate(leaves):
-        if _is_input(x):
+        kind = _KINDS.get(type(x))
+        if kind is None:
+            kind = _kind(x, is_node)
+        if kind is _INPUT:
             dyn_idx.append(i)
-        elif is_node and is_node(x):
+        elif kind is _NODE:
             node_idx.append(i)
-    nodes = [leaves[i] for i in node_idx]
-    variables: list[Any] = []
-    values: list[Any] = []
-    graphdef = None
-    if nodes:
+    inputs = [leaves[i] for i in dyn_idx]
+    if node_idx:
+        nodes = [leaves[i] for i in node_idx]
         try:
             graphdef, variables, _ = _nnx.flatten(nodes)
         except Exception:  # e.g. `nnx.capture`'s attributes next to a list's items
@@ -128,28 +130,33 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         if variables is None:
             return _plain(fn, args, kwargs)
         values = [v.get_value() for v in variables]
-    var_idx = [k for k, v in enumerate(values) if _is_input(v)]
-    inputs = [leaves[i] for i in dyn_idx] + [values[k] for k in var_idx]
+        var_idx = [k for k, v in enumerate(values) if _is_input(v)]
+        inputs += [values[k] for k in var_idx]
+    else:
+        nodes, variables, values, var_idx, graphdef = [], [], [], [], None
+    copies: list[Any] = []
     found: dict[str, Any] = {}
 
     def traced(*tracers):
         n = len(dyn_idx)
-        vals = splice(values, var_idx, tracers[n:])
-        copies = _nnx.unflatten(graphdef, vals) if nodes else []
-        new = splice(splice(leaves, dyn_idx, tracers[:n]), node_idx, copies)
+        new = splice(leaves, dyn_idx, tracers[:n])
+        if nodes:
+            vals = splice(values, var_idx, tracers[n:])
+            copies[:] = _nnx.unflatten(graphdef, vals)
+            new = splice(new, node_idx, copies)
         a, kw = jtu.tree_unflatten(treedef, new)
         out = fn(*a, **kw)
         out_leaves, out_tree = jtu.tree_flatten(out, is_leaf=is_node)
-        which = {id(c): j for j, c in enumerate(copies)}
         arrays, where, node_out = [], [], []
         for i, x in enumerate(out_leaves):
             if isinstance(x, _Tracer):
                 where.append(i)
                 arrays.append(x)
             elif is_node and is_node(x):
-                if id(x) not in which:
+                j = next((j for j, c in enumerate(copies) if c is x), None)
+                if j is None:
                     raise _Fallback  # an NNX object made inside the call
-                node_out.append((i, which[id(x)]))
+                node_out.append((i, j))
         changed, set_static = [], []
         if nodes:
             after, new_vars, _ = _nnx.flatten(copies)
@@ -185,7 +192,7 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         plain = True
     if plain:  # outside the `except`: its error is not the context of another
         return _plain(fn, args, kwargs)
-    outs = _program(jaxpr)(list(consts), inputs)
+    outs = _program(jaxpr)(*consts, *inputs)
     n = len(found["where"])
     out_leaves = splice(found["leaves"], found["where"], outs[:n])
     for i, j in found["node_out"]:
@@ -195,6 +202,24 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     for k, value in found["set_static"]:
         variables[k].set_value(value)
     return jtu.tree_unflatten(found["tree"], out_leaves)
+
+
+# What a leaf of a call's arguments is, by its type: an array input of the program,
+# an NNX object, or static. Array types are added as they are met (an isinstance
+# check against `jax.Array` costs more than this lookup); other types are looked at
+# every time (flax may register a new kind of NNX object), but for these.
+_INPUT, _NODE, _STATIC = "input", "node", "static"
+_KINDS: dict[type, str] = dict.fromkeys(
+    (int, float, bool, str, type(None), types.FunctionType, types.MethodType),
+    _STATIC,
+)
+
+
+def _kind(x: Any, is_node: Callable | None) -> str:
+    if _is_input(x):
+        _KINDS[type(x)] = _INPUT
+        return _INPUT
+    return _NODE if is_node and is_node(x) else _STATIC
 
 
 def _is_input(x: Any) -> bool:
@@ -224,16 +249,18 @@ def _debug_info(n: int) -> Any:
 
 
 def _program(jaxpr: Jaxpr) -> Callable:
-    """The compiled program for ``jaxpr``'s structure: ``run(consts, inputs)``."""
+    """The compiled program for ``jaxpr``'s structure: ``run(*consts, *inputs)``."""
     key = _jaxpr_key(jaxpr, {})
     run = _programs.get(key)
     if run is not None:
         _programs.move_to_end(key)
         return run
 
+    n_consts = len(jaxpr.constvars)
+
     @jax.jit
-    def run(consts, inputs):
-        return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*inputs)
+    def run(*args):  # flat arguments: the cheapest dispatch
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr, args[:n_consts]))(*args[n_consts:])
 
     _programs[key] = run
     if len(_programs) > MAX_PROGRAMS:
