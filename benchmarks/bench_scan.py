@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import jax.random as jr
 
 import scanax
+from scanax._eager import _trace as _eager_trace  # the floor of an eager call
 
 try:
     from benchmarks import _timing
@@ -190,14 +191,22 @@ def _eager(quick: bool, budget: float) -> list[dict]:
     def lax_new():
         return _timing.block(jax.lax.scan(new_closure(), c0, xs))
 
+    def trace_only():  # the floor of a call traced every time: its trace, alone
+        call = lambda c, x: jax.tree.leaves(scanax.scan(new_closure(), c, x))
+        return _eager_trace(call, [c0, xs])
+
     _assert_equal(ours_new(), lax_same())
     repeats = int(min(301, max(21, budget / 0.003)))
     t = _timing.interleaved(
-        {"new": ours_new, "same": ours_same, "lax": lax_same}, repeats=repeats
+        {"new": ours_new, "same": ours_same, "lax": lax_same, "trace": trace_only},
+        repeats=repeats,
     )
     t_lax_new = _timing.interleaved({"lax_new": lax_new}, repeats=3 if quick else 7)
     case = f"eager call, small body (tanh(c * w + x), float32[{d}]), {n} steps"
-    notes = f"median of {repeats} alternating calls"
+    notes = (
+        f"median of {repeats} alternating calls; tracing the call alone (no "
+        f"dispatch, no run): {t['trace'] / t['lax']:.2f}x lax.scan"
+    )
     return [
         _timing.row(
             "scan",
