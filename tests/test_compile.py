@@ -99,6 +99,26 @@ def test_rebuilt_objects_do_not_compile():
     leaves_equal(nnx.state(second.model), nnx.state(first.model))
 
 
+def test_a_first_call_compiles_one_program_and_traces_the_loss_once():
+    """A structure never seen: one backend compile (the loop; nothing eager
+    around it), and ``loss_fn`` traced once (its jaxpr replayed in the loop body,
+    not traced again for the output shapes)."""
+    traced = []
+
+    def loss_fn(model, batch):
+        traced.append(1)
+        x, y = batch
+        return jnp.mean(jnp.abs(model(x) - y) ** 3)  # a body no other test has
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with Compiles() as c:
+        result = train(model, optimizer, loss_fn)
+    assert (c.count, len(traced)) == (1, 1)
+    ref, _ = reference(1e-2, loss_fn)
+    np.testing.assert_allclose(result.history["loss"], ref, rtol=1e-6)
+
+
 def test_rebuilt_objects_with_a_progress_bar_share_the_program(capsys):
     """A bar does not make another program: the silent call compiled it."""
     train(*build(seed=1))
