@@ -143,6 +143,10 @@ def fit(
             ``history`` as ``val_<name>`` at ``history["val_step"]``.
         stop: a ``scanax.EarlyStop``: checked every ``eval_every`` steps; keeps
             the best state on device and restores it (``result.best_step``).
+            A population: evaluation and ``stop`` run per member, each member
+            stopping on its own; ``val_*`` histories are ``[members,
+            evaluations]`` and ``result.best_step`` an int array (``-1``: the
+            member kept no best state); see ``docs/populations.md``.
         log, log_every: a sink (``scanax.TensorBoard``, ``scanax.CSV``, or any
             ``sink(step, metrics)``) or a list of them, given the metrics'
             means over each window of ``log_every`` steps and the evaluations,
@@ -156,7 +160,7 @@ def fit(
             at a time.
 
     Returns:
-        A :class:`FitResult` ``(model, optimizer, history, steps)``.
+        A :class:`FitResult` ``(model, optimizer, history, steps, best_step)``.
 
     Raises:
         TypeError: an unsupported (model, optimizer) pair, a non-scalar loss,
@@ -254,23 +258,27 @@ def fit(
         )
     spec = _mesh.bar_here(mesh, _progress.resolve(_CALL, progress))
     checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, stop)
-    checks, eval_arrays, eval_call = _checks(*checks_args, batch_size, loss_fn)
+    checks, eval_arrays, eval_call = _checks(
+        *checks_args, batch_size, loss_fn, pop is not None
+    )
     logger = None
     if log is not None:
         log_every = _data.positive_int("log_every", log_every)
         logger = _fit_checks.Logger(_log.Sinks(log), log_every, pop is not None)
         if jax.process_index() != 0:  # a multi-process job logs once, from process 0
             logger = None
-    if pop is not None and checks is not None:
-        raise pop_errors.checks_with_population()
     _compile_cache.enable_from_env()
     if pop is not None:
         args = (pop, loss_fn, source, key, (takes_hp, takes_key, accumulate), length)
         how = (steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every)
         if logger is not None and (members_per_call or pop.n) < pop.n:
             raise pop_errors.log_with_groups()
+        evaluation = None
+        if checks is not None:  # eval_fn's arguments: as loss_fn's (hp, key)
+            takes = None if eval_call is None else _loss_arguments(eval_call, True)
+            evaluation = (checks, eval_arrays, eval_call, takes)
         return _fit_population.fit_population(
-            *args, shared, members_per_call, how, logger
+            *args, shared, members_per_call, how, logger, evaluation
         )
 
     start = adapter.start_step()
@@ -344,9 +352,12 @@ def _checks(
     stop: Any,
     batch_size: Any,
     loss_fn: Callable,
+    population: bool = False,
 ) -> tuple[Any, Any, Any]:
     """``(checks, eval arrays, eval call)`` from ``fit``'s evaluation and early-stop
-    arguments, validated; ``(None, None, None)`` when none is given."""
+    arguments, validated; ``(None, None, None)`` when none is given. For a
+    population, the checks' ``evaluate`` is ``eval_fn`` as given (its arguments
+    are a population's: ``_fit_population`` wraps it)."""
     if eval_data is None and eval_every is None and stop is None:
         for name, value in (("eval_fn", eval_fn), ("eval_batch_size", eval_batch_size)):
             if value is not None:
@@ -375,7 +386,10 @@ def _checks(
     if eval_fn is not None and not callable(eval_fn):
         raise errors.eval_fn_not_callable(eval_fn)
     fn = loss_fn if eval_fn is None else eval_fn
-    call = fn if _takes_key(fn) else (lambda model, batch, key: fn(model, batch))
+    if population:
+        call = fn
+    else:
+        call = fn if _takes_key(fn) else (lambda model, batch, key: fn(model, batch))
     checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), stop)
     return checks, eval_data, fn
 

@@ -22,8 +22,9 @@ from ._stop import EarlyStop, keep_best
 
 
 class StopCarry(NamedTuple):
-    """The early-stop rule's state, the best state kept, and the running sum and
-    count of a monitored training metric since the last check."""
+    """The early-stop rule's state, the best state kept (an empty list when it
+    is not kept), and the running sum and count of a monitored training metric
+    since the last check."""
 
     rule: Any
     best: list
@@ -53,6 +54,8 @@ class Checks:
         return (self.every, self.n, self.batch_size, self.stop)
 
     def init(self, leaves: list, dtype: Any = jnp.float32) -> StopCarry | None:
+        """The carry before the first check, keeping ``leaves`` as the best state
+        (``[]``: none kept, as a population without ``restore_best`` does)."""
         if self.stop is None:
             return None
         return StopCarry(
@@ -101,7 +104,7 @@ class Checks:
         def check():
             rule, improved, stop = self.stop.update(carry.rule, value, t1)
             improved = improved & ok  # never keep a state after a bad step
-            best = keep_best(carry.best, leaves, improved)
+            best = keep_best(carry.best, leaves, improved) if carry.best else []
             zero = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
             return StopCarry(rule, best, *zero), stop
 

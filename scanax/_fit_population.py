@@ -10,6 +10,7 @@ its good steps, as a solo ``fit`` does) and the others train on.
 from __future__ import annotations
 
 import contextlib
+import functools as ft
 import os
 import time
 import warnings
@@ -22,7 +23,15 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _data, _fit_loop, _mesh, _population, _progress
+from . import (
+    _data,
+    _fingerprint,
+    _fit_checks,
+    _fit_loop,
+    _mesh,
+    _population,
+    _progress,
+)
 from ._errors import population as errors
 
 _CALL = errors.FIT
@@ -39,24 +48,38 @@ def fit_population(
     members_per_call: int | None,
     how: tuple,
     logger: Any = None,
+    evaluation: tuple | None = None,
 ) -> _fit_loop.FitResult:
     """Train every member of ``pop`` for ``steps`` more steps; ``pop`` is updated
-    in place. Members run ``members_per_call`` at a time (all by default)."""
+    in place. Members run ``members_per_call`` at a time (all by default).
+    ``evaluation``: ``(checks, eval arrays, eval_fn, (takes_hp, takes_key))``
+    (``_fit._checks``; eval_fn None without eval_data), run per member."""
     steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every = how
     takes_hp, takes_key, accumulate = takes
     n = pop.n
     k = members_per_call or n
     per_member = not shared and getattr(source, "shuffle", False)
     keys = jr.split(key if key is not None else _data.unused_key(), n)
-
-    def call_for(hp):
-        if takes_hp and takes_key:
-            return lambda model, batch, key: loss_fn(model, batch, hp, key)
-        if takes_hp:
-            return lambda model, batch, key: loss_fn(model, batch, hp)
-        if takes_key:
-            return lambda model, batch, key: loss_fn(model, batch, key)
-        return lambda model, batch, key: loss_fn(model, batch)
+    call_for = _caller(loss_fn, takes_hp, takes_key)
+    checks, eval_arrays, eval_key = None, None, None
+    if evaluation is not None:
+        checks, eval_arrays, eval_fn, eval_takes = evaluation
+        if eval_fn is not None:
+            evaluate = pop.eval_factory(_caller(eval_fn, *eval_takes))
+            checks = _fit_checks.Checks(
+                checks.every, evaluate, checks.n, checks.batch_size, checks.stop
+            )
+            eval_arrays = (
+                jax.device_put(eval_arrays)
+                if mesh is None
+                else _mesh.replicate(mesh, eval_arrays)
+            )
+        fingerprint = None if eval_fn is None else _fingerprint.of(eval_fn)
+        eval_key = (
+            checks.key(),
+            eval_fn if fingerprint is None else fingerprint,
+            eval_takes,
+        )
 
     identity = _fit_loop.identity(
         pop.fingerprint(),
@@ -70,6 +93,7 @@ def fit_population(
         per_member,
         k,
         None if mesh is None else (mesh.shape_tuple, mesh.device_ids.tobytes()),
+        eval_key,
     )
     sampler = source.sampler()
     xs_axis = 0 if per_member else None
@@ -86,6 +110,7 @@ def fit_population(
             accumulate,
             xs_axis,
             None if mesh is None else _mesh.MEMBERS,
+            checks,
         )
 
     program = _fit_loop.program(identity, build)
@@ -94,7 +119,7 @@ def fit_population(
         program, length, source, steps_per_call, checkpoint_every, bar_every
     )
     groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
-    states, stopped, histories, applied = [], [], [], []
+    states, stopped, histories, applied, best, clock = [], [], [], [], [], []
     for members in groups:
         padded = members + [members[j % len(members)] for j in range(k - len(members))]
         idx = np.asarray(padded)
@@ -105,13 +130,22 @@ def fit_population(
             directory = os.path.join(
                 os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
             )
-        run = PopRun(pop, idx, len(members), keys[idx], source, program, schedule, how)
-        run.logger = logger
+        run = PopRun(
+            pop,
+            idx,
+            len(members),
+            keys[idx],
+            source,
+            program,
+            schedule,
+            how,
+            (checks, eval_arrays, logger),
+        )
         if len(groups) > 1:
             run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
         if directory is not None:
             run.resume(directory, checkpoint_every)
-        leaves, stop, history, count, done = run.go()
+        leaves, stop, history, count, done, best_step = run.go()
         real = len(members)
         states.append([x[:real] for x in leaves])
         stopped.append(stop[:real])
@@ -119,28 +153,66 @@ def fit_population(
             {name: v if v.ndim == 1 else v[:real] for name, v in history.items()}
         )
         applied.append(count[:real])
+        best.append(None if best_step is None else best_step[:real])
+        clock.append(done)
     state = (
         [jnp.concatenate(parts) for parts in zip(*states)]
         if len(groups) > 1
         else states[0]
     )
-    # The clock: the steps run (an iterable may end early).
-    pop.update(state, np.concatenate(stopped), done)
-    history = histories[0]
-    if len(groups) > 1:
-        history = {
-            name: v if v.ndim == 1 else np.concatenate([h[name] for h in histories])
-            for name, v in histories[0].items()
-        }
+    # The clock: the steps run (an iterable may end early; every member may
+    # have stopped), by the group that ran longest.
+    pop.update(state, np.concatenate(stopped), max(clock))
+    history = histories[0] if len(groups) == 1 else merge_groups(histories)
     result = _fit_loop.FitResult(
         _population.Members(pop, 0),
         _population.Members(pop, 1),
         history,
         np.concatenate(applied),
+        None if best[0] is None else np.concatenate(best),
     )
     if logger is not None:
         logger.sinks.raise_pending(result)
     return result
+
+
+def _caller(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
+    """``call_for(hp)``: ``fn`` as ``call(model, batch, key)`` for a member with
+    hyperparameters ``hp``."""
+
+    def call_for(hp):
+        if takes_hp and takes_key:
+            return lambda model, batch, key: fn(model, batch, hp, key)
+        if takes_hp:
+            return lambda model, batch, key: fn(model, batch, hp)
+        if takes_key:
+            return lambda model, batch, key: fn(model, batch, key)
+        return lambda model, batch, key: fn(model, batch)
+
+    return call_for
+
+
+def merge_groups(histories: list[dict]) -> dict:
+    """The histories of ``members_per_call`` groups as one: member rows stacked,
+    on the union of their steps (a group whose members all stopped early ends
+    sooner; NaN where a group has no entry)."""
+    steps = ft.reduce(np.union1d, [h["step"] for h in histories])
+    out = {"step": steps}
+    if "val_step" in histories[0]:
+        out["val_step"] = ft.reduce(np.union1d, [h["val_step"] for h in histories])
+    for name, first in histories[0].items():
+        if first.ndim == 1:
+            continue
+        axis = out["val_step" if name.startswith("val_") else "step"]
+        rows = []
+        for h in histories:
+            own = h["val_step" if name.startswith("val_") else "step"]
+            v = h[name]
+            row = np.full((v.shape[0], len(axis), *v.shape[2:]), np.nan, v.dtype)
+            row[:, np.searchsorted(axis, own)] = v
+            rows.append(row)
+        out[name] = np.concatenate(rows)
+    return out
 
 
 def build_chunk(
@@ -152,6 +224,7 @@ def build_chunk(
     accumulate: int,
     xs_axis: int | None,
     members: str | None,
+    checks: Any = None,
 ) -> Callable:
     """``chunk(leaves, stopped, start, count, every, data, keys, xs, hp, aux)`` of
     a population: one ``lax.while_loop`` over the steps whose body is the
@@ -161,8 +234,17 @@ def build_chunk(
     vmapped: a vmapped loop with a per-member condition would select every
     carried buffer at every step.
 
-    Returns ``(leaves, stopped, (applied, early), bufs, None)``: per member, the
-    steps applied; per-step outputs ``[length, members, ...]``.
+    With ``checks`` (``_fit_checks.Checks``): after each step, every member's
+    evaluation and early-stop rule (``checks.run`` under ``vmap``; the
+    evaluation is due at the same steps for all, so it stays one ``lax.cond``),
+    their carry ``aux["stop"]`` with a leading member axis. A member whose rule
+    says stop stops (its ``rule.stopped``); a member that did not take the step
+    (stopped, or a non-finite step) leaves its carry as it was and records no
+    evaluation (``evaluated`` is per member).
+
+    Returns ``(leaves, stopped, (applied, ran), bufs, carry)``: per member, the
+    steps applied; the steps the loop ran (fewer than ``max(count)`` when every
+    member stopped); per-step outputs ``[length, members, ...]``.
     """
 
     def one(leaves, key, xs, hp, perm, data, t, i):
@@ -179,11 +261,53 @@ def build_chunk(
     axes = (0, 0, xs_axis, 0, None, None, None, None)
     members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)
 
+    def check(t, leaves, out, take, eval_data, key, hp, extra):
+        # the solo run's evaluation key: fit's key (the member's), then the step
+        eval_key = jr.fold_in(jr.split(key)[0], t)
+        return checks.run(t + 1, leaves, out, take, eval_data, eval_key, hp, extra)
+
+    members_check = jax.vmap(
+        check,
+        in_axes=(None, 0, 0, 0, None, 0, 0, 0),
+        out_axes=(0, None, 0, 0),
+        spmd_axis_name=members,
+    )
+
+    def ended(extra):
+        """Members stopped by their early-stop rule."""
+        if extra is None:
+            return jnp.array(False)
+        return extra.rule.stopped
+
     def chunk(leaves, stopped, start, count, every, data, keys, xs, hp, aux):
         with jax.named_scope(_CALL):
+            extra = None if aux is None else aux["stop"]
+            eval_data = None if aux is None else aux["eval"]
             perm = source.first(None, start)
+
+            def run_one(leaves, stopped, extra, perm, t, i):
+                """The members' step, then (``checks``) their evaluation and
+                early-stop rule."""
+                new, out, ok = members_step(leaves, keys, xs, hp, perm, data, t, i)
+                active = (i < count) & ~stopped & ~ended(extra)
+                take = active & ok
+                leaves = [_where(take, n, x) for n, x in zip(new, leaves)]
+                if checks is not None:
+                    val, due, checked, _ = members_check(
+                        t, leaves, out, take, eval_data, keys, hp, extra
+                    )
+                    if extra is not None:  # (the best state changes only at take)
+                        keep = ft.partial(_where, take)
+                        extra = checked._replace(
+                            rule=jtu.tree_map(keep, checked.rule, extra.rule),
+                            total=keep(checked.total, extra.total),
+                            count=keep(checked.count, extra.count),
+                        )
+                    out = {**out, "val": val, "evaluated": due & take}
+                return leaves, out, take, stopped | (active & ~ok), extra
+
             out_type = jax.eval_shape(
-                members_step, leaves, keys, xs, hp, perm, data, start, 0
+                run_one, leaves, stopped, extra, perm, start, jnp.int32(0)
             )[1]
             bufs = jtu.tree_map(
                 lambda s: jnp.zeros((length, *s.shape), s.dtype), out_type
@@ -191,46 +315,51 @@ def build_chunk(
             applied = jnp.zeros(stopped.shape, jnp.int32)
 
             def cond(carry):
-                i, _, stopped, _, _, _ = carry
-                return (i < jnp.max(count)) & ~jnp.all(stopped)
+                i, _, stopped, _, _, _, extra = carry
+                return (i < jnp.max(count)) & ~jnp.all(stopped | ended(extra))
 
             def body(carry):
-                i, leaves, stopped, perm, bufs, applied = carry
+                i, leaves, stopped, perm, bufs, applied, extra = carry
                 t = start + i
                 perm = source.advance(perm, None, t)
-                new, out, ok = members_step(leaves, keys, xs, hp, perm, data, t, i)
-                active = (i < count) & ~stopped
-                take = active & ok
-                leaves = [
-                    jnp.where(take.reshape(take.shape + (1,) * (x.ndim - 1)), n, x)
-                    for n, x in zip(new, leaves)
-                ]
+                leaves, out, take, stopped, extra = run_one(
+                    leaves, stopped, extra, perm, t, i
+                )
                 bufs = jtu.tree_map(
                     lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
                     bufs,
                     out,
                 )
-                stopped = stopped | (active & ~ok)
-                return i + 1, leaves, stopped, perm, bufs, applied + take
+                return i + 1, leaves, stopped, perm, bufs, applied + take, extra
 
-            init = (jnp.int32(0), leaves, stopped, perm, bufs, applied)
-            _, leaves, stopped, _, bufs, applied = jax.lax.while_loop(cond, body, init)
-            return leaves, stopped, (applied, jnp.array(False)), bufs, None
+            init = (jnp.int32(0), leaves, stopped, perm, bufs, applied, extra)
+            i, leaves, stopped, _, bufs, applied, extra = jax.lax.while_loop(
+                cond, body, init
+            )
+            return leaves, stopped, (applied, i), bufs, extra
 
     return chunk
 
 
+def _where(take: Any, new: Any, old: Any) -> Any:
+    """``new`` for the members where ``take``, else ``old`` (a member axis first)."""
+    return jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)
+
+
 class PopHistory(_fit_loop.History):
     """Per-step values of every member: ``[members, steps]`` arrays (NaN where a
-    member did not train), and the global step numbers."""
+    member did not train), and the global step numbers; evaluations
+    ``[members, evaluations]`` (NaN where a member did not evaluate) at
+    ``val_step``."""
 
     def __init__(self, k: int):
         super().__init__()
         self.k = k
 
-    def add_members(self, first: int, ys: dict, counts: np.ndarray, ran: int) -> None:
+    def add_members(self, first: int, ys: dict, counts: np.ndarray, ran: int) -> tuple:
         """``ran`` steps from global step ``first``; member ``m`` applied
-        ``counts[m]`` of them (the rest is NaN)."""
+        ``counts[m]`` of them (the rest is NaN). Returns what it recorded, for
+        the logger: ``(steps, values, val_steps, val_values)``."""
         mask = np.arange(ran)[None, :] >= counts[:, None]
         values = {"loss": ys["loss"], **ys["metrics"]}
         for name, v in values.items():
@@ -243,10 +372,24 @@ class PopHistory(_fit_loop.History):
         metrics = {k: v for k, v in values.items() if k != "loss"}
         if set(metrics) != set(self.arrays) - {"loss", "step"}:
             self._align(metrics, ran)
-        self.arrays["step"].append(np.arange(first + 1, first + ran + 1))
+        steps = np.arange(first + 1, first + ran + 1)
+        self.arrays["step"].append(steps)
         for name, v in values.items():
             self.arrays[name].append(v)
         self.count += ran
+        if "val" not in ys:
+            return steps, values, steps[:0], {}
+        # evaluations: the steps where any member evaluated, NaN for the others
+        evaluated = np.asarray(ys["evaluated"])[:, :ran]
+        idx = np.flatnonzero(evaluated.any(axis=0))
+        val = {
+            k: np.where(evaluated[:, idx], np.asarray(v)[:, idx], np.nan)
+            for k, v in ys["val"].items()
+        }
+        self.val.setdefault("val_step", []).append(first + 1 + idx)
+        for name, v in val.items():
+            self.val.setdefault(name, []).append(v)
+        return steps, values, first + 1 + idx, val
 
     def _align(self, metrics: dict, count: int) -> None:
         known = set(self.arrays) - {"loss", "step"}
@@ -259,6 +402,10 @@ class PopHistory(_fit_loop.History):
 
     def restore(self, saved: dict, after: int, step: int) -> None:
         saved = dict(saved)
+        val = {k: saved.pop(k) for k in list(saved) if k.startswith("val_")}
+        if "val_step" in val:
+            keep_val = np.asarray(val["val_step"]) > after
+            self.val = {k: [np.compress(keep_val, v, axis=-1)] for k, v in val.items()}
         steps = np.asarray(saved.pop("step"))
         keep = steps > after
         self.arrays = {"step": [steps[keep]]}
@@ -270,7 +417,7 @@ class PopHistory(_fit_loop.History):
             "step": np.zeros((0,), np.int64),
             "loss": np.zeros((self.k, 0), np.float32),
         }
-        for name, parts in self.arrays.items():
+        for name, parts in {**self.arrays, **self.val}.items():
             if parts:
                 out[name] = np.concatenate(parts, axis=-1)
         return out
@@ -278,21 +425,28 @@ class PopHistory(_fit_loop.History):
 
 class PopRun(_fit_loop.Run):
     """One group of members through one ``fit`` call: every call is collected
-    before the next (a member that stops is replayed to its last good step)."""
+    before the next (a member that stops is replayed to its last good step).
+    ``extras``: ``(checks, eval arrays, logger)`` as a solo ``Run``'s, the
+    early-stop carry with a leading member axis."""
 
-    def __init__(self, pop, idx, real, keys, source, program, schedule, how):
+    def __init__(self, pop, idx, real, keys, source, program, schedule, how, extras):
         steps, _, spec, mesh, _, _ = how
         leaves = [x[idx] for x in pop.state]
         run_how = (pop.step, pop.step + steps, spec, mesh, False)
         super().__init__(None, source, program, None, leaves, schedule, run_how)
+        self.checks, self.eval_data, self.logger = extras
         self.pop, self.k, self.idx, self.real = pop, len(idx), idx, real
         self.key = keys
         self.hp = {name: v[idx] for name, v in pop.hp().items()}
         self.mask = np.asarray(pop.stopped)[idx]
         self.stopped = jnp.asarray(self.mask)
+        if self.checks is not None and self.checks.stop is not None:
+            keep = self.checks.stop.restore_best  # (else no copy of the state)
+            init = jax.vmap(lambda x: self.checks.init(x if keep else []))
+            self.extra = init(self.leaves)
         if mesh is not None:  # population parallelism: members split over devices
-            self.leaves, self.key, self.hp, self.stopped = _mesh.by_member(
-                mesh, (self.leaves, self.key, self.hp, self.stopped)
+            self.leaves, self.key, self.hp, self.stopped, self.extra = _mesh.by_member(
+                mesh, (self.leaves, self.key, self.hp, self.stopped, self.extra)
             )
         self.applied = np.zeros(self.k, np.int64)
         self.history = PopHistory(self.k)
@@ -317,14 +471,30 @@ class PopRun(_fit_loop.Run):
         return {**self.source.describe(), "hyperparameters": values}
 
     def _names(self) -> list[str]:
-        return [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
+        names = [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
+        if self.extra is None:
+            return names
+        rule = [f"members.stop.rule.{f}" for f in self.extra.rule._fields]
+        best = [f"members.stop.best.{n}" for n in self.pop.names if self.extra.best]
+        return [*names, *rule, *best, "members.stop.total", "members.stop.count"]
 
     def _saved(self, leaves: list, extra: Any = None) -> list:
-        return [*leaves, self.stopped]
+        return [*leaves, self.stopped, *jtu.tree_leaves(extra)]
 
     def _load(self, saved: list) -> None:
-        *self.leaves, self.stopped = saved
+        n = len(self.leaves)
+        self.leaves, self.stopped = list(saved[:n]), saved[n]
         self.mask = np.asarray(self.stopped)
+        if self.extra is not None:
+            treedef = jtu.tree_structure(self.extra)
+            self.extra = jtu.tree_unflatten(treedef, saved[n + 1 :])
+
+    def best_steps(self) -> np.ndarray | None:
+        """Per member, the step of the best state kept by ``stop=`` (``-1``:
+        none, the member keeps its last state); None when nothing is restored."""
+        if not self.restoring:
+            return None
+        return np.asarray(jax.device_get(self.extra.rule.best_step)).astype(np.int64)
 
     def go(self) -> tuple:
         if self.logger is not None and self.done == self.start:
@@ -347,7 +517,7 @@ class PopRun(_fit_loop.Run):
             if self.ckpt is not None:
                 self.ckpt.save(
                     self.done,
-                    self._saved(self.leaves),
+                    self._saved(self.leaves, self.extra),
                     self.key,
                     self.history.result(),
                 )
@@ -358,21 +528,27 @@ class PopRun(_fit_loop.Run):
                 self.ckpt.close()
             if self.logger is not None:
                 self.logger.sinks.close()
-        return self.leaves, self.mask, self.history.result(), self.applied, self.done
+        leaves, best = self.leaves, self.best_steps()
+        if best is not None:  # each member with a kept state gets it back
+            kept = jnp.asarray(best >= 0)
+            leaves = [_where(kept, b, x) for b, x in zip(self.extra.best, leaves)]
+        history = self.history.result()
+        return leaves, self.mask, history, self.applied, self.done, best
 
     def _loop(self, bar: Any) -> None:
         calls = self.source.calls(self.done, self.end, self.schedule, self.mesh)
         for start, end, xs in calls:
-            ran = end - start
-            count = np.full(self.k, ran, np.int32)
-            leaves, stopped, applied, ys, _ = self._call(
-                self.leaves, self.stopped, start, count, ran + 1, xs
+            want = end - start
+            count = np.full(self.k, want, np.int32)
+            leaves, stopped, applied, ys, extra = self._call(
+                self.leaves, self.stopped, start, count, want + 1, xs, self.extra
             )
             dispatched = time.perf_counter()
             applied, ys, now = jax.device_get((applied, ys, stopped))
             ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]
             counts = np.asarray(applied[0]).astype(np.int64)
-            self.schedule.ran(ran, dispatched)
+            ran = int(applied[1])  # (fewer than want: every member stopped)
+            self.schedule.ran(max(ran, 1), dispatched)
             bad = np.asarray(now) & ~self.mask  # stopped in this call
             if bad.any():  # (their bad step was not applied)
                 self.mask = self.mask | bad
@@ -386,25 +562,36 @@ class PopRun(_fit_loop.Run):
                     RuntimeWarning,
                     stacklevel=5,
                 )
-            self.history.add_members(start, ys, counts, ran)
+            recorded = self.history.add_members(start, ys, counts, ran)
             if self.logger is not None:
-                h = {k: v[-1] for k, v in self.history.arrays.items()}
-                self.logger.add(h.pop("step"), h)
+                self.logger.add(*recorded[:2])
+                self.logger.add_val(*recorded[2:])
                 self.logger.write()
-            self.leaves, self.stopped = leaves, stopped
+            self.leaves, self.stopped, self.extra = leaves, stopped, extra
             self.applied += counts
-            self.done = end
+            self.done = start + ran
+            training = ~self.mask
+            if extra is not None:
+                training &= ~np.asarray(jax.device_get(extra.rule.stopped))
             if bar is not None:
-                bar.update(end - bar.n)
-                last = ys["loss"][:, ran - 1][~self.mask]
+                bar.update(self.done - bar.n)
+                last = ys["loss"][:, ran - 1][training] if ran else ys["loss"][:0, 0]
                 if last.size:
                     bar.set_postfix(
                         best=f"{np.nanmin(last):.4g}",
                         median=f"{np.nanmedian(last):.4g}",
                     )
-            if self.ckpt is not None and self.ckpt.every and end % self.ckpt.every == 0:
+            if (
+                self.ckpt is not None
+                and self.ckpt.every
+                and ran == want
+                and end % self.ckpt.every == 0
+            ):
                 self.ckpt.save(
-                    end, self._saved(self.leaves), self.key, self.history.result()
+                    end,
+                    self._saved(self.leaves, self.extra),
+                    self.key,
+                    self.history.result(),
                 )
-            if self.mask.all():
+            if not training.any():
                 break

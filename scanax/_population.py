@@ -113,6 +113,21 @@ class Population:
 
         return step
 
+    def eval_factory(self, call_for: Callable) -> Callable:
+        """``evaluate(leaves, batch, key, hp) -> (loss, metrics)`` of one member in
+        eval mode (the kind's ``make_eval``: NNX ``Module.eval()``, Equinox
+        inference mode), for the compiled loop; ``make`` is called again while
+        tracing, as in ``step_factory``, for the member's structure."""
+        make, placeholder = self.make, self.keys[0]
+
+        def evaluate(leaves, batch, key, hp):
+            adapter = _adapt(make, placeholder, hp)
+            own = jtu.tree_structure(adapter.state)
+            model = jtu.tree_unflatten(own, leaves)
+            return adapter.make_eval(call_for(hp))(model, batch, key)
+
+        return evaluate
+
     def member(self, i: int) -> tuple[Any, Any]:
         """Member ``i`` as an ordinary ``(model, optimizer)`` pair of its kind, built
         by ``make`` and holding its trained state (made once per state)."""

@@ -90,9 +90,9 @@ KINDS = {
 
 
 def state_of(kind, model, optimizer):
-    if kind == "nnx":
+    if kind in ("nnx", "net"):
         return nnx.state((model, optimizer))
-    if kind == "trainstate":  # (each make builds its own tx functions)
+    if kind in ("trainstate", "ts"):  # (each make builds its own tx functions)
         return (model.step, model.params, model.opt_state)
     return (model, optimizer)
 
@@ -124,9 +124,10 @@ def pop_fit(kind, lrs=LRS, steps=STEPS, pop=None, data=(X, Y), loss=None, **kwar
 def check_member(kind, result, i, ref):
     allclose(result.history["loss"][i], ref.history["loss"])
     for name in ref.history:
-        if name != "step":
+        if name.endswith("step"):  # ("step", "val_step": one row for all)
+            np.testing.assert_array_equal(result.history[name], ref.history[name])
+        else:
             allclose(result.history[name][i], ref.history[name])
-    np.testing.assert_array_equal(result.history["step"], ref.history["step"])
     got = state_of(kind, result.model[i], result.optimizer[i])
     allclose(got, state_of(kind, ref.model, ref.optimizer))
 
@@ -455,3 +456,180 @@ def test_log_writes_per_member_window_means(tmp_path):
             result.history["step"], {"loss": result.history["loss"][i]}, 5
         )
         np.testing.assert_allclose([m["loss"][i] for _, m in seen], ref["loss"], 1e-6)
+
+
+# ------------------------------------------------- evaluation and early stopping
+
+XV = jr.normal(jr.key(6), (20, 4))  # 20: two batches of 8 and a remainder of 4
+YV = jnp.sum(XV, 1, keepdims=True) + jnp.sin(3 * XV[:, :1])
+LRS4 = np.array([1e-3, 3e-2, 3e-1, 1e-1], np.float32)
+
+
+class Net(nnx.Module):
+    """BatchNorm and Dropout: evaluation must switch both to eval mode. (No bias
+    before BatchNorm: its gradient is round-off, which Adam amplifies.)"""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 8, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.bn(self.lin(x)))))
+
+
+def make_net(key, lr):
+    model = Net(nnx.Rngs(key))
+    # (the learning rate in the optimizer state: the solo references share a
+    # program)
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+KINDS["net"] = (make_net, loss_nnx)
+EVAL = dict(
+    steps=40,
+    eval_data=(XV, YV),
+    eval_every=5,
+    eval_batch_size=8,
+    stop=scanax.EarlyStop("val_loss", patience=1),
+)
+
+
+@ft.cache
+def net_eval_fit():
+    """The population run the evaluation tests compare with (compiled once)."""
+    return pop_fit("net", lrs=LRS4, **EVAL)[1]
+
+
+def check_member_with_stop(kind, result, i, ref):
+    """Member ``i`` equals its solo run: the history up to the solo run's end
+    (NaN after), the steps, the best step and the (restored) state."""
+    n, e = len(ref.history["step"]), len(ref.history["val_step"])
+    assert result.steps[i] == ref.steps
+    if result.best_step is None:  # (restore_best=False)
+        assert ref.best_step is None
+    else:  # -1: no best state kept, the member holds its last one
+        assert result.best_step[i] == (-1 if ref.best_step is None else ref.best_step)
+    np.testing.assert_array_equal(result.history["step"][:n], ref.history["step"])
+    np.testing.assert_array_equal(
+        result.history["val_step"][:e], ref.history["val_step"]
+    )
+    for name, value in ref.history.items():
+        if not name.endswith("step"):
+            cut = e if name.startswith("val_") else n
+            allclose(result.history[name][i, :cut], value)
+            assert np.isnan(result.history[name][i, cut:]).all()
+    got = state_of(kind, result.model[i], result.optimizer[i])
+    allclose(got, state_of(kind, ref.model, ref.optimizer))
+
+
+def test_evaluation_and_early_stopping_per_member():
+    """Each member evaluates in eval mode (BatchNorm, Dropout), stops on its own
+    and gets its best state back: as its solo fit with the same arguments."""
+    result = net_eval_fit()
+    stopped = result.steps < EVAL["steps"]
+    assert stopped.any() and not stopped.all()  # some stop, the others go on
+    assert result.history["val_loss"].shape == (4, len(result.history["val_step"]))
+    assert result.history["val_mae"].shape == result.history["val_loss"].shape
+    for i in range(4):
+        check_member_with_stop("net", result, i, solo("net", i, lrs=LRS4, **EVAL))
+
+
+def test_early_stopping_resumes_from_checkpoints_in_groups(tmp_path):
+    """members_per_call=3 (groups 0-2 and 3, padded) and a run killed at step
+    20, resumed: the rule's state and the kept best states are checkpointed."""
+    pytest.importorskip("orbax.checkpoint")
+    args = dict(EVAL, lrs=LRS4, members_per_call=3, checkpoint_dir=tmp_path)
+    pop_fit("net", **dict(args, steps=20), checkpoint_every=10)  # "killed"
+    pop, resumed = pop_fit("net", **args, checkpoint_every=10)
+    whole = net_eval_fit()
+    allclose(resumed.history, whole.history)
+    np.testing.assert_array_equal(resumed.steps, whole.steps)
+    np.testing.assert_array_equal(resumed.best_step, whole.best_step)
+    for i in range(4):
+        allclose(nnx.state(resumed.model[i]), nnx.state(whole.model[i]))
+    assert pop.step == len(whole.history["step"])
+
+
+def test_log_gets_each_members_evaluations():
+    seen = []
+    _, result = pop_fit(
+        "net", lrs=LRS4, **EVAL, log=lambda s, m: seen.append((s, m)), log_every=5
+    )
+    val = {s: m["val_loss"] for s, m in seen if "val_loss" in m}
+    assert sorted(val) == list(result.history["val_step"])
+    for j, step in enumerate(result.history["val_step"]):
+        np.testing.assert_allclose(val[step], result.history["val_loss"][:, j])
+
+
+def make_ts(key, lr):
+    """A TrainState member whose learning rate is optimizer state (the solo
+    references share one program)."""
+    state, _ = make_trainstate(key, lr)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=lr)
+    return state.replace(tx=tx, opt_state=tx.init(state.params)), None
+
+
+KINDS["ts"] = (make_ts, loss_trainstate)
+
+
+def eval_ts(state, batch, hp):
+    loss = loss_trainstate(state, batch)
+    return loss, {"scaled": hp["lr"] * loss}
+
+
+def eval_ts_solo(state, batch):
+    """``eval_ts`` with the member's hyperparameters read from its state."""
+    return eval_ts(state, batch, {"lr": state.opt_state.hyperparams["learning_rate"]})
+
+
+def test_early_stopping_on_the_training_loss_with_a_diverging_member():
+    """TrainState members on a mesh (members and data axes); the rule on the
+    training loss (window means); eval_fn gets the member's hyperparameters; a
+    member diverges before its first check (no best state: best_step -1, it
+    keeps its last good state)."""
+    lrs = np.array([1e-3, 1e-1, 1e30, 3e-2], np.float32)
+    args = dict(
+        steps=30,
+        eval_data=(XV, YV),
+        eval_every=5,
+        stop=scanax.EarlyStop("loss", patience=0, min_delta=0.05),
+    )
+    mesh = None
+    if jax.device_count() >= 4:  # (conftest.py forces 4 host devices)
+        mesh = jax.make_mesh((2, 2), ("members", "data"))
+    with pytest.warns(RuntimeWarning, match=r"member 2 \(step 2\)"):
+        pop, result = pop_fit("ts", lrs=lrs, eval_fn=eval_ts, mesh=mesh, **args)
+    if mesh is not None:
+        assert pop.state[0].sharding.spec[0] == "members"
+    assert result.steps[0] == args["steps"] > result.steps[1] > 0
+    assert result.steps[2] == 1 and result.best_step[2] == -1
+    assert list(pop.stopped) == [False, False, True, False]
+    for i in range(4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ref = solo("ts", i, lrs=lrs, eval_fn=eval_ts_solo, **args)
+        check_member_with_stop("ts", result, i, ref)
+
+
+def test_evaluation_without_early_stopping():
+    """No rule: every member evaluates at every multiple of eval_every, as its
+    solo run does."""
+    lrs = np.array([1e-3, 1e-1], np.float32)
+    args = dict(steps=30, eval_data=(XV, YV), eval_every=5, eval_fn=eval_ts)
+    _, result = pop_fit("ts", lrs=lrs, **args)
+    assert result.best_step is None
+    np.testing.assert_array_equal(result.history["val_step"], np.arange(5, 31, 5))
+    for i in range(2):
+        ref = solo("ts", i, lrs=lrs, **dict(args, eval_fn=eval_ts_solo))
+        check_member("ts", result, i, ref)
+
+
+def test_unknown_monitor_of_a_population():
+    pop = scanax.population(make_eqx, N, key=KEY, lr=LRS)
+    stop = scanax.EarlyStop("val_acc", patience=1)
+    with pytest.raises(ValueError, match=r"val_acc.*loss, val_loss"):
+        pop_fit("eqx", pop=pop, eval_data=(XV, YV), eval_every=2, stop=stop)
+    assert pop.step == 0

@@ -185,14 +185,6 @@ def member_index(i: Any, n: int) -> Exception:
     )
 
 
-def checks_with_population() -> TypeError:
-    return TypeError(
-        f"{FIT}: eval_data/eval_every/stop are not supported for populations yet "
-        "(log= is).\nFix: evaluate members after training (result.model[i]), or "
-        "train them one by one with fit."
-    )
-
-
 def hp_in_model_fields(names: list[str], paths: list[str]) -> ValueError:
     return ValueError(
         f"{CALL}: `make` stores a hyperparameter ({', '.join(names)}) in the model: "
