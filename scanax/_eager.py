@@ -206,8 +206,8 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
 
 # What a leaf of a call's arguments is, by its type: an array input of the program,
 # an NNX object, or static. Array types are added as they are met (an isinstance
-# check against `jax.Array` costs more than this lookup); other types are looked at
-# every time (flax may register a new kind of NNX object), but for these.
+# check against `jax.Array` costs more than this lookup); other types are checked on
+# every call (flax may register a new kind of NNX object), except these builtins.
 _INPUT, _NODE, _STATIC = "input", "node", "static"
 _KINDS: dict[type, str] = dict.fromkeys(
     (int, float, bool, str, type(None), types.FunctionType, types.MethodType),
