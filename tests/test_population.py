@@ -628,8 +628,9 @@ def test_evaluation_without_early_stopping():
 
 
 def test_unknown_monitor_of_a_population():
-    pop = scanax.population(make_eqx, N, key=KEY, lr=LRS)
+    """Named with the run's metrics while tracing, before compiling."""
+    pop = scanax.population(make_ts, N, key=KEY, lr=LRS)
     stop = scanax.EarlyStop("val_acc", patience=1)
     with pytest.raises(ValueError, match=r"val_acc.*loss, val_loss"):
-        pop_fit("eqx", pop=pop, eval_data=(XV, YV), eval_every=2, stop=stop)
+        pop_fit("ts", pop=pop, eval_data=(XV, YV), eval_every=2, stop=stop)
     assert pop.step == 0
