@@ -291,7 +291,8 @@ def _jaxpr_key(jaxpr: Jaxpr, memo: dict[int, Any]) -> Any:
     thing: equations, data flow, avals, literal values and parameters.
 
     One flat tuple, built in a single pass: each variable is its binding's number,
-    each list is preceded by its length (so the sequence reads back one way)."""
+    each list is preceded by its length and an equation's parameters end with
+    ``_END`` (so the sequence reads back one way)."""
     cached = memo.get(id(jaxpr))
     if cached is not None:
         return cached
@@ -304,11 +305,20 @@ def _jaxpr_key(jaxpr: Jaxpr, memo: dict[int, Any]) -> Any:
             ids[v] = len(ids)
             push(v.aval)
     for e in jaxpr.eqns:
-        push(e.primitive)
+        primitive = e.primitive
+        push(primitive)
         push(len(e.invars))
         for v in e.invars:
             push(_literal_key(v) if type(v) is Literal else ids[v])
-        push(_params_key(e.primitive.name, e.params, memo))
+        skip = _FORWARD_ONLY.get(primitive.name, ())
+        for k, p in e.params.items():
+            if k in skip:
+                continue
+            t = type(p)
+            push(k)
+            push(t)  # True, 1 and 1.0 are equal keys, but not the same parameter
+            push(p if t in _EXACT else _param_key(p, memo))
+        push(_END)
         push(e.ctx)
         push(len(e.outvars))
         for v in e.outvars:
@@ -325,18 +335,7 @@ def _literal_key(v: Literal) -> Any:
     return ("literal", v.aval, _array_key(v.val))
 
 
-def _params_key(primitive: str, params: dict[str, Any], memo: dict[int, Any]) -> Any:
-    skip = _FORWARD_ONLY.get(primitive, ())
-    key = []
-    push = key.append
-    for k, p in params.items():
-        if k in skip:
-            continue
-        t = type(p)
-        push(k)
-        push(t)  # True, 1 and 1.0 are equal keys, but not the same parameter
-        push(p if t in _EXACT else _param_key(p, memo))
-    return tuple(key)
+_END = ("end of parameters",)  # compared by value, like every part of a key
 
 
 # Parameter values that are their own key (not float: -0.0 == 0.0, nan != nan)
