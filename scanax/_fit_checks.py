@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _log
+from ._fit_loop import trace_once
 from ._stop import EarlyStop, keep_best
 
 
@@ -81,11 +82,12 @@ class Checks:
         due = t1 % self.every == 0
         val: dict = {}
         if self.evaluate is not None:
-            shape = jax.eval_shape(self._evaluate, leaves, eval_data, key, hp)
+            # (traced once: the shapes for the other branch, and the evaluation)
+            evaluate, shape = trace_once(self._evaluate, leaves, eval_data, key, hp)
             nan = jtu.tree_map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shape)
             val = jax.lax.cond(
                 due,
-                lambda: self._evaluate(leaves, eval_data, key, hp),
+                lambda: evaluate(leaves, eval_data, key, hp),
                 lambda: nan,
             )
         if self.stop is None:

@@ -98,14 +98,12 @@ def fit_population(
     sampler = source.sampler()
     xs_axis = 0 if per_member else None
 
-    batch_mesh = mesh if mesh is not None and _mesh.has_data_axis(mesh) else None
-
     def build():
         return build_chunk(
             pop.step_factory(call_for, accumulate),
             sampler,
             length,
-            batch_mesh,
+            mesh,
             takes_key,
             accumulate,
             xs_axis,
@@ -242,14 +240,16 @@ def build_chunk(
     (stopped, or a non-finite step) leaves its carry as it was and records no
     evaluation (``evaluated`` is per member).
 
-    Returns ``(leaves, stopped, (applied, ran), bufs, carry)``: per member, the
-    steps applied; the steps the loop ran (fewer than ``max(count)`` when every
-    member stopped); per-step outputs ``[length, members, ...]``.
+    Returns ``(leaves, stopped, (applied, ran, stopped, ended), bufs, carry)``:
+    per member, the steps applied; the steps the loop ran (fewer than
+    ``max(count)`` when every member stopped); the stopped members, those
+    stopped by their rule; per-step outputs ``[length, members, ...]``. On a
+    mesh, the third and fourth are replicated: every process reads them.
     """
 
     def one(leaves, key, xs, hp, perm, data, t, i):
         batch = source.batch(perm, data, xs, t, i)
-        if mesh is not None:
+        if mesh is not None and _mesh.has_data_axis(mesh):
             batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
         key_t = None
         if takes_key:
@@ -306,9 +306,10 @@ def build_chunk(
                     out = {**out, "val": val, "evaluated": due & take}
                 return leaves, out, take, stopped | (active & ~ok), extra
 
-            out_type = jax.eval_shape(
+            run_one, shapes = _fit_loop.trace_once(
                 run_one, leaves, stopped, extra, perm, start, jnp.int32(0)
-            )[1]
+            )
+            out_type = shapes[1]
             bufs = jtu.tree_map(
                 lambda s: jnp.zeros((length, *s.shape), s.dtype), out_type
             )
@@ -336,7 +337,16 @@ def build_chunk(
             i, leaves, stopped, _, bufs, applied, extra = jax.lax.while_loop(
                 cond, body, init
             )
-            return leaves, stopped, (applied, i), bufs, extra
+            # What the host reads after the call, readable by every process
+            # (members split over processes' devices are gathered).
+            host = (applied, i, stopped, ended(extra))
+            if mesh is not None:
+                host, bufs = _mesh.everywhere(mesh, (host, bufs))
+                # (the carry keeps its placement: host copies are not it)
+                leaves, stopped, extra = _mesh.keep_by_member(
+                    mesh, (leaves, stopped, extra)
+                )
+            return leaves, stopped, host, bufs, extra
 
     return chunk
 
@@ -484,7 +494,7 @@ class PopRun(_fit_loop.Run):
     def _load(self, saved: list) -> None:
         n = len(self.leaves)
         self.leaves, self.stopped = list(saved[:n]), saved[n]
-        self.mask = np.asarray(self.stopped)
+        self.mask = _mesh.host_value(self.stopped)
         if self.extra is not None:
             treedef = jtu.tree_structure(self.extra)
             self.extra = jtu.tree_unflatten(treedef, saved[n + 1 :])
@@ -494,7 +504,7 @@ class PopRun(_fit_loop.Run):
         none, the member keeps its last state); None when nothing is restored."""
         if not self.restoring:
             return None
-        return np.asarray(jax.device_get(self.extra.rule.best_step)).astype(np.int64)
+        return _mesh.host_value(self.extra.rule.best_step).astype(np.int64)
 
     def go(self) -> tuple:
         if self.logger is not None and self.done == self.start:
@@ -540,14 +550,14 @@ class PopRun(_fit_loop.Run):
         for start, end, xs in calls:
             want = end - start
             count = np.full(self.k, want, np.int32)
-            leaves, stopped, applied, ys, extra = self._call(
+            leaves, stopped, host, ys, extra = self._call(
                 self.leaves, self.stopped, start, count, want + 1, xs, self.extra
             )
             dispatched = time.perf_counter()
-            applied, ys, now = jax.device_get((applied, ys, stopped))
+            (applied, ran, now, ended), ys = jax.device_get((host, ys))
             ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]
-            counts = np.asarray(applied[0]).astype(np.int64)
-            ran = int(applied[1])  # (fewer than want: every member stopped)
+            counts = np.asarray(applied).astype(np.int64)
+            ran = int(ran)  # (fewer than want: every member stopped)
             self.schedule.ran(max(ran, 1), dispatched)
             bad = np.asarray(now) & ~self.mask  # stopped in this call
             if bad.any():  # (their bad step was not applied)
@@ -572,7 +582,7 @@ class PopRun(_fit_loop.Run):
             self.done = start + ran
             training = ~self.mask
             if extra is not None:
-                training &= ~np.asarray(jax.device_get(extra.rule.stopped))
+                training &= ~np.asarray(ended)
             if bar is not None:
                 bar.update(self.done - bar.n)
                 last = ys["loss"][:, ran - 1][training] if ran else ys["loss"][:0, 0]

@@ -73,6 +73,12 @@ def by_member(mesh: Any, tree: Any) -> Any:
     return jtu.tree_map(lambda x: _put(x, sharding), tree)
 
 
+def keep_by_member(mesh: Any, tree: Any) -> Any:
+    """Inside a compiled call: ``by_member``'s placement kept on an output."""
+    sharding = NamedSharding(mesh, P(MEMBERS))
+    return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+
 def has_data_axis(mesh: Any) -> bool:
     return AXIS in mesh.axis_names
 
@@ -188,6 +194,27 @@ def place(leaves: list, shardings: list) -> list:
 def replicate(mesh: Any, tree: Any) -> Any:
     sharding = NamedSharding(mesh, P())
     return jtu.tree_map(lambda x: _put(x, sharding), tree)
+
+
+def everywhere(mesh: Any, tree: Any) -> Any:
+    """Inside a compiled call: ``tree`` replicated over the mesh, so that every
+    process can read it on the host (what the host reads of a population split
+    over processes by its ``members`` axis)."""
+    sharding = NamedSharding(mesh, P())
+    return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+
+def host_value(x: Any) -> np.ndarray:
+    """The whole value of ``x`` on the host of every process; an array spanning
+    other processes' devices is gathered (a collective: every process of the
+    job must ask for it at the same point, as fit's processes do)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def place_data(mesh: Any, data: Any) -> Any:

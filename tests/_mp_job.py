@@ -81,8 +81,30 @@ def own_batches(steps):
     return out
 
 
+def make_member(key, lr):
+    """A population member (the ``population`` scenario)."""
+    with nnx.use_eager_sharding(False):
+        model = MLP(nnx.Rngs(key))
+    return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+
+def run_population():
+    """Four members (each its own learning rate and batches) split over the
+    global devices by a ``members`` axis: ``(result, population, None)``."""
+    mesh = jax.make_mesh((jax.device_count(),), ("members",))
+    lrs = np.array([1e-3, 3e-3, 1e-2, 3e-2], np.float32)
+    pop = scanax.population(make_member, n=4, key=jr.key(3), lr=lrs)
+    result = scanax.fit(
+        pop, None, loss_fn, (X, Y), steps=STEPS, batch_size=BS, key=jr.key(7),
+        mesh=mesh, progress=False,
+    )  # fmt: skip
+    return result, pop, None
+
+
 def run(name, directory=None):
     """One scenario's fit on the global mesh: ``(result, model, optimizer)``."""
+    if name == "population":
+        return run_population()
     mesh = mesh_for(name)
     kw = dict(steps=STEPS, progress=False, mesh=mesh)
     data = (X, Y)
@@ -129,7 +151,10 @@ def per_device_bytes(leaves):
 
 
 def outcome(result, model, optimizer):
-    leaves = state_leaves(model, optimizer)
+    if isinstance(model, scanax.Population):  # the stacked members
+        leaves = model.state
+    else:
+        leaves = state_leaves(model, optimizer)
     out = {f"leaf{i}": gathered(x) for i, x in enumerate(leaves)}
     out.update({f"history_{k}": v for k, v in result.history.items()})
     out["steps"] = np.asarray(result.steps)

@@ -27,8 +27,10 @@ import _mp_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
 
 HERE = Path(__file__).parent
 TIMEOUT = 240  # seconds for one job (a hang fails the test, not the suite)
-SCENARIOS = ["differ", "array", "iter", "fsdp", "fsdp_2x2", "ckpt"]
-COMPARED = ["array", "iter", "fsdp", "fsdp_2x2"]  # against one process
+SCENARIOS = ["differ", "array", "iter", "fsdp", "fsdp_2x2", "population", "ckpt"]
+# Against one process ("population": 4 members split over the processes' devices
+# by a "members" axis, each process reading every member's history).
+COMPARED = ["array", "iter", "fsdp", "fsdp_2x2", "population"]
 # Slower runs only when asked for: a 4-process job (4 more JAX processes on the
 # machine) and killing every process of a job at once (one is killed by default).
 SLOW = os.environ.get("SCANAX_SLOW_TESTS") == "1"
