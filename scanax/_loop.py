@@ -13,6 +13,7 @@ the user's.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -334,7 +335,13 @@ def prepare(
                     raise _errors.bad_output_leaf(call, jtu.keystr(path), leaf)
         return new_dynamic, y
 
+    # lax.scan asks for the body's signature on every call (to name its arguments
+    # and the carry in messages): the same signature, computed once
+    body.__signature__ = _BODY_SIGNATURE
     return Loop(body, codec.dynamic, plan.scanned, plan.length), codec
+
+
+_BODY_SIGNATURE = inspect.signature(lambda dynamic, x_slices: None)
 
 
 def run_lax(loop: Loop, reverse: bool, unroll: int | bool) -> tuple[Any, Any]:
