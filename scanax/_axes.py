@@ -8,7 +8,6 @@ from typing import Any
 import jax.tree_util as jtu
 
 from . import _errors
-from ._tree import is_array as is_array  # still imported from here by _data, _models
 
 KeyPath = tuple[Any, ...]
 

@@ -28,8 +28,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _mesh
-from ._axes import is_array
 from ._errors import fit as errors, short_type
+from ._tree import is_array
 
 
 def is_array_data(data: Any) -> bool:

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _fingerprint, _nnx
-from ._axes import is_array
 from ._errors import fit as errors, short_type
+from ._tree import is_array
 
 _CALL = errors.CALL
 
@@ -64,7 +64,9 @@ def accumulated(one: Callable, state: Any, batches: Any, keys: Any, k: int) -> t
     def body(carry, j):
         state, acc, total, sums = carry
         state, loss, metrics, grads = one(state, at(batches, j), at(keys, j))
-        acc = jtu.tree_map(lambda a, g: a + (g - a) / (j + 1), acc, grads)
+        acc = jtu.tree_map(
+            lambda a, g: a + (g - a) / (j + 1).astype(a.dtype), acc, grads
+        )
         sums = {
             n: (s + v if jnp.issubdtype(v.dtype, jnp.inexact) else v)
             for (n, s), v in zip(sums.items(), metrics.values())

@@ -70,10 +70,7 @@ KNOWN_PRIVATE: set[tuple[str, str]] = set()
 # Both are in files of fit's parts (``_data.py``, ``_models.py``): they should
 # import ``is_array`` from ``_tree``; then delete these and ``_axes.py``'s
 # re-export line.
-KNOWN_REEXPORTED: set[tuple[str, str, str]] = {
-    ("_data", "is_array", "_axes"),
-    ("_models", "is_array", "_axes"),
-}
+KNOWN_REEXPORTED: set[tuple[str, str, str]] = set()
 
 
 def _module_name(path: Path) -> str:

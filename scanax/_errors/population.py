@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import short_type
+from .fit import CALL as FIT
 
 CALL = "scanax.population"
-FIT = "scanax.fit"
 
 
 def make_not_callable(make: Any) -> TypeError:
