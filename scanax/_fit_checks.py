@@ -99,7 +99,7 @@ class Checks:
             value = out["metrics"].get(self.stop.monitor, out["loss"])
             total = total + jnp.asarray(value, jnp.float32)
             count = count + 1
-            value = total / jnp.maximum(count, 1)
+            value = total / jnp.maximum(count, 1).astype(total.dtype)
         else:
             value = val[self.stop.monitor]
 

@@ -331,7 +331,8 @@ def build_chunk(
                     bufs,
                     out,
                 )
-                return i + 1, leaves, stopped, perm, bufs, applied + take, extra
+                applied = applied + take.astype(applied.dtype)
+                return i + 1, leaves, stopped, perm, bufs, applied, extra
 
             init = (jnp.int32(0), leaves, stopped, perm, bufs, applied, extra)
             i, leaves, stopped, _, bufs, applied, extra = jax.lax.while_loop(

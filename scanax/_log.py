@@ -404,8 +404,8 @@ def _averaged(dtype: Any) -> bool:
 def _window_dtype(dtype: Any) -> Any:
     """A window value's dtype: sums in at least float32; as JAX stores it (no
     64-bit types unless ``jax_enable_x64``)."""
-    if _averaged(dtype):
-        dtype = jnp.promote_types(dtype, jnp.float32)
+    if _averaged(dtype) and np.dtype(dtype).itemsize < 4:  # (any promotion mode)
+        dtype = np.float32
     return jax.dtypes.canonicalize_dtype(dtype)
 
 

@@ -15,28 +15,24 @@ import pytest  # noqa: E402
 # correction (`_optax_bias_correction` below).
 #
 # Still standard, and why:
-# - test_fit, test_fit_continue, test_fit_features, test_population, test_log:
-#   strict promotion stops fit's own code at four implicit promotions, in
-#   `_models.accumulated` (grads / int32 step), `_fit_checks` (a training-metric
-#   mean: float32 / int32 count), the population loop (int32 + bool) and
-#   `_log._window_dtype` (`jnp.promote_types(float64, float32)`); and two tests
-#   use optax transforms that mix dtypes themselves (MultiSteps: grads / int32,
-#   apply_every: floats * bool). They join once those are cast explicitly and the
-#   two tests are marked.
 # - test_docs: its pages and docstring examples are users' programs, run as users
 #   run them, under JAX's default promotion (docs/rnn.md multiplies a loss by a bool
 #   mask, as one writes it).
 # - test_multiprocess: its jobs run in their own processes, which this file does
 #   not reach.
-# With all of them in, this becomes one `jax.config.update` here.
 STRICT_PROMOTION = {
     "test_architecture.py",
     "test_bench.py",
     "test_checkpoint.py",
     "test_compile.py",
     "test_demo.py",
+    "test_fit.py",
+    "test_fit_continue.py",
+    "test_fit_features.py",
+    "test_log.py",
     "test_mesh.py",
     "test_plot.py",
+    "test_population.py",
     "test_progress.py",
     "test_remat.py",
     "test_rnn.py",

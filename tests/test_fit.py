@@ -572,6 +572,7 @@ def test_plain_pytree_params():
     assert result.model["n"] is not None and int(result.model["n"]) == 3
 
 
+@pytest.mark.standard_promotion("optax.MultiSteps divides gradients by an int32 count")
 def test_optax_multisteps_accepted_as_is():
     """``optax.MultiSteps`` is not a GradientTransformation; fit takes its
     ``gradient_transformation()`` (gradient accumulation over 2 steps)."""

@@ -310,6 +310,7 @@ def test_list_of_arrays_gets_the_tuple_and_batch_size_fix():
         scanax.fit(eqx_model(), TX, eqx_loss, [X, Y], steps=2, progress=False)
 
 
+@pytest.mark.standard_promotion("optax.apply_every multiplies floats by a bool")
 def test_cycling_optax_counts_are_not_steps():
     """optax.apply_every's count cycles: not a step count (a warning, not a
     silently wrong data order)."""

@@ -202,6 +202,7 @@ def test_early_stopping_on_a_training_metric_without_eval_data():
 # ----------------------------------------------------------------- accumulate
 
 
+@pytest.mark.standard_promotion("optax.MultiSteps divides gradients by an int32 count")
 @pytest.mark.parametrize("kind", ["nnx", "eqx"])
 def test_accumulate_equals_optax_multisteps(kind):
     if kind == "nnx":  # (SGD: the bias before BatchNorm has a ~0 gradient, which
