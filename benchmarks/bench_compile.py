@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 import scanax
-from scanax import _fit_loop
+from scanax import _fit_program
 
 try:
     from benchmarks import _timing
@@ -128,8 +128,8 @@ def _rebuilt(repeats):
 
 def _clear():
     jax.clear_caches()
-    _fit_loop.PROGRAMS.clear()
-    _fit_loop.EXECUTABLES.clear()
+    _fit_program.PROGRAMS.clear()
+    _fit_program.EXECUTABLES.clear()
 
 
 def _compile(name, sizes, batch, steps, repeats):

@@ -18,6 +18,7 @@ from . import (
     _fit_checks,
     _fit_loop,
     _fit_population,
+    _fit_program,
     _log,
     _mesh,
     _models,
@@ -287,7 +288,7 @@ def fit(
             warnings.warn(errors.no_step_count(), RuntimeWarning, stacklevel=2)
         start = 0
     leaves, treedef = jtu.tree_flatten(adapter.state)
-    leaves = _fit_loop.strong(leaves)
+    leaves = _fit_program.strong(leaves)
     shardings = None
     if mesh is not None:
         shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves, shard))
@@ -303,7 +304,7 @@ def fit(
             if mesh is None
             else _mesh.replicate(mesh, eval_arrays)
         )
-    identity = _fit_loop.identity(
+    identity = _fit_program.identity(
         adapter.fingerprint(),
         adapter.static,
         loss_fn,
@@ -316,9 +317,9 @@ def fit(
         ticks,
     )
     sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
-    program = _fit_loop.program(
+    program = _fit_program.program(
         identity,
-        lambda: _fit_loop.build_chunk(
+        lambda: _fit_program.build_chunk(
             _solo_step(adapter, treedef, call, accumulate),
             sampler,
             length,

@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _log
-from ._fit_loop import trace_once
+from ._fit_program import trace_once
 from ._stop import EarlyStop, keep_best
 
 

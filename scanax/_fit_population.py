@@ -28,6 +28,7 @@ from . import (
     _fingerprint,
     _fit_checks,
     _fit_loop,
+    _fit_program,
     _mesh,
     _population,
     _progress,
@@ -81,7 +82,7 @@ def fit_population(
             eval_takes,
         )
 
-    identity = _fit_loop.identity(
+    identity = _fit_program.identity(
         pop.fingerprint(),
         pop.make,
         loss_fn,
@@ -111,7 +112,7 @@ def fit_population(
             checks,
         )
 
-    program = _fit_loop.program(identity, build)
+    program = _fit_program.program(identity, build)
     bar_every = spec.every if spec is not None else None
     schedule = _fit_loop.Schedule(
         program, length, source, steps_per_call, checkpoint_every, bar_every
@@ -253,9 +254,9 @@ def build_chunk(
             batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
         key_t = None
         if takes_key:
-            key_t = _fit_loop.step_key(jr.split(key)[1], t, accumulate)
+            key_t = _fit_program.step_key(jr.split(key)[1], t, accumulate)
         new, loss, metrics, grads = step(leaves, batch, key_t, hp)
-        loss_ok, grads_ok = _fit_loop.finite(loss, grads)
+        loss_ok, grads_ok = _fit_program.finite(loss, grads)
         return new, {"loss": loss, "metrics": metrics}, loss_ok & grads_ok
 
     axes = (0, 0, xs_axis, 0, None, None, None, None)
@@ -306,7 +307,7 @@ def build_chunk(
                     out = {**out, "val": val, "evaluated": due & take}
                 return leaves, out, take, stopped | (active & ~ok), extra
 
-            run_one, shapes = _fit_loop.trace_once(
+            run_one, shapes = _fit_program.trace_once(
                 run_one, leaves, stopped, extra, perm, start, jnp.int32(0)
             )
             out_type = shapes[1]

@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_plot",
         },
     ),
+    ("fit's program", {"_fit_program"}),
     ("fit's engine", {"_fit_checks", "_fit_loop"}),
     ("fit", {"_fit_population", "_fit"}),
     ("top", {"__init__", "__main__", "_demo", "_bench"}),

@@ -326,10 +326,10 @@ def test_compile_cache_keeps_the_users_directory(tmp_path):
 def _fresh(fn):
     """``fn()`` with every cache of compiled programs emptied first: what a new
     process computes."""
-    from scanax import _fit_loop
+    from scanax import _fit_program
 
-    _fit_loop.PROGRAMS.clear()
-    _fit_loop.EXECUTABLES.clear()
+    _fit_program.PROGRAMS.clear()
+    _fit_program.EXECUTABLES.clear()
     jax.clear_caches()
     return fn()
 

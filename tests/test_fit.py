@@ -1014,7 +1014,7 @@ def test_one_while_loop_per_call(monkeypatch):
     """docs/index.md and docs/fit.md say each call is one compiled lax.while_loop:
     the traced chunk holds exactly one while loop at its top level, and no host
     callback for array data with automatic calls (so a bar changes nothing)."""
-    import scanax._fit_loop as fit_module
+    import scanax._fit_program as fit_module
 
     seen = []
     real = fit_module.Program.executable
