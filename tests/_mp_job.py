@@ -81,6 +81,9 @@ def own_batches(steps):
     return out
 
 
+KERNEL = "model['l1']['kernel']"  # a population state leaf's name
+
+
 def make_member(key, lr):
     """A population member (the ``population`` scenario)."""
     with nnx.use_eager_sharding(False):
@@ -153,10 +156,15 @@ def per_device_bytes(leaves):
 def outcome(result, model, optimizer):
     if isinstance(model, scanax.Population):  # the stacked members
         leaves = model.state
+        member = result.model[1]  # (every process asks: an SPMD gather)
+        kernel = gathered(member.l1.kernel.get_value())
     else:
         leaves = state_leaves(model, optimizer)
     out = {f"leaf{i}": gathered(x) for i, x in enumerate(leaves)}
     out.update({f"history_{k}": v for k, v in result.history.items()})
+    if isinstance(model, scanax.Population):
+        out["member1_kernel"] = kernel
+        out["row1_kernel"] = out[f"leaf{model.names.index(KERNEL)}"][1]
     out["steps"] = np.asarray(result.steps)
     out["bytes"] = np.asarray(per_device_bytes(leaves))
     out["full_bytes"] = np.asarray(sum(x.nbytes for x in leaves))

@@ -188,6 +188,20 @@ def test_four_processes_train_as_one(jobs, scenario):
         np.testing.assert_allclose(a, b, **TOL)
 
 
+def test_a_member_of_a_population_across_processes(jobs):
+    """``result.model[i]`` of a population whose members span the processes:
+    member 1 (held by process 0's second device) as an ordinary NNX model, in
+    every process, equal to its row of the population's state."""
+    for process in (0, 1):
+        out = jobs[2].result("population", process)
+        np.testing.assert_array_equal(out["member1_kernel"], out["row1_kernel"])
+    one = jobs[1].result("population")
+    np.testing.assert_allclose(
+        two_kernel := out["member1_kernel"], one["row1_kernel"], **TOL
+    )
+    assert two_kernel.shape == (4, 64)
+
+
 def test_process_local_rows_are_the_global_dataset(jobs):
     """Each process passing only its rows (a global array; the fsdp job) trains
     as every process passing the whole arrays: the same batches in the same
