@@ -48,7 +48,10 @@ class FitResult:
     For a population (``scanax.population``): ``model[i]`` and ``optimizer[i]``
     are member ``i`` as ordinary objects of its kind; ``history`` arrays other
     than ``"step"`` are ``[members, steps]`` (NaN where a member did not train);
-    ``steps`` is an int array, one count per member.
+    ``steps`` is an int array, one count per member; with ``stop=`` restoring
+    the best, ``best_step`` is an int array too, ``-1`` for a member with no
+    best state kept (it keeps its last state); validation entries are
+    ``[members, evaluations]``.
     """
 
     model: Any
