@@ -1,6 +1,7 @@
 """What several test files share: ``close`` (two pytrees equal leaf by leaf, within
-a tolerance), ``ref_scan`` (``scanax.scan``'s semantics as a Python loop) and
-``count_compiles`` (backend compiles inside a block)."""
+a tolerance), ``leaves_equal`` (exactly equal), ``ref_scan`` (``scanax.scan``'s
+semantics as a Python loop) and ``count_compiles`` (backend compiles inside a
+block). What fit's test files share (its task and models) is in ``fit_helpers``."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def close(a, b, *, rtol, atol, structure=True, types=False):
             assert jnp.shape(x) == jnp.shape(y)
             assert jnp.result_type(x) == jnp.result_type(y)
         np.testing.assert_allclose(to_numpy(x), to_numpy(y), rtol=rtol, atol=atol)
+
+
+def leaves_equal(a, b):
+    la, lb = jtu.tree_leaves(a), jtu.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jr.key_data(x), jr.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 class count_compiles:

@@ -20,7 +20,8 @@ nnx = pytest.importorskip("flax.nnx")
 pytest.importorskip("orbax.checkpoint")
 
 import _fit_kill_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
-from test_fit import BS, TX, X, Y, leaves_equal, nnx_loss  # noqa: E402
+from fit_helpers import BS, TX, X, Y, nnx_loss  # noqa: E402
+from helpers import leaves_equal  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 

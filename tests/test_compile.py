@@ -21,28 +21,10 @@ nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_fit import BS, KEY, MLP, X, Y, batch_at, leaves_equal  # noqa: E402
+from fit_helpers import BS, KEY, MLP, X, Y, batch_at  # noqa: E402
+from helpers import count_compiles, leaves_equal  # noqa: E402
 
-COMPILE = "/jax/core/compile/backend_compile_duration"
 STEPS = 13
-
-
-class Compiles:
-    """Counts backend compiles while the block runs."""
-
-    def __enter__(self):
-        self.count = 0
-
-        def listener(event, duration, **kwargs):
-            if event == COMPILE:
-                self.count += 1
-
-        self.listener = listener
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self.listener)
 
 
 def build(lr=1e-2, seed=0):
@@ -92,9 +74,9 @@ def test_rebuilt_objects_do_not_compile():
     the same result bit for bit."""
     first = train(*build())
     model, optimizer, loss_fn = build()
-    with Compiles() as c:
+    with count_compiles() as c:
         second = train(model, optimizer, loss_fn)
-    assert c.count == 0
+    assert c.n == 0
     np.testing.assert_array_equal(second.history["loss"], first.history["loss"])
     leaves_equal(nnx.state(second.model), nnx.state(first.model))
 
@@ -112,9 +94,9 @@ def test_a_first_call_compiles_one_program_and_traces_the_loss_once():
 
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    with Compiles() as c:
+    with count_compiles() as c:
         result = train(model, optimizer, loss_fn)
-    assert (c.count, len(traced)) == (1, 1)
+    assert (c.n, len(traced)) == (1, 1)
     ref, _ = reference(1e-2, loss_fn)
     np.testing.assert_allclose(result.history["loss"], ref, rtol=1e-6)
 
@@ -122,9 +104,9 @@ def test_a_first_call_compiles_one_program_and_traces_the_loss_once():
 def test_rebuilt_objects_with_a_progress_bar_share_the_program(capsys):
     """A bar does not make another program: the silent call compiled it."""
     train(*build(seed=1))
-    with Compiles() as c:
+    with count_compiles() as c:
         scanax.fit(*build(seed=2), (X, Y), steps=STEPS, batch_size=BS, key=KEY)
-    assert c.count == 0
+    assert c.n == 0
     assert f"{STEPS}/{STEPS}" in capsys.readouterr().err
 
 
@@ -171,19 +153,19 @@ def test_changed_closure_value_gives_its_own_result():
         losses, _ = reference(1e-2, make(scale))
         np.testing.assert_allclose(result.history["loss"], losses, rtol=1e-5)
     model, optimizer, _ = build()
-    with Compiles() as c:
+    with count_compiles() as c:
         train(model, optimizer, make(3.0))
-    assert c.count == 0
+    assert c.n == 0
 
 
 def test_other_steps_values_do_not_compile():
     """An epoch loop with a short last call, or any other steps value, runs the
     compiled loop it has."""
     train(*build(), steps=5)
-    with Compiles() as c:
+    with count_compiles() as c:
         for steps in (1, 17, 9):
             train(*build(), steps=steps)
-    assert c.count == 0
+    assert c.n == 0
 
 
 def test_equinox_rebuilt_does_not_compile():
@@ -197,9 +179,9 @@ def test_equinox_rebuilt_does_not_compile():
         return model, optax.adamw(1e-2, weight_decay=1e-4), loss_fn
 
     first = train(*make(0))
-    with Compiles() as c:
+    with count_compiles() as c:
         second = train(*make(0))
-    assert c.count == 0
+    assert c.n == 0
     np.testing.assert_array_equal(second.history["loss"], first.history["loss"])
 
 
@@ -416,9 +398,9 @@ def test_jax_settings_are_part_of_the_key():
     """A fit under another matmul precision is another program (jax.jit keys on
     the same settings)."""
     train(*build())
-    with Compiles() as c, jax.default_matmul_precision("highest"):
+    with count_compiles() as c, jax.default_matmul_precision("highest"):
         train(*build())
-    assert c.count >= 1
+    assert c.n >= 1
 
 
 def test_equinox_static_fields_compare_by_type():

@@ -16,48 +16,25 @@ nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
 train_state = pytest.importorskip("flax.training.train_state")
 
-N, BS, STEPS = 48, 8, 23  # 6 batches per epoch: 23 steps cross 3 epoch boundaries
-X = jr.normal(jr.key(0), (N, 3))
-Y = jnp.sin(X @ jnp.array([[1.0], [-2.0], [0.5]]))
-KEY = jr.key(7)
-TX = optax.adam(1e-2)  # one transformation object: same tx, same compiled chunk
+from fit_helpers import (  # noqa: E402
+    BS,
+    KEY,
+    MLP,
+    TX,
+    X,
+    Y,
+    batch_at,
+    eqx_loss,
+    eqx_model,
+    nnx_loss,
+    nnx_pair,
+    ts_loss,
+    ts_make,
+)
+from helpers import leaves_equal  # noqa: E402
+
+STEPS = 23  # 6 batches per epoch: 23 steps cross 3 epoch boundaries
 CHUNKED = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=7)  # array data
-
-
-def batch_at(t, key=KEY, n=N, bs=BS):
-    """The batch ``fit`` uses at step t (documented order)."""
-    per_epoch = n // bs
-    start = (t % per_epoch) * bs
-    if key is None:
-        idx = jnp.arange(start, start + bs)
-    else:
-        data = (
-            jr.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-        )
-        seed = [int(v) for v in np.asarray(data).ravel()] + [t // per_epoch]
-        perm = np.random.default_rng(seed).permutation(n)
-        idx = perm[start : start + bs]
-    return X[idx], Y[idx]
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(3, 8, rngs=rngs)
-        self.l2 = nnx.Linear(8, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(jax.nn.relu(self.l1(x)))
-
-
-def nnx_loss(model, batch):
-    x, y = batch
-    err = model(x) - y
-    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
-
-
-def nnx_pair(seed=0):
-    model = MLP(nnx.Rngs(seed))
-    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
 
 
 @nnx.jit
@@ -65,15 +42,6 @@ def nnx_step(model, optimizer, batch):
     (loss, _), grads = nnx.value_and_grad(nnx_loss, has_aux=True)(model, batch)
     optimizer.update(model, grads)
     return loss
-
-
-def leaves_equal(a, b):
-    la, lb = jtu.tree_leaves(a), jtu.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x, y = jr.key_data(x), jr.key_data(y)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def leaves_close(a, b, rtol=1e-5, atol=1e-6):
@@ -479,15 +447,6 @@ def test_nonfinite_gradients_stop():
 # ---------------------------------------------------------------------------- Equinox
 
 
-def eqx_loss(model, batch):
-    x, y = batch
-    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
-
-
-def eqx_model():
-    return eqx.nn.MLP(3, 1, 8, 1, key=jr.key(0))
-
-
 @eqx.filter_jit
 def eqx_step(model, opt_state, batch):
     loss, grads = eqx.filter_value_and_grad(eqx_loss)(model, batch)
@@ -594,23 +553,6 @@ def test_optax_multisteps_accepted_as_is():
 
 
 # ---------------------------------------------------------------------------- TrainState
-
-
-def ts_make():
-    params = {
-        "w": jr.normal(jr.key(1), (3, 1)) * 0.1,
-        "b": jnp.zeros((1,)),
-    }
-    return train_state.TrainState.create(apply_fn=ts_apply, params=params, tx=TX)
-
-
-def ts_apply(params, x):
-    return x @ params["w"] + params["b"]
-
-
-def ts_loss(state, batch):
-    x, y = batch
-    return jnp.mean((state.apply_fn(state.params, x) - y) ** 2)
 
 
 @jax.jit

@@ -18,7 +18,7 @@ nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_fit import (  # noqa: E402
+from fit_helpers import (  # noqa: E402
     BS,
     KEY,
     TX,
@@ -27,12 +27,12 @@ from test_fit import (  # noqa: E402
     batch_at,
     eqx_loss,
     eqx_model,
-    leaves_equal,
     nnx_loss,
     nnx_pair,
     ts_loss,
     ts_make,
 )
+from helpers import leaves_equal  # noqa: E402
 
 TOTAL = 23  # 6 batches per epoch: crosses 3 epoch boundaries
 PIECES = (5, 5, 7, 6)  # calls that end inside epochs

@@ -21,7 +21,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import close
+from helpers import close, count_compiles
 
 import scanax
 from scanax._log import window_reduce
@@ -152,13 +152,12 @@ def test_trainstate_evaluation_and_eval_fn():
 def test_evaluation_does_not_recompile_and_is_cheap_to_repeat():
     model, opt = nnx_pair()
     fit(model, opt, nnx_loss, 5, eval_data=(XV, YV), eval_every=5)
-    from test_compile import Compiles
 
     other = (XV * 2, YV)  # (an eager multiply compiles: outside the count)
-    with Compiles() as c:
+    with count_compiles() as c:
         model, opt = nnx_pair()
         fit(model, opt, nnx_loss, 15, eval_data=other, eval_every=5)
-    assert c.count == 0
+    assert c.n == 0
 
 
 # ------------------------------------------------------------- early stopping

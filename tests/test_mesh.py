@@ -15,8 +15,8 @@ import scanax
 optax = pytest.importorskip("optax")
 nnx = pytest.importorskip("flax.nnx")
 
+from fit_helpers import BS, KEY, TX, X, Y, batch_at  # noqa: E402
 from helpers import close as _close  # noqa: E402
-from test_fit import BS, KEY, TX, X, Y, batch_at  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS in conftest.py)"

@@ -15,8 +15,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import close
-from test_compile import Compiles
+from helpers import close, count_compiles
 
 import scanax
 
@@ -262,9 +261,9 @@ def test_a_diverging_member_stops_alone():
 
 def test_new_hyperparameter_values_do_not_compile():
     pop_fit("nnx")
-    with Compiles() as c:
+    with count_compiles() as c:
         pop, result = pop_fit("nnx", lrs=LRS * 2)
-    assert c.count == 0
+    assert c.n == 0
     check_member("nnx", result, 1, solo("nnx", 1, lrs=LRS * 2))
 
 
