@@ -11,7 +11,9 @@ jaxpr, and that jaxpr's *structure* is the key of a cache of compiled programs:
   jaxpr's constants, also passed as arguments: their values are never part of the
   program, so a changed closure value gives the new result without a compile;
 * Python numbers become literals of the program, part of the key: a changed float
-  compiles once more, exactly as under ``jax.jit``;
+  compiles once more, as a Python number closed over by a ``jax.jit`` function
+  does (unlike ``jax.jit``, this also holds for numbers passed as ``init``/``xs``
+  leaves: pass ``jnp.asarray(x)`` to vary one without compiling);
 * parameters that play no part in running the program forward (the derivative
   rules of ``custom_jvp``/``custom_vjp``, ``jax.checkpoint``'s policy) are left out
   of the key; these programs are only ever run, never differentiated.
