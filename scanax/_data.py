@@ -54,10 +54,11 @@ class ArraySource:
     # runs any number of steps.
     LENGTH = 1000
 
-    def __init__(self, data: Any, batch_size: Any, key: Any):
+    def __init__(self, data: Any, batch_size: Any, key: Any, name: str = "data"):
         sizes = [x.shape[0] if x.ndim else None for x in jtu.tree_leaves(data)]
         if None in sizes or len(set(sizes)) > 1:
-            raise errors.data_leading_axes(jtu.tree_flatten_with_path(data)[0])
+            flat = jtu.tree_flatten_with_path(data)[0]
+            raise errors.data_leading_axes(flat, name)
         self.n = sizes[0]
         if batch_size is None:
             raise errors.batch_size_missing(self.n)
@@ -197,7 +198,7 @@ class ArraySource:
 
     def batch(self, first: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
         if self.micro > 1:  # the micro-batches of data steps t*k ... t*k+k-1
-            steps = t * self.micro + jnp.arange(self.micro)
+            steps = t * self.micro + jnp.arange(self.micro, dtype=jnp.int32)
             return jax.vmap(lambda m: self._batch(first, data, xs, m))(steps)
         return self._batch(first, data, xs, t)
 

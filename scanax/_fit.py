@@ -276,7 +276,10 @@ def fit(
             raise pop_errors.log_with_groups()
         evaluation = None
         if checks is not None:  # eval_fn's arguments: as loss_fn's (hp, key)
-            takes = None if eval_call is None else _loss_arguments(eval_call, True)
+            name = "loss_fn" if eval_fn is None else "eval_fn"
+            takes = (
+                None if eval_call is None else _loss_arguments(eval_call, True, name)
+            )
             evaluation = (checks, eval_arrays, eval_call, takes)
         return _fit_population.fit_population(
             *args, shared, members_per_call, how, logger, evaluation
@@ -377,7 +380,7 @@ def _checks(
         return _fit_checks.Checks(eval_every, None, 0, 1, stop), None, None
     if isinstance(eval_data, list) or not _data.is_array_data(eval_data):
         raise errors.eval_data_not_arrays(eval_data)
-    source = _data.make_source(eval_data, 1, None)  # (checks the leading axes)
+    source = _data.ArraySource(eval_data, 1, None, "eval_data")  # (leading axes)
     # Default: batches of 1024 examples (of batch_size if larger), so that a
     # validation set of up to 1024 is one batch: one forward pass to compile,
     # where a loop over small batches doubled a small model's compile time.
@@ -390,7 +393,9 @@ def _checks(
     if population:
         call = fn
     else:
-        call = fn if _takes_key(fn) else (lambda model, batch, key: fn(model, batch))
+        name = "loss_fn" if eval_fn is None else "eval_fn"
+        takes_key = _takes_key(fn, 3, name)
+        call = fn if takes_key else (lambda model, batch, key: fn(model, batch))
     checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), stop)
     return checks, eval_data, fn
 
@@ -433,12 +438,14 @@ def _solo_step(
     return flat_step
 
 
-def _loss_arguments(loss_fn: Callable, population: bool) -> tuple[bool, bool]:
+def _loss_arguments(
+    loss_fn: Callable, population: bool, name: str = "loss_fn"
+) -> tuple[bool, bool]:
     """``(takes_hp, takes_key)``: what ``loss_fn`` gets after ``(model, batch)``.
     One model: a third argument is the per-step key. A population: a third is the
     member's hyperparameters (a dict), unless it is named ``key``/``rng``, and a
     fourth is the key."""
-    takes_key = _takes_key(loss_fn, 4 if population else 3)
+    takes_key = _takes_key(loss_fn, 4 if population else 3, name)
     if not population or not takes_key:
         return False, takes_key
     try:
@@ -459,7 +466,7 @@ def _loss_arguments(loss_fn: Callable, population: bool) -> tuple[bool, bool]:
     return True, takes_key
 
 
-def _takes_key(loss_fn: Callable, most: int = 3) -> bool:
+def _takes_key(loss_fn: Callable, most: int = 3, name: str = "loss_fn") -> bool:
     """Whether ``loss_fn`` takes more than ``(model, batch)``: a third positional
     parameter without a default, or named ``key``/``rng`` (``key=None``), or
     ``*args``; more than ``most`` required, or a required keyword-only one, is an
@@ -473,7 +480,8 @@ def _takes_key(loss_fn: Callable, most: int = 3) -> bool:
     ]
     required = [p for p in positional if p.default is p.empty]
     if len(required) > most:
-        raise errors.loss_fn_arity(len(required), [p.name for p in required])
+        names = [p.name for p in required]
+        raise errors.loss_fn_arity(len(required), names, name, most == 4)
     for p in params:
         if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
             raise errors.loss_key_keyword_only(p.name)

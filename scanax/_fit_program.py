@@ -302,7 +302,7 @@ def step_key(root: Any, t: Any, accumulate: int) -> Any:
     t*k+k-1``."""
     if accumulate == 1:
         return jr.fold_in(root, t)
-    micro = t * accumulate + jnp.arange(accumulate)
+    micro = t * accumulate + jnp.arange(accumulate, dtype=jnp.int32)
     return jax.vmap(lambda m: jr.fold_in(root, m))(micro)
 
 

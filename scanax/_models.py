@@ -26,18 +26,18 @@ from ._tree import is_array
 _CALL = errors.CALL
 
 
-def split_loss(call: str, out: Any) -> tuple[Any, dict]:
+def split_loss(call: str, out: Any, name: str = "loss_fn") -> tuple[Any, dict]:
     """``loss`` or ``(loss, metrics)`` from a ``loss_fn`` result, checked."""
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
-            raise errors.loss_tuple(call, out)
+            raise errors.loss_tuple(call, out, name)
         loss, metrics = out
     else:
         loss, metrics = out, {}
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise errors.loss_not_scalar(call, loss)
+        raise errors.loss_not_scalar(call, loss, name)
     for name, leaf in metrics.items():  # flat: history has one entry per name
         if name in ("loss", "step") or str(name).endswith("_step"):
             raise errors.metric_name_reserved(call, name)
@@ -176,7 +176,7 @@ class NNXAdapter:
         def evaluate(state, batch, key):
             model, _ = _nnx.unflatten(graphdef, state)
             model.eval()
-            return split_loss(_CALL, loss_fn(model, batch, key))
+            return split_loss(_CALL, loss_fn(model, batch, key), "eval_fn")
 
         return evaluate
 
@@ -289,7 +289,7 @@ class OptaxAdapter:
             eqx = sys.modules.get("equinox")
             if eqx is not None:
                 model = eqx.nn.inference_mode(model)
-            return split_loss(_CALL, loss_fn(model, batch, key))
+            return split_loss(_CALL, loss_fn(model, batch, key), "eval_fn")
 
         return evaluate
 
@@ -389,7 +389,7 @@ class TrainStateAdapter:
             out = loss_fn(state, batch, key)
             if isinstance(out, tuple) and len(out) == 3:
                 out = out[:2]
-            return split_loss(_CALL, out)
+            return split_loss(_CALL, out, "eval_fn")
 
         return evaluate
 

@@ -230,7 +230,8 @@ def population(make: Callable, n: int, *, key: Any, **hyperparameters: Any):
             a = np.asarray(v)
         except Exception:  # noqa: BLE001 - reported as a type error below
             a = np.asarray(None)
-        if a.dtype.kind not in "biuf":
+        # (bfloat16 and the other ML float types are NumPy kind "V")
+        if a.dtype.kind not in "biuf" and not jnp.issubdtype(a.dtype, jnp.floating):
             raise errors.hp_type(name, v)
         if a.ndim == 0:
             a = np.full(n, a)

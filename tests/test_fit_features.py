@@ -223,6 +223,33 @@ def test_accumulate_equals_optax_multisteps(kind):
         allclose(eqx.filter(ra.model, eqx.is_array), eqx.filter(rb.model, eqx.is_array))
 
 
+@pytest.mark.parametrize("data", ["arrays", "iterable"])
+def test_accumulate_with_x64_and_strict_promotion(data):
+    """The micro-batch indices and keys stay int32 with x64 on (int32 step +
+    int64 arange failed under strict promotion): as one big batch."""
+    with jax.enable_x64(True):
+        m = eqx.nn.MLP(4, 1, 8, 1, key=jr.key(0), dtype=jnp.float32)
+        tx = optax.sgd(0.1)
+
+        def loss(model, batch, key):  # (a key: the micro-batch keys)
+            noise = jr.normal(key, (), jnp.float32)
+            return eqx_loss(model, batch) + 0 * noise
+
+        if data == "arrays":
+            kw = dict(batch_size=4)
+            a, b = (X, Y), (X, Y)
+        else:
+            a = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 48, 4)]
+            b = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 48, 8)]
+            kw = {}
+        ra = scanax.fit(
+            m, tx, loss, a, steps=3, accumulate=2, key=jr.key(1), progress=False, **kw
+        )
+        kw = {k: 2 * v for k, v in kw.items()}
+        rb = scanax.fit(m, tx, loss, b, steps=3, key=jr.key(1), progress=False, **kw)
+    allclose(eqx.filter(ra.model, eqx.is_array), eqx.filter(rb.model, eqx.is_array))
+
+
 def test_accumulate_equals_one_step_on_the_concatenated_batch():
     m = eqx.nn.MLP(4, 1, 8, 1, key=jr.key(0))
     tx = optax.sgd(0.1)
@@ -382,6 +409,22 @@ def test_plot_returns_the_figure(tmp_path):
         (dict(accumulate=2.0), TypeError, "accumulate"),
         (dict(eval_data=[XV], eval_every=2), TypeError, "eval_data must be arrays"),
         (dict(stop="val_loss", eval_every=2), TypeError, "must be a scanax.EarlyStop"),
+        # eval_fn's and eval_data's mistakes are named as theirs, not loss_fn's/data's
+        (
+            dict(eval_data=(XV, YV[:5]), eval_every=2),
+            ValueError,
+            r"(?s)arrays in `eval_data` must share.*eval_data\[1\]",
+        ),
+        (
+            dict(eval_data=(XV, YV), eval_every=2, eval_fn=lambda m, b: "x"),
+            TypeError,
+            "`eval_fn` must return a scalar floating-point loss, got str",
+        ),
+        (
+            dict(eval_data=(XV, YV), eval_every=2, eval_fn=lambda m, b, c, d: 1.0),
+            TypeError,
+            r"`eval_fn` takes 4 required .* fit calls eval_fn\(model, batch\)",
+        ),
     ],
 )
 def test_errors(kwargs, exc, match):

@@ -633,3 +633,28 @@ def test_unknown_monitor_of_a_population():
     with pytest.raises(ValueError, match=r"val_acc.*loss, val_loss"):
         pop_fit("ts", pop=pop, eval_data=(XV, YV), eval_every=2, stop=stop)
     assert pop.step == 0
+
+
+def test_a_population_eval_fn_with_too_many_arguments():
+    """Named as eval_fn's, with the forms a population's functions may take."""
+    pop = scanax.population(make_ts, N, key=KEY, lr=LRS)
+    with pytest.raises(
+        TypeError,
+        match=r"`eval_fn` takes 5 required .*eval_fn\(model, batch, hp\) with a "
+        r"member's hyperparameters",
+    ):
+        pop_fit(
+            "ts", pop=pop, eval_data=(XV, YV), eval_every=2,
+            eval_fn=lambda m, b, hp, key, extra: 1.0,
+        )  # fmt: skip
+    assert pop.step == 0
+
+
+def test_bfloat16_hyperparameters_are_numbers():
+    """ML float types (NumPy kind "V") are numbers; strings are not."""
+    lr = np.asarray(LRS, jnp.bfloat16)
+    pop = scanax.population(make_ts, N, key=KEY, lr=lr)
+    assert pop.hyperparameters["lr"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(pop.hyperparameters["lr"], lr)
+    with pytest.raises(TypeError, match="`lr` must be numbers"):
+        scanax.population(make_ts, N, key=KEY, lr=np.array(["a"] * N))

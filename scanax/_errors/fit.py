@@ -128,26 +128,26 @@ def data_leaf_not_array(path: str, leaf: Any) -> TypeError:
     )
 
 
-def loss_tuple(call: str, out: Any) -> TypeError:
+def loss_tuple(call: str, out: Any, name: str = "loss_fn") -> TypeError:
     return TypeError(
-        f"{call}: `loss_fn` returned a tuple of {len(out)} "
+        f"{call}: `{name}` returned a tuple of {len(out)} "
         f"({', '.join(short_type(x) for x in out)}); expected a scalar "
         "loss or a pair (loss, metrics) with metrics a dict of arrays.\n"
         "Fix: return `loss` or `(loss, {'name': value, ...})`."
     )
 
 
-def loss_not_scalar(call: str, loss: Any) -> TypeError:
+def loss_not_scalar(call: str, loss: Any, name: str = "loss_fn") -> TypeError:
     if isinstance(loss, dict):
         names = ", ".join(repr(k) for k in loss)
         return TypeError(
-            f"{call}: `loss_fn` returned a dict ({names}); expected the scalar "
+            f"{call}: `{name}` returned a dict ({names}); expected the scalar "
             "loss, or a pair (loss, metrics).\nFix: return "
             "`(out['loss'], {...other metrics})`: the first element is "
             "differentiated, the dict's arrays join the history."
         )
     return TypeError(
-        f"{call}: `loss_fn` must return a scalar floating-point loss, got "
+        f"{call}: `{name}` must return a scalar floating-point loss, got "
         f"{short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
         "over the batch."
     )
@@ -198,19 +198,20 @@ def nothing_to_train(model: Any) -> TypeError:
     )
 
 
-def data_leading_axes(leaves: list[tuple[Any, Any]]) -> ValueError:
-    """``leaves``: ``(path, array)`` pairs of the data."""
+def data_leading_axes(leaves: list[tuple[Any, Any]], name: str = "data") -> ValueError:
+    """``leaves``: ``(path, array)`` pairs of the data (``name``: or
+    ``eval_data``)."""
     body = listing(
         [
             (
-                f"data{jtu.keystr(p)}",
+                f"{name}{jtu.keystr(p)}",
                 f"{short_type(x)}: {x.shape[0] if x.ndim else 'no leading axis'}",
             )
             for p, x in leaves
         ]
     )
     return ValueError(
-        f"{CALL}: the arrays in `data` must share their leading (example) "
+        f"{CALL}: the arrays in `{name}` must share their leading (example) "
         f"axis, found:\n{body}\nFix: give every leaf the same number of "
         "examples along axis 0."
     )
@@ -443,11 +444,20 @@ def checkpoint_unreadable(step: int, directory: Any, err: Exception) -> str:
 # ---------------------------------------------------------------------------- steps
 
 
-def loss_fn_arity(count: int, names: list[str]) -> TypeError:
+def loss_fn_arity(
+    count: int, names: list[str], name: str = "loss_fn", population: bool = False
+) -> TypeError:
+    forms = (
+        f"{name}(model, batch), {name}(model, batch, hp) with a member's "
+        f"hyperparameters, {name}(model, batch, key) or {name}(model, batch, hp, "
+        "key)"
+        if population
+        else f"{name}(model, batch) or, for a fresh random key at every step, "
+        f"{name}(model, batch, key)"
+    )
     return TypeError(
-        f"{CALL}: `loss_fn` takes {count} required positional arguments "
-        f"({', '.join(names)}); fit calls loss_fn(model, batch) or, for a "
-        "fresh random key at every step, loss_fn(model, batch, key).\nFix: give "
+        f"{CALL}: `{name}` takes {count} required positional arguments "
+        f"({', '.join(names)}); fit calls {forms}.\nFix: give "
         "the other arguments defaults, or bind them with functools.partial."
     )
 
