@@ -126,6 +126,19 @@ def _rebuilt(repeats):
     ]
 
 
+def _hand_fused(graphdef, loss_fn):
+    """The same steps fused by hand: ``jax.jit(lax.scan)`` of split/merge,
+    value_and_grad and the optimizer's update over pre-stacked batches."""
+
+    def step(state, b):
+        model, opt = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, b)
+        opt.update(model, grads)
+        return nnx.split((model, opt))[1], loss
+
+    return jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))
+
+
 def _clear():
     jax.clear_caches()
     _fit_program.PROGRAMS.clear()
@@ -158,14 +171,7 @@ def _compile(name, sizes, batch, steps, repeats):
 
     def fused_call(model, optimizer, fused):
         graphdef, state = nnx.split((model, optimizer))
-
-        def step(state, b):
-            model, opt = nnx.merge(graphdef, state)
-            loss, grads = nnx.value_and_grad(loss_fn)(model, b)
-            opt.update(model, grads)
-            return nnx.split((model, opt))[1], loss
-
-        fn = fused[0] or jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))
+        fn = fused[0] or _hand_fused(graphdef, loss_fn)
         fused[0] = fn
         state, losses = fn(state, stacked)
         nnx.update((model, optimizer), state)
@@ -242,14 +248,7 @@ def _epoch_loop(name, sizes, batch, repeats):
         float(call(1000).history["loss"][-1])
 
     graphdef, state = nnx.split((model, optimizer))
-
-    def step(state, b):
-        m, o = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(m, b)
-        o.update(m, grads)
-        return nnx.split((m, o))[1], loss
-
-    fused = jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))
+    fused = _hand_fused(graphdef, loss_fn)
     pieces = [
         jax.tree.map(lambda a, i=i: a[i * 25 : (i + 1) * 25], stacked)
         for i in range(40)
