@@ -63,11 +63,11 @@ import scanax
 
 try:
     from benchmarks import _timing
-    from benchmarks.bench_first_run import _fresh
+    from benchmarks.bench_first_run import MLP_SOURCE, _fresh
     from benchmarks.bench_fit import MLP, mse, xent
 except ImportError:  # run as a script from inside benchmarks/
     import _timing  # type: ignore[no-redef]
-    from bench_first_run import _fresh  # type: ignore[no-redef]
+    from bench_first_run import MLP_SOURCE, _fresh  # type: ignore[no-redef]
     from bench_fit import MLP, mse, xent  # type: ignore[no-redef]
 
 STEPS = 1000
@@ -340,16 +340,7 @@ def done():
 _SCANAX_BODY = """
 import jax.numpy as jnp
 
-class MLP(nnx.Module):
-    def __init__(self, sizes, rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
-        return self.layers[-1](x)
+MLP_SOURCE
 
 if sizes[-1] == 1:
     def loss_fn(model, batch):
@@ -404,7 +395,8 @@ def _script(imports: str, body: str) -> str:
 
 
 SCANAX_SCRIPT = _script(
-    "import jax, optax\nfrom flax import nnx\nimport scanax", _SCANAX_BODY
+    "import jax, optax\nfrom flax import nnx\nimport scanax",
+    _SCANAX_BODY.replace("MLP_SOURCE", MLP_SOURCE),
 )
 KERAS_SCRIPT = _script("import jax, keras\n" + _KERAS_CODE.strip() + "\n", _KERAS_BODY)
 

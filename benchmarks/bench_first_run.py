@@ -100,11 +100,8 @@ def phase(name):
     events.clear()
 """
 
-_SCANAX = """
-if cfg["cache"]:
-    scanax.compile_cache(cfg["cache"])
-events.clear()
-
+# The child scripts' model: bench_fit.MLP's source (a fresh process defines it).
+MLP_SOURCE = """
 class MLP(nnx.Module):
     def __init__(self, sizes, rngs):
         self.layers = nnx.List(
@@ -115,6 +112,14 @@ class MLP(nnx.Module):
         for layer in self.layers[:-1]:
             x = jax.nn.relu(layer(x))
         return self.layers[-1](x)
+"""
+
+_SCANAX = """
+if cfg["cache"]:
+    scanax.compile_cache(cfg["cache"])
+events.clear()
+
+MLP_SOURCE
 
 def loss_fn(model, batch):
     xb, yb = batch
@@ -176,7 +181,7 @@ SCANAX_SCRIPT = _script(
     from flax import nnx
     import scanax
     """,
-    _SCANAX,
+    _SCANAX.replace("MLP_SOURCE", MLP_SOURCE),
 )
 KERAS_SCRIPT = _script("import keras", _KERAS)
 
