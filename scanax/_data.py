@@ -149,7 +149,9 @@ class ArraySource:
     def for_members(self, keys: Any) -> None:
         """Draw one order per member (a population's members, each shuffled as a
         solo ``fit`` with its key would be): ``xs`` gets a leading member axis."""
-        self.members = [_seed(k) for k in keys]
+        data = np.asarray(jr.key_data(keys) if _is_key(keys) else keys)
+        # (one transfer for all members: a key's words each cost a dispatch)
+        self.members = [[int(v) for v in row.ravel()] for row in data]
         self._orders = {}
 
     def orders(self, start: int, length: int, count: int | None = None) -> np.ndarray:
