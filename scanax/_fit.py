@@ -158,7 +158,8 @@ def fit(
             (``fit(scanax.population(...), None, ...)``, see
             ``docs/populations.md``): every member gets the batches of a solo
             ``fit(key=key)`` instead of its own order; train that many members
-            at a time.
+            at a time (default: all, or groups that fit in the devices' free
+            memory, checked before the call runs).
 
     Returns:
         A :class:`FitResult` ``(model, optimizer, history, steps, best_step)``.

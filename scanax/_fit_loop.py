@@ -363,7 +363,12 @@ class Run:
         with self.context():
             if self.fn is None:
                 self.fn = self.program.executable(args)
+                self.compiled(self.fn)
             return self.fn(*args)
+
+    def compiled(self, fn: Any) -> None:
+        """Called with the compiled chunk before its first call runs (a
+        population checks its memory there)."""
 
     def _go(self) -> FitResult:
         pending = None

@@ -29,6 +29,7 @@ from . import (
     _fit_checks,
     _fit_loop,
     _fit_program,
+    _memory,
     _mesh,
     _population,
     _progress,
@@ -58,7 +59,6 @@ def fit_population(
     steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every = how
     takes_hp, takes_key, accumulate = takes
     n = pop.n
-    k = members_per_call or n
     per_member = not shared and getattr(source, "shuffle", False)
     keys = jr.split(key if key is not None else _data.unused_key(), n)
     call_for = _caller(loss_fn, takes_hp, takes_key)
@@ -82,97 +82,148 @@ def fit_population(
             eval_takes,
         )
 
-    identity = _fit_program.identity(
-        pop.fingerprint(),
-        pop.make,
-        loss_fn,
-        "population",
-        takes_hp,
-        takes_key,
-        source.static,
-        length,
-        per_member,
-        k,
-        None if mesh is None else (mesh.shape_tuple, mesh.device_ids.tobytes()),
-        eval_key,
-    )
     sampler = source.sampler()
     xs_axis = 0 if per_member else None
 
-    def build():
-        return build_chunk(
-            pop.step_factory(call_for, accumulate),
-            sampler,
-            length,
-            mesh,
+    def program_for(k: int) -> _fit_program.Program:
+        identity = _fit_program.identity(
+            pop.fingerprint(),
+            pop.make,
+            loss_fn,
+            "population",
+            takes_hp,
             takes_key,
-            accumulate,
-            xs_axis,
-            None if mesh is None else _mesh.MEMBERS,
-            checks,
+            source.static,
+            length,
+            per_member,
+            k,
+            None if mesh is None else (mesh.shape_tuple, mesh.device_ids.tobytes()),
+            eval_key,
         )
 
-    program = _fit_program.program(identity, build)
-    bar_every = spec.every if spec is not None else None
-    schedule = _fit_loop.Schedule(
-        program, length, source, steps_per_call, checkpoint_every, bar_every
-    )
-    groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
-    states, stopped, histories, applied, best, clock = [], [], [], [], [], []
-    for members in groups:
-        padded = members + [members[j % len(members)] for j in range(k - len(members))]
-        idx = np.asarray(padded)
-        if per_member:
-            source.for_members(keys[idx])
-        directory = checkpoint_dir
-        if directory is not None and len(groups) > 1:
-            directory = os.path.join(
-                os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
+        def build():
+            return build_chunk(
+                pop.step_factory(call_for, accumulate),
+                sampler,
+                length,
+                mesh,
+                takes_key,
+                accumulate,
+                xs_axis,
+                None if mesh is None else _mesh.MEMBERS,
+                checks,
             )
-        run = PopRun(
-            pop,
-            idx,
-            len(members),
-            keys[idx],
-            source,
-            program,
-            schedule,
-            how,
-            (checks, eval_arrays, logger),
+
+        return _fit_program.program(identity, build)
+
+    def run_groups(k: int, check: bool) -> _fit_loop.FitResult:
+        program = program_for(k)
+        bar_every = spec.every if spec is not None else None
+        schedule = _fit_loop.Schedule(
+            program, length, source, steps_per_call, checkpoint_every, bar_every
         )
-        if len(groups) > 1:
-            run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
-        if directory is not None:
-            run.resume(directory, checkpoint_every)
-        leaves, stop, history, count, done, best_step = run.go()
-        real = len(members)
-        states.append([x[:real] for x in leaves])
-        stopped.append(stop[:real])
-        histories.append(
-            {name: v if v.ndim == 1 else v[:real] for name, v in history.items()}
+        groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
+        states, stopped, histories, applied, best, clock = [], [], [], [], [], []
+        for members in groups:
+            pad = [members[j % len(members)] for j in range(k - len(members))]
+            idx = np.asarray(members + pad)
+            if per_member:
+                source.for_members(keys[idx])
+            directory = checkpoint_dir
+            if directory is not None and len(groups) > 1:
+                directory = os.path.join(
+                    os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
+                )
+            run = PopRun(
+                pop,
+                idx,
+                len(members),
+                keys[idx],
+                source,
+                program,
+                schedule,
+                how,
+                (checks, eval_arrays, logger),
+            )
+            run.check_memory = check
+            if len(groups) > 1:
+                run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
+            if directory is not None:
+                run.resume(directory, checkpoint_every)
+            leaves, stop, history, count, done, best_step = run.go()
+            real = len(members)
+            states.append([x[:real] for x in leaves])
+            stopped.append(stop[:real])
+            histories.append(
+                {name: v if v.ndim == 1 else v[:real] for name, v in history.items()}
+            )
+            applied.append(count[:real])
+            best.append(None if best_step is None else best_step[:real])
+            clock.append(done)
+        state = (
+            [jnp.concatenate(parts) for parts in zip(*states)]
+            if len(groups) > 1
+            else states[0]
         )
-        applied.append(count[:real])
-        best.append(None if best_step is None else best_step[:real])
-        clock.append(done)
-    state = (
-        [jnp.concatenate(parts) for parts in zip(*states)]
-        if len(groups) > 1
-        else states[0]
-    )
-    # The clock: the steps run (an iterable may end early; every member may
-    # have stopped), by the group that ran longest.
-    pop.update(state, np.concatenate(stopped), max(clock))
-    history = histories[0] if len(groups) == 1 else merge_groups(histories)
-    result = _fit_loop.FitResult(
-        _population.Members(pop, 0),
-        _population.Members(pop, 1),
-        history,
-        np.concatenate(applied),
-        None if best[0] is None else np.concatenate(best),
-    )
+        # The clock: the steps run (an iterable may end early; every member may
+        # have stopped), by the group that ran longest.
+        pop.update(state, np.concatenate(stopped), max(clock))
+        history = histories[0] if len(groups) == 1 else merge_groups(histories)
+        return _fit_loop.FitResult(
+            _population.Members(pop, 0),
+            _population.Members(pop, 1),
+            history,
+            np.concatenate(applied),
+            None if best[0] is None else np.concatenate(best),
+        )
+
+    # members_per_call=None: all at once if the call fits in memory, else groups
+    # (decided from the compiled call, before it runs). Not across processes:
+    # they would have to agree on the groups.
+    k = members_per_call or n
+    check = members_per_call is None and jax.process_count() == 1
+    while True:
+        try:
+            result = run_groups(k, check)
+            break
+        except TooBig as big:
+            k = _groups_that_fit(big, k, n, mesh, source, logger, checkpoint_dir)
     if logger is not None:
         logger.sinks.raise_pending(result)
     return result
+
+
+class TooBig(Exception):
+    """A population's compiled call needs more memory than its devices have free
+    (raised before it runs: nothing has changed)."""
+
+    def __init__(self, need: int, free: int):
+        super().__init__(need, free)
+        self.need, self.free = need, free
+
+
+def _groups_that_fit(
+    big: TooBig, k: int, n: int, mesh: Any, source: Any, logger: Any, directory: Any
+) -> int:
+    """The members per call that fit where ``k`` did not, with a warning that
+    the population runs in groups; a clear error where it cannot be split."""
+    multiple = 1 if mesh is None else dict(mesh.shape).get(_mesh.MEMBERS, 1)
+    fit = min(_memory.members_that_fit(k, big.need, big.free, multiple), k - multiple)
+    reason = None
+    if isinstance(source, _data.IterSource):
+        reason = "iterable"
+    elif logger is not None:
+        reason = "log"
+    elif directory is not None:
+        reason = "checkpoint"
+    if fit < 1 or reason is not None:
+        raise errors.population_too_big(n, k, big.need, big.free, max(fit, 0), reason)
+    warnings.warn(
+        errors.population_in_groups(n, k, fit, big.need, big.free),
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return fit
 
 
 def _caller(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
@@ -463,6 +514,23 @@ class PopRun(_fit_loop.Run):
         self.applied = np.zeros(self.k, np.int64)
         self.history = PopHistory(self.k)
         self.label = _CALL
+
+    check_memory = False  # (fit's automatic members_per_call sets it)
+
+    def compiled(self, fn: Any) -> None:
+        """Before the first call: whether it fits in memory (``TooBig`` if not)."""
+        if not self.check_memory:
+            return
+        need = _memory.call_bytes(fn)
+        if need is None:
+            return
+        if self.mesh is not None:
+            devices = list(self.mesh.devices.flat)
+        else:
+            devices = list(getattr(self.leaves[0], "devices", jax.devices)())[:1]
+        free = _memory.free_bytes(devices)
+        if free is not None and not _memory.fits(need, free):
+            raise TooBig(need, free)
 
     def _call(self, *args, **kwargs):
         try:

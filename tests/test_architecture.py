@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_mesh",
             "_checkpoint",
             "_compile_cache",
+            "_memory",
             "_models",
             "_data",
             "_population",

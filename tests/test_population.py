@@ -286,6 +286,93 @@ def test_members_per_call_equals_all_at_once():
         allclose(grouped.model[i], whole.model[i])
 
 
+@pytest.fixture
+def memory(monkeypatch):
+    """The population's memory as the automatic groups see it: ``need`` records
+    what each compiled call needs; ``free(share)`` makes the devices' free
+    memory that share of the need of the next call checked."""
+    from scanax import _memory
+
+    needs = []
+    real = _memory.call_bytes
+
+    def call_bytes(compiled):
+        needs.append(real(compiled))
+        return needs[-1]
+
+    monkeypatch.setattr(_memory, "call_bytes", call_bytes)
+
+    def free(share):
+        # (of the need of the next call checked: the whole population's)
+        mark = len(needs)
+        monkeypatch.setattr(
+            _memory,
+            "free_bytes",
+            lambda devices: int(share * needs[mark] / _memory.SHARE),
+        )
+
+    return needs, free
+
+
+def test_members_that_do_not_fit_train_in_groups_that_do(memory):
+    """members_per_call=None: the compiled call's memory need, checked before it
+    runs, is more than is free, so the members train in groups (a warning says
+    how many); the result equals all at once."""
+    needs, free = memory
+    _, whole = pop_fit("eqx", lrs=LRS3)
+    assert needs and needs[0] > 0  # (this backend reports a need)
+    free(0.5)  # room for one member of three, not two
+    with pytest.warns(RuntimeWarning, match="the 3 members train 1 at a time"):
+        _, grouped = pop_fit("eqx", lrs=LRS3)
+    assert needs[-1] < needs[0] / 2  # (a one-member call was compiled and checked)
+    allclose(grouped.history, whole.history)  # (XLA may round 1 member apart)
+    np.testing.assert_array_equal(grouped.steps, whole.steps)
+    for i in range(3):
+        allclose(grouped.model[i], whole.model[i])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit members_per_call: no check
+        pop_fit("eqx", lrs=LRS3, members_per_call=3)
+
+
+def test_a_population_that_cannot_be_split_is_refused_before_it_runs(memory, tmp_path):
+    """Too big for any group, or with options that cannot follow groups: a
+    MemoryError that says what fits, raised before anything changed."""
+    needs, free = memory
+    pop, _ = pop_fit("eqx", lrs=LRS3, steps=2)
+    before = jax.tree.map(np.asarray, pop.state)
+    free(0.1)  # not even one member
+    with pytest.raises(MemoryError, match="not even the smallest group fits"):
+        pop_fit("eqx", lrs=LRS3, pop=pop)
+    assert all(
+        jax.tree.leaves(jax.tree.map(np.array_equal, pop.state, before))
+    )  # nothing changed
+    assert pop.step == 2
+    pytest.importorskip("orbax.checkpoint")
+    free(0.5)
+    with pytest.raises(MemoryError, match="pass members_per_call=1. With checkpoint"):
+        pop_fit("eqx", lrs=LRS3, pop=pop, checkpoint_dir=tmp_path)
+    free(0.5)
+    with pytest.raises(MemoryError, match="drop log="):
+        pop_fit("eqx", lrs=LRS3, pop=pop, log=lambda step, metrics: None)
+    batches = [(X[:8], Y[:8])] * 3
+    free(0.5)
+    with pytest.raises(MemoryError, match="iterable data cannot be split"):
+        pop_fit("eqx", lrs=LRS3, pop=pop, data=batches)
+    assert pop.step == 2
+
+
+def test_free_memory_is_known_here():
+    """On this machine's devices, the free memory and a compiled call's need."""
+    from scanax import _memory
+
+    assert _memory.free_bytes(jax.devices()[:1]) > 0
+    compiled = jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64))).compile()
+    assert _memory.call_bytes(compiled) >= 64 * 64 * 4
+    assert _memory.members_that_fit(8, 800, 200, multiple=1) == 1  # 0.85 * 200 / 100
+    assert _memory.members_that_fit(8, 800, 2000, multiple=4) == 8
+    assert _memory.members_that_fit(8, 800, 500, multiple=2) == 4
+
+
 def test_checkpoint_resume_is_exact(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     pop_fit("nnx", steps=8, checkpoint_dir=tmp_path, checkpoint_every=4)  # "killed"

@@ -202,3 +202,55 @@ def log_with_groups() -> TypeError:
         "one log would go back in steps.\nFix: drop members_per_call, or log each "
         "group yourself from result.history."
     )
+
+
+def _gib(b: int) -> str:
+    """A byte count as people read it (``1.5 GiB``, ``320 KiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.3g} {unit}"
+    return f"{b} bytes"
+
+
+def population_in_groups(n: int, k: int, fit: int, need: int, free: int) -> str:
+    return (
+        f"{FIT}: one call of {k} members needs {_gib(need)} beyond the population "
+        f"itself and {_gib(free)} is free, so the {n} members train {fit} at a time "
+        "(the same result as all at once, in more calls). Pass "
+        "members_per_call=k to choose the groups yourself."
+    )
+
+
+def _cannot_split(reason: str | None, fit: int) -> str:
+    if reason == "iterable":
+        return (
+            "iterable data cannot be split into groups (each group would need the "
+            f"same batches again): train at most {fit} members per population, or "
+            "pass array data with batch_size= (then fit splits it by itself)."
+        )
+    if reason == "log":
+        return (
+            "log= cannot follow groups that run one after another: drop log= "
+            f"(then fit splits it by itself), or train at most {fit} members per "
+            "population."
+        )
+    return (
+        f"pass members_per_call={fit}. With checkpoint_dir=, fit does not choose "
+        "the groups itself: a resumed run must find the same groups."
+    )
+
+
+def population_too_big(
+    n: int, k: int, need: int, free: int, fit: int, reason: str | None
+) -> MemoryError:
+    what = f"{FIT}: one call of {k} of the {n} members needs {_gib(need)} beyond the "
+    what += f"population itself, and {_gib(free)} is free (checked before running: "
+    what += "nothing has changed)."
+    if fit < 1:
+        return MemoryError(
+            f"{what}\nFix: not even the smallest group fits: make the model, "
+            "batch_size or steps_per_call smaller, or free memory."
+        )
+    return MemoryError(
+        f"{what}\nFix: {fit} members at a time would fit; " + _cannot_split(reason, fit)
+    )
