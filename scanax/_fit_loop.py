@@ -344,11 +344,12 @@ class Run:
                 self.bar.refresh()
             return result
 
-    def _call(self, leaves, stopped, start, count, every, xs, extra=None):
+    def _args(self, leaves, stopped, start, count, every, xs, extra=None) -> tuple:
+        """The compiled chunk's arguments for a call."""
         aux = None
         if self.checks is not None:
             aux = {"eval": self.eval_data, "stop": extra}
-        args = (
+        return (
             leaves,
             stopped,
             np.int32(start),
@@ -360,15 +361,13 @@ class Run:
             self.hp,
             aux,
         )
+
+    def _call(self, *args, **kwargs):
+        args = self._args(*args, **kwargs)
         with self.context():
             if self.fn is None:
                 self.fn = self.program.executable(args)
-                self.compiled(self.fn)
             return self.fn(*args)
-
-    def compiled(self, fn: Any) -> None:
-        """Called with the compiled chunk before its first call runs (a
-        population checks its memory there)."""
 
     def _go(self) -> FitResult:
         pending = None

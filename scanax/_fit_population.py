@@ -116,36 +116,34 @@ def fit_population(
 
         return _fit_program.program(identity, build)
 
-    def run_groups(k: int, check: bool) -> _fit_loop.FitResult:
+    bar_every = spec.every if spec is not None else None
+
+    def group_run(k: int, members: list[int]) -> PopRun:
         program = program_for(k)
-        bar_every = spec.every if spec is not None else None
         schedule = _fit_loop.Schedule(
             program, length, source, steps_per_call, checkpoint_every, bar_every
         )
+        pad = [members[j % len(members)] for j in range(k - len(members))]
+        idx = np.asarray(members + pad)
+        if per_member:
+            source.for_members(keys[idx])
+        extras = (checks, eval_arrays, logger)
+        return PopRun(
+            pop, idx, len(members), keys[idx], source, program, schedule, how, extras
+        )
+
+    def run_groups(k: int) -> _fit_loop.FitResult:
         groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
+        if checkpoint_dir is not None:
+            _check_layout(checkpoint_dir, groups, n)
         states, stopped, histories, applied, best, clock = [], [], [], [], [], []
         for members in groups:
-            pad = [members[j % len(members)] for j in range(k - len(members))]
-            idx = np.asarray(members + pad)
-            if per_member:
-                source.for_members(keys[idx])
             directory = checkpoint_dir
             if directory is not None and len(groups) > 1:
                 directory = os.path.join(
                     os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
                 )
-            run = PopRun(
-                pop,
-                idx,
-                len(members),
-                keys[idx],
-                source,
-                program,
-                schedule,
-                how,
-                (checks, eval_arrays, logger),
-            )
-            run.check_memory = check
+            run = group_run(k, members)
             if len(groups) > 1:
                 run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
             if directory is not None:
@@ -177,20 +175,75 @@ def fit_population(
             None if best[0] is None else np.concatenate(best),
         )
 
-    # members_per_call=None: all at once if the call fits in memory, else groups
-    # (decided from the compiled call, before it runs). Not across processes:
-    # they would have to agree on the groups.
+    # members_per_call=None: all at once if the first call fits in memory, else
+    # the largest groups that do; decided from the compiled call before anything
+    # runs or is written. Not across processes (they would have to agree on the
+    # groups) and not for iterable data (checking would take its batches).
     k = members_per_call or n
-    check = members_per_call is None and jax.process_count() == 1
-    while True:
-        try:
-            result = run_groups(k, check)
-            break
-        except TooBig as big:
-            k = _groups_that_fit(big, k, n, mesh, source, logger, checkpoint_dir)
+    if (
+        members_per_call is None
+        and jax.process_count() == 1
+        and not isinstance(source, _data.IterSource)
+    ):
+        k = _fitting_groups(
+            n, lambda k: group_run(k, list(range(k))), mesh, how, logger
+        )
+    result = run_groups(k)
     if logger is not None:
         logger.sinks.raise_pending(result)
     return result
+
+
+def _fitting_groups(
+    n: int, first_run: Callable, mesh: Any, how: tuple, logger: Any
+) -> int:
+    """The members per call: all ``n`` if the first call of all fits in the
+    devices' free memory, else the largest groups that do (a warning says so);
+    a ``MemoryError`` where groups cannot follow or nothing fits."""
+    multiple = 1 if mesh is None else dict(mesh.shape).get(_mesh.MEMBERS, 1)
+    k, first = n, None
+    while True:
+        try:
+            first_run(k).check_memory()
+            break
+        except TooBig as big:
+            first = first or big
+            fit = _memory.members_that_fit(k, big.need, big.free, multiple)
+            fit = min(fit, k - multiple)  # (a need not quite proportional)
+            reason = "log" if logger is not None else None
+            if reason is None and how[4] is not None:
+                reason = "checkpoint"
+            if fit < 1 or reason is not None:
+                raise errors.population_too_big(
+                    n, k, big.need, big.free, _memory.SHARE, max(fit, 0), reason
+                ) from None
+            k = fit
+    if k < n:
+        warnings.warn(
+            errors.population_in_groups(n, n, k, first.need, first.free, _memory.SHARE),
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return k
+
+
+def _check_layout(directory: Any, groups: list[list[int]], n: int) -> None:
+    """A checkpoint directory written with other groups than ``groups`` is
+    refused: it would be silently ignored (each group keeps its own)."""
+    path = os.fspath(directory)
+    if not os.path.isdir(path):
+        return
+    entries = os.listdir(path)
+    found = sorted(e for e in entries if e.startswith("members_"))
+    whole = any(e.isdigit() for e in entries)
+    want = [] if len(groups) == 1 else [f"members_{g[0]}-{g[-1]}" for g in groups]
+    if (
+        len(groups) == 1
+        and found
+        or len(groups) > 1
+        and (whole or found and sorted(want) != found)
+    ):
+        raise errors.checkpoint_groups_differ(path, found, whole, len(groups[0]), n)
 
 
 class TooBig(Exception):
@@ -200,30 +253,6 @@ class TooBig(Exception):
     def __init__(self, need: int, free: int):
         super().__init__(need, free)
         self.need, self.free = need, free
-
-
-def _groups_that_fit(
-    big: TooBig, k: int, n: int, mesh: Any, source: Any, logger: Any, directory: Any
-) -> int:
-    """The members per call that fit where ``k`` did not, with a warning that
-    the population runs in groups; a clear error where it cannot be split."""
-    multiple = 1 if mesh is None else dict(mesh.shape).get(_mesh.MEMBERS, 1)
-    fit = min(_memory.members_that_fit(k, big.need, big.free, multiple), k - multiple)
-    reason = None
-    if isinstance(source, _data.IterSource):
-        reason = "iterable"
-    elif logger is not None:
-        reason = "log"
-    elif directory is not None:
-        reason = "checkpoint"
-    if fit < 1 or reason is not None:
-        raise errors.population_too_big(n, k, big.need, big.free, max(fit, 0), reason)
-    warnings.warn(
-        errors.population_in_groups(n, k, fit, big.need, big.free),
-        RuntimeWarning,
-        stacklevel=4,
-    )
-    return fit
 
 
 def _caller(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
@@ -494,7 +523,10 @@ class PopRun(_fit_loop.Run):
 
     def __init__(self, pop, idx, real, keys, source, program, schedule, how, extras):
         steps, _, spec, mesh, _, _ = how
-        leaves = [x[idx] for x in pop.state]
+        if len(idx) == pop.n and (idx == np.arange(pop.n)).all():
+            leaves = list(pop.state)  # (all at once: no copy of the state)
+        else:
+            leaves = [x[idx] for x in pop.state]
         run_how = (pop.step, pop.step + steps, spec, mesh, False)
         super().__init__(None, source, program, None, leaves, schedule, run_how)
         self.checks, self.eval_data, self.logger = extras
@@ -515,13 +547,24 @@ class PopRun(_fit_loop.Run):
         self.history = PopHistory(self.k)
         self.label = _CALL
 
-    check_memory = False  # (fit's automatic members_per_call sets it)
-
-    def compiled(self, fn: Any) -> None:
-        """Before the first call: whether it fits in memory (``TooBig`` if not)."""
-        if not self.check_memory:
-            return
-        need = _memory.call_bytes(fn)
+    def check_memory(self) -> None:
+        """Compile the first call and raise ``TooBig`` if it would not fit in the
+        devices' free memory, before anything runs or is written (array data:
+        drawing its call's orders changes nothing)."""
+        start, end, xs = next(
+            self.source.calls(self.done, self.end, self.schedule, self.mesh)
+        )
+        want = end - start
+        count = np.full(self.k, want, np.int32)
+        args = self._args(
+            self.leaves, self.stopped, start, count, want + 1, xs, self.extra
+        )
+        try:
+            with self.context():
+                self.fn = self.program.executable(args)
+        except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
+            raise errors.hp_used_as_python_value(list(self.hp), err) from err
+        need = _memory.call_bytes(self.fn)
         if need is None:
             return
         if self.mesh is not None:

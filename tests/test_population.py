@@ -322,8 +322,12 @@ def test_members_that_do_not_fit_train_in_groups_that_do(memory):
     _, whole = pop_fit("eqx", lrs=LRS3)
     assert needs and needs[0] > 0  # (this backend reports a need)
     free(0.5)  # room for one member of three, not two
-    with pytest.warns(RuntimeWarning, match="the 3 members train 1 at a time"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _, grouped = pop_fit("eqx", lrs=LRS3)
+    (warned,) = [str(w.message) for w in caught]  # one warning, for the final groups
+    assert "one call of 3 members needs" in warned
+    assert "the 3 members train 1 at a time" in warned
     assert needs[-1] < needs[0] / 2  # (a one-member call was compiled and checked)
     allclose(grouped.history, whole.history)  # (XLA may round 1 member apart)
     np.testing.assert_array_equal(grouped.steps, whole.steps)
@@ -336,29 +340,56 @@ def test_members_that_do_not_fit_train_in_groups_that_do(memory):
 
 def test_a_population_that_cannot_be_split_is_refused_before_it_runs(memory, tmp_path):
     """Too big for any group, or with options that cannot follow groups: a
-    MemoryError that says what fits, raised before anything changed."""
+    MemoryError that says what fits, raised before anything ran or was written
+    (the population, a checkpoint directory, a log file)."""
     needs, free = memory
     pop, _ = pop_fit("eqx", lrs=LRS3, steps=2)
     before = jax.tree.map(np.asarray, pop.state)
     free(0.1)  # not even one member
     with pytest.raises(MemoryError, match="not even the smallest group fits"):
         pop_fit("eqx", lrs=LRS3, pop=pop)
-    assert all(
-        jax.tree.leaves(jax.tree.map(np.array_equal, pop.state, before))
-    )  # nothing changed
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, pop.state, before)))
     assert pop.step == 2
     pytest.importorskip("orbax.checkpoint")
     free(0.5)
-    with pytest.raises(MemoryError, match="pass members_per_call=1. With checkpoint"):
-        pop_fit("eqx", lrs=LRS3, pop=pop, checkpoint_dir=tmp_path)
+    directory = tmp_path / "ckpt"
+    with pytest.raises(MemoryError, match="members_per_call=1 with a new checkpoint"):
+        pop_fit("eqx", lrs=LRS3, pop=pop, checkpoint_dir=directory)
+    assert not directory.exists()
     free(0.5)
-    with pytest.raises(MemoryError, match="drop log="):
-        pop_fit("eqx", lrs=LRS3, pop=pop, log=lambda step, metrics: None)
-    batches = [(X[:8], Y[:8])] * 3
-    free(0.5)
-    with pytest.raises(MemoryError, match="iterable data cannot be split"):
-        pop_fit("eqx", lrs=LRS3, pop=pop, data=batches)
+    log = tmp_path / "log.csv"
+    log.write_text("step,loss/0\n1,0.5\n2,0.25\n")
+    with pytest.raises(MemoryError, match="(?s)1 member at a time.*drop log="):
+        pop_fit("eqx", lrs=LRS3, pop=pop, log=scanax.CSV(log))
+    assert log.read_text() == "step,loss/0\n1,0.5\n2,0.25\n"
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, pop.state, before)))
     assert pop.step == 2
+    free(0.1)  # iterable data is not checked (it would take its batches)
+    pop_fit("eqx", lrs=LRS3, pop=pop, data=[(X[:8], Y[:8])] * 3)
+    assert pop.step == 5
+
+
+def test_checkpoints_resume_only_with_their_groups(tmp_path):
+    """A checkpoint directory written all at once, resumed in groups (or the
+    reverse, or other groups), would be ignored: refused, naming the groups."""
+    pytest.importorskip("orbax.checkpoint")
+    pop_fit("eqx", lrs=LRS3, steps=4, checkpoint_dir=tmp_path / "a")
+    with pytest.raises(
+        ValueError, match="(?s)saved with all members at once.*groups of 2"
+    ):
+        pop_fit("eqx", lrs=LRS3, checkpoint_dir=tmp_path / "a", members_per_call=2)
+    pop_fit("eqx", lrs=LRS3, steps=4, checkpoint_dir=tmp_path / "b", members_per_call=2)
+    with pytest.raises(
+        ValueError, match="(?s)in groups .members_0-1.*members_per_call=2"
+    ):
+        pop_fit("eqx", lrs=LRS3, checkpoint_dir=tmp_path / "b")
+    with pytest.raises(ValueError, match="in groups"):
+        pop_fit("eqx", lrs=LRS3, checkpoint_dir=tmp_path / "b", members_per_call=1)
+    _, resumed = pop_fit(
+        "eqx", lrs=LRS3, checkpoint_dir=tmp_path / "b", members_per_call=2
+    )
+    _, whole = pop_fit("eqx", lrs=LRS3, members_per_call=2)
+    allclose(resumed.history, whole.history)  # (resumed: equals one run)
 
 
 def test_free_memory_is_known_here():

@@ -212,45 +212,72 @@ def _gib(b: int) -> str:
     return f"{b} bytes"
 
 
-def population_in_groups(n: int, k: int, fit: int, need: int, free: int) -> str:
+def _members(k: int) -> str:
+    return f"{k} member" if k == 1 else f"{k} members"
+
+
+def _free(free: int, share: float) -> str:
+    return f"{_gib(free)} is free (fit uses at most {share:.0%} of it)"
+
+
+def population_in_groups(
+    n: int, k: int, fit: int, need: int, free: int, share: float
+) -> str:
     return (
-        f"{FIT}: one call of {k} members needs {_gib(need)} beyond the population "
-        f"itself and {_gib(free)} is free, so the {n} members train {fit} at a time "
-        "(the same result as all at once, in more calls). Pass "
+        f"{FIT}: one call of {_members(k)} needs {_gib(need)} beyond the population "
+        f"itself and {_free(free, share)}, so the {n} members train {fit} at a time "
+        "(the same result as all at once within rounding, in more calls). Pass "
         "members_per_call=k to choose the groups yourself."
     )
 
 
 def _cannot_split(reason: str | None, fit: int) -> str:
-    if reason == "iterable":
-        return (
-            "iterable data cannot be split into groups (each group would need the "
-            f"same batches again): train at most {fit} members per population, or "
-            "pass array data with batch_size= (then fit splits it by itself)."
-        )
     if reason == "log":
         return (
             "log= cannot follow groups that run one after another: drop log= "
-            f"(then fit splits it by itself), or train at most {fit} members per "
+            f"(then fit splits it by itself), or train at most {_members(fit)} per "
             "population."
         )
     return (
-        f"pass members_per_call={fit}. With checkpoint_dir=, fit does not choose "
-        "the groups itself: a resumed run must find the same groups."
+        f"pass members_per_call={fit} with a new checkpoint_dir: checkpoints "
+        "resume only with the groups they were written with, so fit does not "
+        "choose groups itself there."
     )
 
 
 def population_too_big(
-    n: int, k: int, need: int, free: int, fit: int, reason: str | None
+    n: int, k: int, need: int, free: int, share: float, fit: int, reason: str | None
 ) -> MemoryError:
-    what = f"{FIT}: one call of {k} of the {n} members needs {_gib(need)} beyond the "
-    what += f"population itself, and {_gib(free)} is free (checked before running: "
-    what += "nothing has changed)."
+    what = (
+        f"{FIT}: one call of {k} of the {n} members needs {_gib(need)} beyond the "
+        f"population itself, and {_free(free, share)}; checked before running: "
+        "nothing has changed."
+    )
     if fit < 1:
         return MemoryError(
-            f"{what}\nFix: not even the smallest group fits: make the model, "
-            "batch_size or steps_per_call smaller, or free memory."
+            f"{what}\nFix: not even the smallest group fits: make the model or "
+            "batch_size smaller, or free memory."
         )
     return MemoryError(
-        f"{what}\nFix: {fit} members at a time would fit; " + _cannot_split(reason, fit)
+        f"{what}\nFix: {_members(fit)} at a time would fit; "
+        + _cannot_split(reason, fit)
+    )
+
+
+def checkpoint_groups_differ(
+    path: str, found: list[str], whole: bool, k: int, n: int
+) -> ValueError:
+    if found:
+        saved = f"in groups ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+        first = [e for e in found if e.startswith("members_0-")]
+        size = int(first[0].rsplit("-", 1)[1]) + 1 if first else None
+        fix = f"members_per_call={size}" if size else "the groups it was saved with"
+    else:
+        saved = "with all members at once"
+        fix = "members_per_call=None (all at once)"
+    now = "all members at once" if k == n else f"groups of {k} members"
+    return ValueError(
+        f"{FIT}: checkpoint_dir {path!r} holds a run saved {saved}, and this call "
+        f"trains {now}: its checkpoints would be ignored.\nFix: resume with "
+        f"{fix}, or use another checkpoint_dir for these groups."
     )
