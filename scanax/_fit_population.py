@@ -118,8 +118,12 @@ def fit_population(
 
     bar_every = spec.every if spec is not None else None
 
+    programs: dict[int, _fit_program.Program] = {}
+
     def group_run(k: int, members: list[int]) -> PopRun:
-        program = program_for(k)
+        if k not in programs:  # (fingerprints take milliseconds)
+            programs[k] = program_for(k)
+        program = programs[k]
         schedule = _fit_loop.Schedule(
             program, length, source, steps_per_call, checkpoint_every, bar_every
         )
@@ -132,7 +136,9 @@ def fit_population(
             pop, idx, len(members), keys[idx], source, program, schedule, how, extras
         )
 
-    def run_groups(k: int) -> _fit_loop.FitResult:
+    def run_groups(k: int, prepared: PopRun | None) -> _fit_loop.FitResult:
+        """Train the members ``k`` at a time; ``prepared``: the first group's
+        run, already compiled (the memory check's)."""
         groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
         if checkpoint_dir is not None:
             _check_layout(checkpoint_dir, groups, n)
@@ -143,7 +149,10 @@ def fit_population(
                 directory = os.path.join(
                     os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
                 )
-            run = group_run(k, members)
+            if prepared is not None and members[0] == 0:
+                run = prepared  # (its source was last given these members)
+            else:
+                run = group_run(k, members)
             if len(groups) > 1:
                 run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
             if directory is not None:
@@ -179,16 +188,16 @@ def fit_population(
     # the largest groups that do; decided from the compiled call before anything
     # runs or is written. Not across processes (they would have to agree on the
     # groups) and not for iterable data (checking would take its batches).
-    k = members_per_call or n
+    k, prepared = members_per_call or n, None
     if (
         members_per_call is None
         and jax.process_count() == 1
         and not isinstance(source, _data.IterSource)
     ):
-        k = _fitting_groups(
+        k, prepared = _fitting_groups(
             n, lambda k: group_run(k, list(range(k))), mesh, how, logger
         )
-    result = run_groups(k)
+    result = run_groups(k, prepared)
     if logger is not None:
         logger.sinks.raise_pending(result)
     return result
@@ -196,15 +205,17 @@ def fit_population(
 
 def _fitting_groups(
     n: int, first_run: Callable, mesh: Any, how: tuple, logger: Any
-) -> int:
+) -> tuple[int, Any]:
     """The members per call: all ``n`` if the first call of all fits in the
     devices' free memory, else the largest groups that do (a warning says so);
-    a ``MemoryError`` where groups cannot follow or nothing fits."""
+    a ``MemoryError`` where groups cannot follow or nothing fits. Returned with
+    the first group's run, compiled and checked."""
     multiple = 1 if mesh is None else dict(mesh.shape).get(_mesh.MEMBERS, 1)
     k, first = n, None
     while True:
         try:
-            first_run(k).check_memory()
+            run = first_run(k)
+            run.check_memory()
             break
         except TooBig as big:
             first = first or big
@@ -224,7 +235,7 @@ def _fitting_groups(
             RuntimeWarning,
             stacklevel=4,
         )
-    return k
+    return k, run
 
 
 def _check_layout(directory: Any, groups: list[list[int]], n: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools as ft
 import re
+import sys
 import warnings
 
 import jax
@@ -396,7 +397,9 @@ def test_free_memory_is_known_here():
     """On this machine's devices, the free memory and a compiled call's need."""
     from scanax import _memory
 
-    assert _memory.free_bytes(jax.devices()[:1]) > 0
+    free = _memory.free_bytes(jax.devices()[:1])
+    if sys.platform.startswith("linux"):  # (elsewhere a CPU may report none)
+        assert free > 0
     compiled = jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64))).compile()
     assert _memory.call_bytes(compiled) >= 64 * 64 * 4
     assert _memory.members_that_fit(8, 800, 200, multiple=1) == 1  # 0.85 * 200 / 100
