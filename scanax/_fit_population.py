@@ -218,7 +218,8 @@ def _fitting_groups(
             run.check_memory()
             break
         except TooBig as big:
-            first = first or big
+            # (numbers only: the exception's traceback holds the run's arrays)
+            first = first or (big.need, big.free)
             fit = _memory.members_that_fit(k, big.need, big.free, multiple)
             fit = min(fit, k - multiple)  # (a need not quite proportional)
             reason = "log" if logger is not None else None
@@ -231,7 +232,7 @@ def _fitting_groups(
             k = fit
     if k < n:
         warnings.warn(
-            errors.population_in_groups(n, n, k, first.need, first.free, _memory.SHARE),
+            errors.population_in_groups(n, n, k, *first, _memory.SHARE),
             RuntimeWarning,
             stacklevel=4,
         )
@@ -239,22 +240,25 @@ def _fitting_groups(
 
 
 def _check_layout(directory: Any, groups: list[list[int]], n: int) -> None:
-    """A checkpoint directory written with other groups than ``groups`` is
-    refused: it would be silently ignored (each group keeps its own)."""
+    """A checkpoint directory holding checkpoints written with other groups than
+    ``groups`` is refused: they would be silently ignored (each group keeps its
+    own subdirectory). Groups not started yet, or started and never saved (a
+    run interrupted early), are no conflict."""
     path = os.fspath(directory)
     if not os.path.isdir(path):
         return
     entries = os.listdir(path)
-    found = sorted(e for e in entries if e.startswith("members_"))
+    found = sorted(e for e in entries if e.startswith("members_") and _saved(path, e))
     whole = any(e.isdigit() for e in entries)
-    want = [] if len(groups) == 1 else [f"members_{g[0]}-{g[-1]}" for g in groups]
-    if (
-        len(groups) == 1
-        and found
-        or len(groups) > 1
-        and (whole or found and sorted(want) != found)
-    ):
+    want = {f"members_{g[0]}-{g[-1]}" for g in groups}
+    if found if len(groups) == 1 else whole or set(found) - want:
         raise errors.checkpoint_groups_differ(path, found, whole, len(groups[0]), n)
+
+
+def _saved(path: str, entry: str) -> bool:
+    """Whether the group directory ``entry`` holds a checkpoint (a step)."""
+    sub = os.path.join(path, entry)
+    return os.path.isdir(sub) and any(e.isdigit() for e in os.listdir(sub))
 
 
 class TooBig(Exception):
@@ -694,7 +698,7 @@ class PopRun(_fit_loop.Run):
                         self.pop.n,
                     ),
                     RuntimeWarning,
-                    stacklevel=5,
+                    stacklevel=6,
                 )
             recorded = self.history.add_members(start, ys, counts, ran)
             if self.logger is not None:

@@ -393,6 +393,24 @@ def test_checkpoints_resume_only_with_their_groups(tmp_path):
     allclose(resumed.history, whole.history)  # (resumed: equals one run)
 
 
+def test_a_grouped_run_stopped_partway_resumes(tmp_path):
+    """Groups not started yet (a run killed between groups), or a group folder
+    left empty by a call that failed before saving, are no conflict: the same
+    call resumes, and equals one run."""
+    pytest.importorskip("orbax.checkpoint")
+    import shutil
+
+    args = dict(lrs=LRS3, members_per_call=2)
+    _, whole = pop_fit("eqx", **args)
+    pop_fit("eqx", checkpoint_dir=tmp_path, checkpoint_every=4, **args)
+    shutil.rmtree(tmp_path / "members_2-2")  # (the second group never started)
+    with pytest.warns(RuntimeWarning, match="nothing left to train"):  # (group 1)
+        _, resumed = pop_fit("eqx", checkpoint_dir=tmp_path, checkpoint_every=4, **args)
+    allclose(resumed.history, whole.history)
+    (tmp_path / "empty" / "members_0-1").mkdir(parents=True)  # (nothing saved)
+    pop_fit("eqx", lrs=LRS3, checkpoint_dir=tmp_path / "empty")
+
+
 def test_free_memory_is_known_here():
     """On this machine's devices, the free memory and a compiled call's need."""
     from scanax import _memory

@@ -53,12 +53,15 @@ def hp_length(name: str, shape: tuple, n: int) -> ValueError:
 def hp_used_as_python_value(names: list[str], err: Exception) -> ValueError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return ValueError(
-        f"{CALL}: `make` uses a hyperparameter ({', '.join(names)}) as a Python "
-        "value (an `if`, a shape, int(...) or float(...)). `make` is traced once "
-        "for all members, with each hyperparameter a JAX scalar, so one compiled "
-        f"loop serves every value.\nJAX said: {first}\nFix: use hyperparameters "
-        "only as numbers (optax.adam(lr), a loss weight); for a choice that "
-        "changes shapes or code, build one population per choice."
+        f"{CALL}: a traced value is used as a Python value (an `if`, a shape, "
+        "int(...) or float(...)) while tracing the members' step: most likely "
+        f"`make` uses a hyperparameter ({', '.join(names)}) as a Python value, or "
+        "`loss_fn` an array of the batch. `make` is traced once for all members, "
+        "with each hyperparameter a JAX scalar, so one compiled loop serves every "
+        f"value.\nJAX said: {first}\nFix: use hyperparameters only as numbers "
+        "(optax.adam(lr), a loss weight), and jnp.where instead of an `if` on "
+        "data; for a choice that changes shapes or code, build one population "
+        "per choice."
     )
 
 
@@ -239,9 +242,10 @@ def _cannot_split(reason: str | None, fit: int) -> str:
             "population."
         )
     return (
-        f"pass members_per_call={fit} with a new checkpoint_dir: checkpoints "
+        f"pass members_per_call={fit} with a new checkpoint_dir (checkpoints "
         "resume only with the groups they were written with, so fit does not "
-        "choose groups itself there."
+        "choose groups itself there; a run this directory holds in groups resumes "
+        "with the members_per_call it was saved with)."
     )
 
 
