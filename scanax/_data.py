@@ -149,9 +149,8 @@ class ArraySource:
     def for_members(self, keys: Any) -> None:
         """Draw one order per member (a population's members, each shuffled as a
         solo ``fit`` with its key would be): ``xs`` gets a leading member axis."""
-        data = np.asarray(jr.key_data(keys) if _is_key(keys) else keys)
         # (one transfer for all members: a key's words each cost a dispatch)
-        self.members = [[int(v) for v in row.ravel()] for row in data]
+        self.members = [[int(v) for v in row.ravel()] for row in _words(keys)]
         self._orders = {}
 
     def orders(self, start: int, length: int, count: int | None = None) -> np.ndarray:
@@ -230,8 +229,12 @@ def epoch_order(seed: Any, epoch: int, n: int) -> np.ndarray:
 
 def _seed(key: Any) -> list[int]:
     """The words of a JAX key (typed, or a legacy ``uint32[2]``), as a NumPy seed."""
-    data = jr.key_data(key) if _is_key(key) else key
-    return [int(v) for v in np.asarray(data).ravel()]
+    return [int(v) for v in _words(key).ravel()]
+
+
+def _words(keys: Any) -> np.ndarray:
+    """The words of JAX keys (typed, or legacy ``uint32[..., 2]``) on the host."""
+    return np.asarray(jr.key_data(keys) if _is_key(keys) else keys)
 
 
 class IterSource:

@@ -365,9 +365,13 @@ class Run:
     def _call(self, *args, **kwargs):
         args = self._args(*args, **kwargs)
         with self.context():
-            if self.fn is None:
-                self.fn = self.program.executable(args)
-            return self.fn(*args)
+            return self._compiled(args)(*args)
+
+    def _compiled(self, args: tuple) -> Any:
+        """The compiled chunk, compiled for the first call's ``args``."""
+        if self.fn is None:
+            self.fn = self.program.executable(args)
+        return self.fn
 
     def _go(self) -> FitResult:
         pending = None

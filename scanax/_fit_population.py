@@ -85,6 +85,7 @@ def fit_population(
     sampler = source.sampler()
     xs_axis = 0 if per_member else None
 
+    @ft.cache  # (one per group size: fingerprints take milliseconds)
     def program_for(k: int) -> _fit_program.Program:
         identity = _fit_program.identity(
             pop.fingerprint(),
@@ -118,12 +119,8 @@ def fit_population(
 
     bar_every = spec.every if spec is not None else None
 
-    programs: dict[int, _fit_program.Program] = {}
-
     def group_run(k: int, members: list[int]) -> PopRun:
-        if k not in programs:  # (fingerprints take milliseconds)
-            programs[k] = program_for(k)
-        program = programs[k]
+        program = program_for(k)
         schedule = _fit_loop.Schedule(
             program, length, source, steps_per_call, checkpoint_every, bar_every
         )
@@ -195,7 +192,7 @@ def fit_population(
         and not isinstance(source, _data.IterSource)
     ):
         k, prepared = _fitting_groups(
-            n, lambda k: group_run(k, list(range(k))), mesh, how, logger
+            n, lambda k: group_run(k, list(range(k))), mesh, logger, checkpoint_dir
         )
     result = run_groups(k, prepared)
     if logger is not None:
@@ -204,7 +201,7 @@ def fit_population(
 
 
 def _fitting_groups(
-    n: int, first_run: Callable, mesh: Any, how: tuple, logger: Any
+    n: int, first_run: Callable, mesh: Any, logger: Any, directory: Any
 ) -> tuple[int, Any]:
     """The members per call: all ``n`` if the first call of all fits in the
     devices' free memory, else the largest groups that do (a warning says so);
@@ -223,7 +220,7 @@ def _fitting_groups(
             fit = _memory.members_that_fit(k, big.need, big.free, multiple)
             fit = min(fit, k - multiple)  # (a need not quite proportional)
             reason = "log" if logger is not None else None
-            if reason is None and how[4] is not None:
+            if reason is None and directory is not None:
                 reason = "checkpoint"
             if fit < 1 or reason is not None:
                 raise errors.population_too_big(
@@ -566,20 +563,9 @@ class PopRun(_fit_loop.Run):
         """Compile the first call and raise ``TooBig`` if it would not fit in the
         devices' free memory, before anything runs or is written (array data:
         drawing its call's orders changes nothing)."""
-        start, end, xs = next(
-            self.source.calls(self.done, self.end, self.schedule, self.mesh)
-        )
-        want = end - start
-        count = np.full(self.k, want, np.int32)
-        args = self._args(
-            self.leaves, self.stopped, start, count, want + 1, xs, self.extra
-        )
-        try:
-            with self.context():
-                self.fn = self.program.executable(args)
-        except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
-            raise errors.hp_used_as_python_value(list(self.hp), err) from err
-        need = _memory.call_bytes(self.fn)
+        first = next(self.source.calls(self.done, self.end, self.schedule, self.mesh))
+        with self.context():
+            need = _memory.call_bytes(self._compiled(self._args(*self._at(*first))))
         if need is None:
             return
         if self.mesh is not None:
@@ -590,11 +576,18 @@ class PopRun(_fit_loop.Run):
         if free is not None and not _memory.fits(need, free):
             raise TooBig(need, free)
 
-    def _call(self, *args, **kwargs):
+    def _compiled(self, args: tuple) -> Any:
         try:
-            return super()._call(*args, **kwargs)
+            return super()._compiled(args)
         except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
             raise errors.hp_used_as_python_value(list(self.hp), err) from err
+
+    def _at(self, start: int, end: int, xs: Any) -> tuple:
+        """``_call``'s arguments for the steps ``start`` to ``end``: every member
+        takes them (the loop skips stopped members itself)."""
+        want = end - start
+        count = np.full(self.k, want, np.int32)
+        return self.leaves, self.stopped, start, count, want + 1, xs, self.extra
 
     def resume(self, directory: Any, every: int | None) -> None:
         super().resume(directory, every)
@@ -677,10 +670,7 @@ class PopRun(_fit_loop.Run):
         calls = self.source.calls(self.done, self.end, self.schedule, self.mesh)
         for start, end, xs in calls:
             want = end - start
-            count = np.full(self.k, want, np.int32)
-            leaves, stopped, host, ys, extra = self._call(
-                self.leaves, self.stopped, start, count, want + 1, xs, self.extra
-            )
+            leaves, stopped, host, ys, extra = self._call(*self._at(start, end, xs))
             dispatched = time.perf_counter()
             (applied, ran, now, ended), ys = jax.device_get((host, ys))
             ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]

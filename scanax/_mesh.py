@@ -75,7 +75,12 @@ def by_member(mesh: Any, tree: Any) -> Any:
 
 def keep_by_member(mesh: Any, tree: Any) -> Any:
     """Inside a compiled call: ``by_member``'s placement kept on an output."""
-    sharding = NamedSharding(mesh, P(MEMBERS))
+    return _constrain(mesh, P(MEMBERS), tree)
+
+
+def _constrain(mesh: Any, spec: Any, tree: Any) -> Any:
+    """Inside a compiled call: every leaf of ``tree`` placed by ``spec``."""
+    sharding = NamedSharding(mesh, spec)
     return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
 
@@ -200,8 +205,7 @@ def everywhere(mesh: Any, tree: Any) -> Any:
     """Inside a compiled call: ``tree`` replicated over the mesh, so that every
     process can read it on the host (what the host reads of a population split
     over processes by its ``members`` axis)."""
-    sharding = NamedSharding(mesh, P())
-    return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+    return _constrain(mesh, P(), tree)
 
 
 def host_value(x: Any) -> np.ndarray:
@@ -234,8 +238,7 @@ def place_data(mesh: Any, data: Any) -> Any:
 def batch_constraint(mesh: Any, batch: Any, axis: int = 0) -> Any:
     """Inside the compiled loop: each batch leaf split over 'data' on ``axis``
     (1 for the micro-batches of ``accumulate``)."""
-    sharding = NamedSharding(mesh, P(*(None,) * axis, AXIS))
-    return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), batch)
+    return _constrain(mesh, P(*(None,) * axis, AXIS), batch)
 
 
 def put_chunk(mesh: Any, chunk: Any, axis: int = 1) -> Any:
