@@ -33,6 +33,7 @@ Run alone with ``python -m benchmarks.bench_first_run``.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -43,8 +44,10 @@ import textwrap
 
 try:
     from benchmarks import _timing
+    from benchmarks.bench_fit import MLP
 except ImportError:  # run as a script from inside benchmarks/
     import _timing  # type: ignore[no-redef]
+    from bench_fit import MLP  # type: ignore[no-redef]
 
 STEPS = 1000
 NETWORKS = {
@@ -100,19 +103,8 @@ def phase(name):
     events.clear()
 """
 
-# The child scripts' model: bench_fit.MLP's source (a fresh process defines it).
-MLP_SOURCE = """
-class MLP(nnx.Module):
-    def __init__(self, sizes, rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
-        return self.layers[-1](x)
-"""
+# The child scripts' model: bench_fit.MLP's own source (a fresh process defines it).
+MLP_SOURCE = inspect.getsource(MLP)
 
 _SCANAX = """
 if cfg["cache"]:
