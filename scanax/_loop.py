@@ -56,6 +56,8 @@ class CarryCodec:
         self.carried = set(self.node_idx) | set(self.dyn_idx)
         self.nodes = [self.leaves[i] for i in self.node_idx]
         if self.nodes:
+            if _nnx.maybe_outside(self.nodes):
+                self._refuse_outside()  # before `f` is traced
             self.graphdef, state = _nnx.split(self.nodes)
         else:
             self.graphdef, state = None, None
@@ -114,14 +116,31 @@ class CarryCodec:
         self._check_types(dynamic_in, out)
         return out
 
-    def _variable_names(self, nodes: list[Any]) -> list[str]:
-        """``carry[0]['l']['kernel']`` for each Variable of the carry's NNX nodes."""
-        return [
+    def _refuse_outside(self, err: Exception | None = None) -> None:
+        """Raise if NNX objects of the carry are from outside the current trace
+        (closed over by a jitted function, passed beside the differentiated
+        argument of ``jax.grad``): NNX would refuse to write them back."""
+        found = _nnx.outside(self.nodes)
+        if not found:
+            return
+        names = [
+            self._node_path(path) + f" ({type(obj).__name__})" for path, obj in found
+        ]
+        raise _errors.nnx_made_outside(self.call, names) from err
+
+    def _node_path(self, path: tuple) -> str:
+        """``carry[0]['l']`` for a path into the carry's NNX nodes (node index
+        first)."""
+        head, *rest = path
+        return (
             "carry"
             + jtu.keystr(self.paths[self.node_idx[head]])
             + "".join(f"[{k!r}]" for k in rest)
-            for head, *rest in _nnx.flatten(nodes)[2]
-        ]
+        )
+
+    def _variable_names(self, nodes: list[Any]) -> list[str]:
+        """``carry[0]['l']['kernel']`` for each Variable of the carry's NNX nodes."""
+        return [self._node_path(path) for path in _nnx.flatten(nodes)[2]]
 
     def _named_dynamic(self, dynamic: Any) -> list[tuple[str, Any]]:
         state, arrays = dynamic
@@ -140,28 +159,28 @@ class CarryCodec:
             for a, b in zip(jtu.tree_leaves(dynamic_in), jtu.tree_leaves(dynamic_out))
         ):
             return  # the common case: no names to build
-        rows, hints = [], []
+        rows = []
         for (path, a), (_, b) in zip(
             self._named_dynamic(dynamic_in), self._named_dynamic(dynamic_out)
         ):
             ta, tb = jax.typeof(a), jax.typeof(b)
             if not _same_type(ta, tb):
-                rows.append((path, _errors.short_type(ta), _errors.short_type(tb)))
-                if ta.shape != tb.shape:
-                    hints.append(
-                        f"keep {path} at shape {tuple(ta.shape)} (a carry cannot "
-                        "change shape; preallocate and write with `.at[i].set`)"
-                    )
-                else:
-                    hints.append(f"cast it back: `new.astype(jnp.{ta.dtype.name})`")
+                rows.append((path, ta, tb))
         if rows:
-            raise _errors.carry_mismatch(self.call, rows, hints[0] + ".")
+            raise _errors.carry_mismatch(self.call, rows)
 
     def finish(self, dynamic: Any) -> Any:
         """The final carry, with the user's NNX objects updated in place."""
         state, arrays = dynamic
         if self.nodes:
-            _nnx.update(self.nodes, state)
+            try:
+                _nnx.update(self.nodes, state)
+            except Exception as err:
+                # Objects from outside the trace that ``__init__`` did not see
+                # (inside a new object made in the trace): name them.
+                if _nnx.is_trace_level_error(err):
+                    self._refuse_outside(err)
+                raise
         return self._rebuild(self.nodes, arrays)
 
 

@@ -89,6 +89,42 @@ def is_trace_level_error(err: Exception) -> bool:
     return isinstance(err, ValueError) and "different trace level" in str(err)
 
 
+def maybe_outside(nodes: list[Any]) -> bool:
+    """Whether one of ``nodes`` itself was made outside the trace now running
+    (outside the jitted or transformed function): cheap, the nodes only, not what
+    they hold. Such a node's Variables are an outer trace's; see :func:`outside`."""
+    nnx = _nnx()
+    for node in nodes:
+        if isinstance(node, nnx.Variable):
+            if not node._can_update:
+                return True
+            continue
+        state = getattr(node, "_pytree__state", None)
+        if state is not None and not state.trace_state.is_valid():
+            return True
+    return False
+
+
+def outside(nodes: list[Any]) -> list[tuple[tuple, Any]]:
+    """``(path, object)`` of the outermost objects in ``nodes`` that hold a
+    Variable NNX will not let the current trace write (it belongs to an outer
+    one: NNX's ``TraceContextError``), each path starting with the index of its
+    node; hijax Variables, which any trace may write, are not among them."""
+    nnx = _nnx()
+    found = dict(nnx.graph.iter_graph(nodes))
+    out: dict[tuple, Any] = {}
+    for path, var in found.items():
+        if not isinstance(var, nnx.Variable) or var._can_update:
+            continue
+        for k in range(1, len(path) + 1):
+            obj = found.get(path[:k])
+            state = getattr(obj, "_pytree__state", None)
+            if obj is var or (state is not None and not state.trace_state.is_valid()):
+                out.setdefault(path[:k], obj)
+                break
+    return list(out.items())
+
+
 def reachable_nodes(f: Any) -> list[str]:
     """Names of NNX objects that ``f`` reaches through closure cells or globals."""
     if _nnx() is None:

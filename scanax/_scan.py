@@ -52,7 +52,10 @@ def scan(
             as functions or strings in an Equinox module) are static and must come
             back unchanged. Flax NNX objects (Modules, Optimizers, Rngs, Variables)
             may be carried: after the scan the objects passed in are updated in
-            place to their final state, and also returned.
+            place to their final state, and also returned. Under ``jax.jit``
+            (``jax.vmap``, ``jax.grad``) those are the copies that transformation
+            gives the function: return them from it, or use ``nnx.jit``, which
+            writes the changes back to yours.
         xs: the values to scan over (or to broadcast, see ``in_axes``).
         length: the number of iterations; required when nothing is scanned.
         reverse, unroll: as in ``jax.lax.scan``.
@@ -90,7 +93,9 @@ def scan(
     Raises:
         TypeError: for a badly structured call: ``f`` not callable or not returning
             a pair, a carry that changes structure, shape or dtype, a non-array
-            leaf to scan over, ``in_axes`` holding other than int/None.
+            leaf to scan over, ``in_axes`` holding other than int/None, NNX
+            objects in the carry made outside the function being traced (NNX
+            lets only the trace that made them write them).
         ValueError: for bad values: disagreeing lengths, axes out of range, no
             way to tell the length, an NNX object that ``f`` changes but does not
             carry.

@@ -679,6 +679,83 @@ def test_error_carry_changes(new, msg):
         scanax.scan(lambda c, x: (new(c), None), init, jnp.ones(2))
 
 
+# case: (init, the body's new carry, the message's end, the dtype the fix starts
+# init in, or None where the fix casts the new carry back)
+DTYPE_FIXES = {
+    "float-to-complex": (
+        jnp.arange(3.0),
+        lambda c, x: c * (1 + 1j) + x,
+        r"carry  init float32\[3\], returned complex64\[3\]\nFix: start carry as "
+        r"complex64, the dtype `f` returns \(`init.astype\(jnp.complex64\)`\); "
+        r"casting the new value back to float32 would drop its imaginary part\.(\n|$)",
+        jnp.complex64,
+    ),
+    "int-to-float": (
+        {"n": jnp.arange(3, dtype=jnp.int32)},
+        lambda c, x: {"n": c["n"].astype(jnp.float32) * 0.5 + x},
+        r"carry\['n'\]  init int32\[3\], returned float32\[3\]\nFix: start "
+        r"carry\['n'\] as float32, the dtype `f` returns \(`.astype\(jnp.float32\)` "
+        r"on that leaf of `init`\); casting the new value back to int32 would drop "
+        r"its fractional part\.(\n|$)",
+        jnp.float32,
+    ),
+    "bool-to-int": (
+        jnp.array([True, False, True]),
+        lambda c, x: c.astype(jnp.int32) + x.astype(jnp.int32),
+        r"init bool\[3\], returned int32\[3\]\nFix: start carry as int32.*would "
+        r"drop all but whether it is nonzero\.(\n|$)",
+        jnp.int32,
+    ),
+    "float32-to-float16": (
+        jnp.arange(3.0),
+        lambda c, x: (c + x).astype(jnp.float16),
+        r"init float32\[3\], returned float16\[3\]\nFix: cast it back: "
+        r"`new.astype\(jnp.float32\)`\.(\n|$)",
+        None,
+    ),
+    "float-to-int": (
+        jnp.arange(3.0),
+        lambda c, x: jnp.round(c + x).astype(jnp.int32),
+        r"init float32\[3\], returned int32\[3\]\nFix: cast it back: "
+        r"`new.astype\(jnp.float32\)`\.(\n|$)",
+        None,
+    ),
+}
+
+
+@pytest.mark.standard_promotion("bodies that change dtype, as users write them")
+@pytest.mark.parametrize("case", list(DTYPE_FIXES))
+@pytest.mark.parametrize("call", ["scan", "scan_until"])
+def test_error_carry_dtype_fix_is_true(case, call):
+    """The fix the message gives works: a carry that ``f`` widens in kind (a float
+    made complex) starts in that kind, since casting it back would lose values; one
+    of the same or a narrower kind is cast back. Both give the Python loop's
+    values, and keep every part of what ``f`` computes."""
+    init, new, msg, widened = DTYPE_FIXES[case]
+    xs = jnp.ones((4, 3))
+    run = {
+        "scan": scanax.scan,
+        "scan_until": ft.partial(scanax.scan_until, until=lambda c: False),
+    }[call]
+    with pytest.raises(TypeError, match=rf"(?s)^scanax.{call}: .*{msg}"):
+        run(lambda c, x: (new(c, x), None), init, xs)
+    if widened is not None:  # the fix: init in the dtype f returns
+        fixed_init = jtu.tree_map(lambda a: a.astype(widened), init)
+        f = lambda c, x: (new(c, x), None)
+    else:  # the fix: cast the new carry back to init's dtype
+        fixed_init = init
+        f = lambda c, x: (
+            jtu.tree_map(lambda a, b: b.astype(a.dtype), c, new(c, x)),
+            None,
+        )
+    got = run(f, fixed_init, xs)
+    want = ref_scan(f, fixed_init, xs)
+    close(got[0], want[0])
+    assert jtu.tree_leaves(got[0])[0].dtype == jtu.tree_leaves(fixed_init)[0].dtype
+    if case == "float-to-complex":  # what a cast back would have dropped is kept
+        assert jnp.all(jnp.imag(got[0]) != 0)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.int16])
 def test_weak_type_change_is_allowed_like_lax_scan(dtype):
     f = lambda c, x: (c + x, None)

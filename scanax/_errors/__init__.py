@@ -167,11 +167,60 @@ def not_a_pair(call: str, out: Any) -> TypeError:
     )
 
 
-def carry_mismatch(call: str, rows: list[tuple[str, str, str]], hint: str) -> TypeError:
-    body = listing([(p, f"init {a}, returned {b}") for p, a, b in rows])
+def carry_mismatch(call: str, rows: list[tuple[str, Any, Any]]) -> TypeError:
+    """``rows``: ``(path, init type, returned type)`` of each leaf that differs,
+    the types as ``jax.typeof`` gives them; the fix is for the first."""
+    body = listing(
+        [(p, f"init {short_type(a)}, returned {short_type(b)}") for p, a, b in rows]
+    )
     return TypeError(
         f"{call}: the carry returned by `f` must have the same structure, shapes and "
-        f"dtypes as `init`, but it differs:\n{body}\nFix: {hint}"
+        f"dtypes as `init`, but it differs:\n{body}\nFix: {_carry_fix(*rows[0])}."
+    )
+
+
+# Kinds of dtype, each holding the values of the ones before it.
+_KINDS = (np.bool_, np.integer, np.floating, np.complexfloating)
+
+
+def _kind(dtype: Any) -> int | None:
+    """The index in ``_KINDS`` of ``dtype``'s kind; None for PRNG keys and other
+    dtypes that are not numbers."""
+    for i, kind in enumerate(_KINDS):
+        if jax.dtypes.issubdtype(dtype, kind):
+            return i
+    return None
+
+
+def _carry_fix(path: str, init: Any, new: Any) -> str:
+    """What to do when ``f`` returns ``new`` where ``init`` was: keep the shape; for
+    a value of a wider kind (an int becoming a float, a float a complex number)
+    start with that kind, since casting back would lose what ``f`` computes; else
+    cast back (a float32 carry ``f`` returns as float16 or float64)."""
+    if init.shape != new.shape:
+        return (
+            f"keep {path} at shape {tuple(init.shape)} (a carry cannot change shape; "
+            "preallocate and write with `.at[i].set`)"
+        )
+    was, now = _kind(init.dtype), _kind(new.dtype)
+    if was is None or now is None:
+        return f"return {path} as {short_type(init)}, the type of `init`"
+    old_name, new_name = np.dtype(init.dtype).name, np.dtype(new.dtype).name
+    if now <= was:
+        return f"cast it back: `new.astype(jnp.{old_name})`"
+    if path == "carry":
+        how = f"`init.astype(jnp.{new_name})`"
+    else:
+        how = f"`.astype(jnp.{new_name})` on that leaf of `init`"
+    if _KINDS[was] is np.bool_:
+        lost = "all but whether it is nonzero"
+    elif _KINDS[now] is np.complexfloating:
+        lost = "its imaginary part"
+    else:
+        lost = "its fractional part"
+    return (
+        f"start {path} as {new_name}, the dtype `f` returns ({how}); casting the "
+        f"new value back to {old_name} would drop {lost}"
     )
 
 
@@ -198,6 +247,26 @@ def nnx_graph_changed(
         "through `nnx.capture(model, nnx.Intermediate)(x)` and return what it "
         "captures in `y`, or remove them with `nnx.pop(model, nnx.Intermediate)` "
         "before returning the carry."
+    )
+
+
+def nnx_made_outside(call: str, names: list[str]) -> TypeError:
+    """NNX objects in the carry from outside the trace now running: NNX forbids
+    writing them there, so the scan could not update them in place."""
+    one = len(names) == 1
+    what, was, they, them = (
+        ("object", "was", "it", "it") if one else ("objects", "were", "they", "them")
+    )
+    args = "an argument" if one else "arguments"
+    return TypeError(
+        f"{call}: the NNX {what} {', '.join(names)} {was} made outside the function "
+        f"being traced (by `jax.jit`, `jax.grad`, `jax.vmap`...), so {they} cannot "
+        "be updated in place: NNX lets only the trace that made a Variable write "
+        "it. Nothing was run and nothing was changed.\n"
+        f"Fix: pass {them} in as {args}: to `nnx.jit` (or `nnx.grad`, `nnx.vmap`), "
+        "which writes the changes back to your objects, or to `jax.jit`, and return "
+        f"{them} from the jitted function (`jax.jit` gives the function copies of "
+        "your objects)."
     )
 
 
