@@ -1,11 +1,10 @@
 """``stop=``: early stopping, as a static description (``EarlyStop``) plus pure
 JAX functions on a small state that the compiled training loop carries.
 
-The rule is Keras 3's ``keras.callbacks.EarlyStopping`` (``mode="min"`` or
-``"max"``, ``min_delta``, ``patience``), evaluated on device at each evaluation,
-so that the loop stops and keeps its best state without a host round trip. The
-functions are elementwise in the state: under ``jax.vmap`` each member of a
-population stops on its own.
+The rule is Keras 3's ``keras.callbacks.EarlyStopping`` (``mode``, ``min_delta``,
+``patience``), evaluated on device at each evaluation, so that the loop stops and
+keeps its best state without a host round trip. The functions are elementwise in
+the state: under ``jax.vmap`` each member of a population stops on its own.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -21,6 +21,43 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import stop as errors
+
+# ``mode="auto"`` (documented in ``EarlyStop.direction``): words of metrics that
+# grow, and words that make a name a loss even then. Up to ``correlation``: every
+# built-in Keras 3 metric whose ``_direction`` is "up", by the words of its default
+# name (``binary_accuracy``, ``f1_score``, ``mean_io_u``...), and Keras's alias
+# ``acc``; then common scores that only grow.
+MAX_WORDS = (
+    "acc", "accuracy", "auc", "precision", "recall", "sensitivity", "specificity",
+    "f1", "fbeta", "r2", "iou", "io_u", "similarity", "correlation",
+    "miou", "dice", "jaccard", "psnr", "ssim", "bleu", "rouge", "ndcg",
+)  # fmt: skip
+MIN_WORDS = ("loss", "error", "err")
+
+
+def _words(words: tuple[str, ...]) -> re.Pattern:
+    # a word not run together with other letters: digits and punctuation may
+    # touch it (``top5_acc``, ``acc@1``, ``acc1``), letters may not (``accumulated``)
+    return re.compile(r"(?<![a-z])(?:" + "|".join(words) + r")(?![a-z])")
+
+
+_MAX, _MIN = _words(MAX_WORDS), _words(MIN_WORDS)
+
+
+def auto_mode(monitor: str) -> str:
+    """``"max"`` or ``"min"``: the direction ``mode="auto"`` gives the metric
+    ``monitor``. ``"max"`` when its name (lowercased) holds one of
+    ``MAX_WORDS`` as a word and none of ``MIN_WORDS``; ``"min"`` otherwise.
+
+    Example:
+        >>> from scanax._stop import auto_mode
+        >>> [auto_mode(n) for n in ("val_accuracy", "top5_acc", "val_f1_score")]
+        ['max', 'max', 'max']
+        >>> [auto_mode(n) for n in ("val_loss", "mse", "dice_loss", "accumulated")]
+        ['min', 'min', 'min', 'min']
+    """
+    name = monitor.lower()
+    return "max" if _MAX.search(name) and not _MIN.search(name) else "min"
 
 
 class StopState(NamedTuple):
@@ -40,6 +77,9 @@ class StopState(NamedTuple):
     stopped: jax.Array
 
 
+MODES = ("auto", "min", "max")
+
+
 @dataclasses.dataclass(frozen=True)
 class EarlyStop:
     """Stop training when a monitored metric stops improving, and keep the best
@@ -49,20 +89,23 @@ class EarlyStop:
     value ``value``; ``first``: this is the first evaluation)::
 
         wait += 1
-        if best is None or (value < best - min_delta if mode == "min"
+        if best is None or (value < best - min_delta if direction == "min"
                             else value > best + min_delta):
             best, best_step, wait = value, step, 0  # and keep the model
         elif wait >= patience and not first:
             stop                                     # and restore the kept model
 
-    which is ``keras.callbacks.EarlyStopping(monitor, min_delta=min_delta,
+    (``direction``: ``mode``, with ``"auto"`` resolved from the name), which is
+    ``keras.callbacks.EarlyStopping(monitor, min_delta=min_delta,
     patience=patience, mode=mode)`` evaluated once per evaluation instead of once
-    per epoch. Differences from Keras: ``mode`` has no ``"auto"`` (say ``"max"``
-    for accuracies); ``min_delta`` must be ``>= 0`` (Keras takes its absolute
-    value); no ``baseline`` or ``start_from_epoch``; a NaN value is never an
-    improvement, even the first (Keras takes a first NaN as the best, after which
-    nothing improves on it). With ``restore_best``, the model kept is the best
-    one, also when training ends without the rule stopping it (as Keras's
+    per epoch. Differences from Keras: ``mode="auto"`` decides from the name
+    alone (Keras 3 asks the model's metric object of that name, and raises when
+    there is none; scanax's metrics are names), see ``direction``;
+    ``min_delta`` must be ``>= 0`` (Keras takes its absolute value); no
+    ``baseline`` or ``start_from_epoch``; a NaN value is never an improvement,
+    even the first (Keras takes a first NaN as the best, after which nothing
+    improves on it). With ``restore_best``, the model kept is the best one, also
+    when training ends without the rule stopping it (as Keras's
     ``restore_best_weights`` does).
 
     Arguments:
@@ -71,8 +114,10 @@ class EarlyStop:
         patience: evaluations without improvement after which training stops
             (``0``: at the first).
         min_delta: how much a value must beat the best by to count as an
-            improvement (``>= 0``, in the direction of ``mode``).
-        mode: ``"min"`` (lower is better) or ``"max"``.
+            improvement (``>= 0``, in the direction of ``direction``).
+        mode: ``"auto"`` (default: ``"max"`` for accuracies and other scores
+            that grow, by the metric's name, ``"min"`` otherwise; see
+            ``direction``), ``"min"`` (lower is better) or ``"max"``.
         restore_best: end with the best model (True, default) or the last one.
 
     Example:
@@ -89,13 +134,15 @@ class EarlyStop:
         4 False True
         >>> int(state.best_step), float(state.best)
         (2, 2.0)
+        >>> scanax.EarlyStop("val_accuracy", patience=1).direction
+        'max'
     """
 
     monitor: str
     _: dataclasses.KW_ONLY
     patience: int
     min_delta: float = 0.0
-    mode: str = "min"
+    mode: str = "auto"
     restore_best: bool = True
 
     def __post_init__(self) -> None:
@@ -113,10 +160,27 @@ class EarlyStop:
             raise errors.min_delta_type(self.min_delta)
         if not math.isfinite(self.min_delta) or self.min_delta < 0:
             raise errors.min_delta_value(self.min_delta)
-        if self.mode not in ("min", "max"):
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise errors.bad_mode(self.mode)
         if not isinstance(self.restore_best, bool):
             raise errors.restore_best_type(self.restore_best)
+
+    @property
+    def direction(self) -> str:
+        """``"min"`` or ``"max"``: ``mode``, or with ``mode="auto"`` the direction
+        of the metric's name. The name, lowercased, is ``"max"`` when it holds
+        one of these words and none of ``loss``, ``error``, ``err``: ``acc``,
+        ``accuracy``, ``auc``, ``precision``, ``recall``, ``sensitivity``,
+        ``specificity``, ``f1``, ``fbeta``, ``r2``, ``iou`` (or Keras's
+        ``io_u``), ``similarity``, ``correlation`` (the built-in Keras 3 metrics
+        that grow, and the alias ``acc``), ``miou``, ``dice``, ``jaccard``,
+        ``psnr``, ``ssim``, ``bleu``, ``rouge``, ``ndcg``; otherwise ``"min"``.
+        A word counts where no letter touches it: ``val_top5_acc``, ``acc@1``
+        and ``f1_score`` are maximised, ``accumulated`` and ``val_auc_loss``
+        minimised. Every name Keras 3's ``mode="auto"`` resolves for its built-in
+        metrics (their default names and aliases, ``val_`` or not) gets the same
+        direction here."""
+        return auto_mode(self.monitor) if self.mode == "auto" else self.mode
 
     def check_monitor(self, available: Iterable[str]) -> None:
         """Raise ``ValueError`` naming the available metrics if ``monitor`` is not
@@ -129,7 +193,7 @@ class EarlyStop:
     def init(self, dtype: Any = jnp.float32) -> StopState:
         """The state before the first evaluation (values compared in ``dtype``).
         For a population, ``jax.vmap`` it over a dummy axis or broadcast it."""
-        worst = jnp.inf if self.mode == "min" else -jnp.inf
+        worst = jnp.inf if self.direction == "min" else -jnp.inf
         return StopState(
             best=jnp.asarray(worst, dtype),
             best_step=jnp.asarray(-1, jnp.int32),
@@ -154,7 +218,7 @@ class EarlyStop:
         with jax.named_scope("scanax.early_stop"):
             value = value.astype(state.best.dtype)
             delta = jnp.asarray(self.min_delta, state.best.dtype)
-            if self.mode == "min":
+            if self.direction == "min":
                 better = value + delta < state.best
             else:
                 better = value - delta > state.best

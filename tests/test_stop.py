@@ -2,16 +2,19 @@
 reimplementation of Keras's and against keras.callbacks.EarlyStopping itself, in
 a compiled loop and under vmap."""
 
+import inspect
 import os
+import re
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import leaves_equal
 
 import scanax
-from scanax._stop import StopState, keep_best
+from scanax._stop import MAX_WORDS, MIN_WORDS, StopState, keep_best
 
 # Values on a grid of 1/8: exact in float32 and float64, so that Keras's float64
 # arithmetic and ours agree on every comparison, including ties with min_delta.
@@ -184,7 +187,8 @@ def test_is_hashable_and_frozen():
     assert a == scanax.EarlyStop("val_loss", patience=3) and hash(a) == hash(
         scanax.EarlyStop("val_loss", patience=3)
     )
-    assert a.restore_best is True and a.mode == "min" and a.min_delta == 0.0
+    assert a.restore_best is True and a.min_delta == 0.0
+    assert a.mode == "auto" and a.direction == "min"  # `mode` stays as given
     with pytest.raises(AttributeError):
         a.patience = 4
 
@@ -229,9 +233,15 @@ def test_is_hashable_and_frozen():
             r"`min_delta` must be finite",
         ),
         (
-            {"monitor": "loss", "patience": 1, "mode": "auto"},
+            {"monitor": "loss", "patience": 1, "mode": "maximum"},
             ValueError,
-            r"`mode` must be 'min' or 'max', got 'auto'.*does not guess",
+            r"`mode` must be 'auto', 'min' or 'max', got 'maximum'.\nFix: leave it "
+            r"out \('auto': 'max' for accuracies",
+        ),
+        (
+            {"monitor": "loss", "patience": 1, "mode": None},
+            ValueError,
+            r"`mode` must be 'auto', 'min' or 'max', got None",
         ),
         (
             {"monitor": "loss", "patience": 1, "restore_best": 1},
@@ -280,3 +290,158 @@ def test_monitored_value_must_be_scalar():
         ValueError, match=r"'val_loss' must be one number per evaluation.*float32\[3\]"
     ):
         stop.update(stop.init(), jnp.ones(3), 1)
+
+
+# ------------------------------------------------------------------ mode="auto"
+
+# Keras's usual spellings and its metric aliases, each naming the metric a model
+# compiled with `metrics=[...]` has (strings as Keras resolves them).
+KERAS_NAMES = [
+    "val_accuracy", "val_acc", "accuracy", "val_auc", "val_f1", "val_loss", "loss",
+    "val_mse", "mae", "val_mape", "msle", "val_bce",
+]  # fmt: skip
+
+
+def keras_direction(keras, model, monitor):
+    """What keras.callbacks.EarlyStopping(monitor, mode="auto") resolves to for
+    ``model``'s metrics, at its first epoch."""
+    cb = keras.callbacks.EarlyStopping(monitor=monitor, mode="auto")
+    cb.set_model(model)
+    cb.on_train_begin()
+    cb.on_epoch_end(0, {monitor: 1.0})
+    return {keras.ops.greater: "max", keras.ops.less: "min"}[cb.monitor_op]
+
+
+def test_auto_mode_is_keras_for_a_compiled_model(keras):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    f1 = keras.metrics.F1Score(name="f1")
+    metrics = ["accuracy", "acc", "auc", f1, "mse", "mae", "mape", "msle", "bce"]
+    model.compile(loss="binary_crossentropy", metrics=metrics)
+    y = np.zeros((4, 1), np.float32)
+    model._compile_metrics.build(y, y)  # what Keras's fit does at its first batch
+    for name in KERAS_NAMES:
+        expected = keras_direction(keras, model, name)
+        assert scanax.EarlyStop(name, patience=1).direction == expected, name
+
+
+def keras_builtin_metrics(keras):
+    """Every built-in Keras metric that knows its direction, default-named."""
+    required = {
+        "num_classes": 2, "recall": 0.5, "precision": 0.5, "specificity": 0.5,
+        "sensitivity": 0.5, "target_class_ids": [0],
+    }  # fmt: skip
+    out = []
+    for cls in vars(keras.metrics).values():
+        if not (isinstance(cls, type) and issubclass(cls, keras.metrics.Metric)):
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        args = {k: v for k, v in required.items() if k in params}
+        if any(
+            p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+            for k, p in params.items()
+            if k != "self" and k not in args
+        ):
+            continue  # e.g. MeanMetricWrapper(fn): not a metric by itself
+        metric = cls(**args)
+        if getattr(metric, "_direction", None) in ("up", "down"):
+            out.append(metric)
+    return out
+
+
+def test_auto_mode_is_keras_for_every_builtin_metric(keras):
+    """Each built-in metric's default name, with and without ``val_``, gets the
+    direction Keras's own metric object gives it."""
+    from keras.src.trainers.compile_utils import MetricsList
+
+    metrics = keras_builtin_metrics(keras)
+    assert len(metrics) > 30  # (the enumeration found them)
+    model = types.SimpleNamespace(metrics=[MetricsList(metrics)])
+    for metric in metrics:
+        for name in (metric.name, "val_" + metric.name):
+            expected = keras_direction(keras, model, name)
+            assert scanax.EarlyStop(name, patience=1).direction == expected, name
+
+
+@pytest.mark.parametrize(
+    ("monitor", "direction"),
+    [
+        *[(n, "max") for n in ("val_top5_acc", "acc@1", "acc1", "Val_Accuracy")],
+        *[(n, "max") for n in ("f1_score", "val_mean_io_u", "miou", "PSNR", "ndcg")],
+        *[(n, "max") for n in ("recall_at_precision", "val_r2", "dice", "BLEU")],
+        *[(n, "min") for n in ("val_auc_loss", "dice_loss", "top1_err", "mae")],
+        *[(n, "min") for n in ("accumulated", "val_mape", "ppl", "f1score")],
+        *[(n, "min") for n in ("error", "val_acc_error", "kl_divergence")],
+    ],
+)
+def test_auto_mode_by_words(monitor, direction):
+    """The documented rule: one of the words, not run together with letters, and
+    none of loss/error/err."""
+    assert scanax.EarlyStop(monitor, patience=1).direction == direction
+    for mode in ("min", "max"):  # an explicit mode is the mode
+        assert scanax.EarlyStop(monitor, patience=1, mode=mode).direction == mode
+
+
+def test_auto_mode_words_are_documented():
+    """The list in EarlyStop.direction's docstring is the one the rule uses."""
+    doc = " ".join(scanax.EarlyStop.direction.__doc__.split())
+    listed = re.findall(r"``([a-z0-9_]+)``", doc.split("when it holds")[1])
+    words = listed[listed.index("err") + 1 : listed.index("val_top5_acc")]
+    assert set(words) == set(MAX_WORDS) and listed[:3] == list(MIN_WORDS)
+
+
+@pytest.mark.parametrize(("monitor", "mode"), [("val_acc", "max"), ("loss", "min")])
+def test_auto_is_the_explicit_mode(monitor, mode):
+    """Same states, step by step, as the mode it resolves to."""
+    values = sequence(0)
+    auto = scanax.EarlyStop(monitor, patience=2, min_delta=0.125)
+    explicit = scanax.EarlyStop(monitor, patience=2, min_delta=0.125, mode=mode)
+    assert auto.direction == mode and ours(auto, values) == ours(explicit, values)
+    leaves_equal(auto.init(), explicit.init())
+
+
+# An accuracy that rises: a linear classifier from a bad start, plain SGD, batches
+# in order (key=None). Evaluated every 4 steps.
+W = jnp.array([[1.0], [-2.0], [0.5]])
+XT = jax.random.normal(jax.random.key(0), (48, 3))
+XV = jax.random.normal(jax.random.key(3), (64, 3))
+TRAIN = (XT, (XT @ W > 0).astype(jnp.float32))
+VAL = (XV, (XV @ W > 0.3).astype(jnp.float32))
+
+
+def classifier_loss(params, batch):
+    optax = pytest.importorskip("optax")
+    x, y = batch
+    logits = x @ params["w"] + params["b"]
+    accuracy = jnp.mean(((logits > 0) == (y > 0.5)).astype(jnp.float32))
+    loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, y))
+    return loss, {"accuracy": accuracy}
+
+
+def fit_classifier(steps=200, **kwargs):
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.array([[-0.5], [0.5], [0.0]]), "b": jnp.zeros((1,))}
+    return scanax.fit(
+        params, optax.sgd(0.05), classifier_loss, TRAIN, steps=steps, batch_size=8,
+        key=None, progress=False, eval_data=VAL, eval_every=4, **kwargs,
+    )  # fmt: skip
+
+
+def test_fit_keeps_the_best_accuracy():
+    """EarlyStop("val_accuracy") maximises: the model returned is the one at the
+    first highest validation accuracy (the same model as a run that stops there),
+    as mode="max" gives (the old default, "min", kept the first, worst one)."""
+    result = fit_classifier(stop=scanax.EarlyStop("val_accuracy", patience=2))
+    steps, acc = result.history["val_step"], result.history["val_accuracy"]
+    assert acc[-1] > acc[0] and result.steps < 200  # rose, then stopped on a plateau
+    best = int(steps[np.argmax(acc)])  # (argmax: the first of equal maxima)
+    assert result.best_step == best and best not in (steps[0], steps[-1])
+    plain = fit_classifier(steps=best)  # no rule: trained up to the best step
+    leaves_equal(result.model, plain.model)
+    assert float(classifier_loss(result.model, VAL)[1]["accuracy"]) == acc.max()
+
+    explicit = fit_classifier(
+        stop=scanax.EarlyStop("val_accuracy", patience=2, mode="max")
+    )
+    assert explicit.best_step == best and explicit.steps == result.steps
+    leaves_equal(result.model, explicit.model)
+    np.testing.assert_array_equal(explicit.history["loss"], result.history["loss"])

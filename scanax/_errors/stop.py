@@ -53,9 +53,10 @@ def min_delta_value(min_delta: float) -> ValueError:
 
 def bad_mode(mode: Any) -> ValueError:
     return ValueError(
-        f"{CALL}: `mode` must be 'min' or 'max', got {mode!r}.\nFix: pass "
-        "mode='min' for losses and errors, mode='max' for accuracies and "
-        "scores (scanax does not guess it from the name as Keras's 'auto' does)."
+        f"{CALL}: `mode` must be 'auto', 'min' or 'max', got {mode!r}.\nFix: "
+        "leave it out ('auto': 'max' for accuracies and other scores by the "
+        "metric's name, 'min' otherwise; see EarlyStop.direction), or pass "
+        "mode='min' for losses and errors, mode='max' for metrics that should grow."
     )
 
 
