@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from . import _caller
 from ._errors import fit as errors
 
 _FORMAT = 1
@@ -52,7 +53,11 @@ def _short(desc: list) -> str:
 
 
 class Checkpoints:
-    """Save and restore ``fit``'s training state in ``directory``."""
+    """Save and restore ``fit``'s training state in ``directory``.
+
+    Reading changes nothing on disk: the directory is created, and a killed
+    save's temporary folders cleaned up, by the first save (so that a call
+    refused before its first step leaves the directory as it was)."""
 
     def __init__(self, directory: Any, every: int, names: list[str], data: dict):
         ocp = _ocp()
@@ -61,96 +66,134 @@ class Checkpoints:
         self.every = every
         self.names = names
         self.data = data
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=KEEP, create=True, cleanup_tmp_directories=True
-        )
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "history", "meta")
-        )
+        self.reader = None
+        if os.path.isdir(self.directory):
+            options = ocp.CheckpointManagerOptions(
+                create=False, cleanup_tmp_directories=False
+            )
+            self.reader = ocp.CheckpointManager(
+                self.directory, options=options, item_names=_ITEMS
+            )
+        self.manager = None  # the writer, made by the first save
         self.last_saved = None
 
     # ------------------------------------------------------------------ save
+
+    def _writer(self) -> Any:
+        if self.manager is None:
+            if self.reader is not None:
+                self.reader.close()
+                self.reader = None
+            options = self.ocp.CheckpointManagerOptions(
+                max_to_keep=KEEP, create=True, cleanup_tmp_directories=True
+            )
+            self.manager = self.ocp.CheckpointManager(
+                self.directory, options=options, item_names=_ITEMS
+            )
+        return self.manager
 
     def save(self, step: int, leaves: list, key: Any, history: dict) -> None:
         if step == self.last_saved or step == 0:
             return
         saved = [jr.key_data(x) if _is_key(x) else x for x in leaves]
-        state = {"leaves": saved, "key": _key_data(key)}
+        # (orbax saves no zero-size array: an empty leaf is rebuilt from its
+        # type on restore, an empty history entry from the meta)
+        state = {"leaves": [x for x in saved if x.size], "key": _key_data(key)}
+        empty = {k: describe(v) for k, v in history.items() if not np.size(v)}
         meta = {
             "format": _FORMAT,
             "step": int(step),
             "leaves": [[n, *describe(x)] for n, x in zip(self.names, leaves)],
             "data": self.data,
+            "empty_history": empty,
         }
         ocp = self.ocp
-        self.manager.save(
+        self._writer().save(
             int(step),
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                history=ocp.args.StandardSave(history),
+                history=ocp.args.StandardSave(
+                    {k: v for k, v in history.items() if k not in empty}
+                ),
                 meta=ocp.args.JsonSave(meta),
             ),
         )
         self.last_saved = step
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        for manager in (self.manager, self.reader):
+            if manager is not None:
+                manager.wait_until_finished()
+                manager.close()
 
     # ------------------------------------------------------------------ restore
 
+    def _steps(self) -> list[int]:
+        return [] if self.reader is None else list(self.reader.all_steps())
+
     def steps_after(self, end: int) -> list[int]:
         """The saved steps past ``end``, oldest first."""
-        return sorted(s for s in self.manager.all_steps() if s > end)
+        return sorted(s for s in self._steps() if s > end)
 
     def restore(
-        self, leaves: list, key: Any, at_most: int
+        self, leaves: list, key: Any, at_most: int, start: int = 0
     ) -> tuple[int, list, Any, dict] | None:
         """``(step, leaves, key, history)`` from the newest readable checkpoint
         at or before step ``at_most`` that fits ``leaves``, or None when there is
         none. An unreadable (corrupt, partial) checkpoint is skipped with a
-        warning; one from another model is an error."""
-        ocp = self.ocp
-        steps = [s for s in self.manager.all_steps() if s <= at_most]
-        for step in sorted(steps, reverse=True):
+        warning (the last one says that training starts from ``start``, the
+        model as given); one from another model is an error."""
+        steps = sorted((s for s in self._steps() if s <= at_most), reverse=True)
+        for i, step in enumerate(steps):
             try:
-                meta = self.manager.restore(
-                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                meta = self.reader.restore(
+                    step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())
                 )["meta"]
             except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
-                self._skip(step, err)
+                self._skip(step, err, i == len(steps) - 1, start)
                 continue
             self._check(step, meta, leaves)
-            abstract = {
-                "leaves": [_abstract(x) for x in leaves],
-                "key": _abstract_key(key),
-            }
             try:
-                out = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract),
-                        history=ocp.args.StandardRestore(),
-                    ),
-                )
-                restored = [
-                    jr.wrap_key_data(r, impl=jr.key_impl(t)) if _is_key(t) else r
-                    for r, t in zip(out["state"]["leaves"], leaves)
-                ]
-                new_key = _wrap_key(out["state"]["key"], key)
-                history = {k: np.asarray(v) for k, v in out["history"].items()}
-                _check_restored(step, restored, leaves, self.names)
+                restored, new_key, history = self._read(step, meta, leaves, key)
             except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
-                self._skip(step, err)
+                self._skip(step, err, i == len(steps) - 1, start)
                 continue
             return int(meta["step"]), restored, new_key, history
         return None
 
-    def _skip(self, step: int, err: Exception) -> None:
+    def _read(self, step: int, meta: dict, leaves: list, key: Any) -> tuple:
+        """The leaves, key and history of checkpoint ``step``."""
+        ocp = self.ocp
+        abstract = {
+            "leaves": [_abstract(x) for x in leaves if _size(x)],
+            "key": _abstract_key(key),
+        }
+        out = self.reader.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                history=ocp.args.StandardRestore(),
+            ),
+        )
+        stored = iter(out["state"]["leaves"])
+        restored = []
+        for t in leaves:
+            r = next(stored) if _size(t) else np.zeros(t.shape, _stored_dtype(t))
+            restored.append(
+                jr.wrap_key_data(r, impl=jr.key_impl(t)) if _is_key(t) else r
+            )
+        new_key = _wrap_key(out["state"]["key"], key)
+        history = {k: np.asarray(v) for k, v in (out["history"] or {}).items()}
+        for name, (shape, dtype) in meta.get("empty_history", {}).items():
+            history[name] = np.zeros(shape, dtype)
+        _check_restored(step, restored, leaves, self.names)
+        return restored, new_key, history
+
+    def _skip(self, step: int, err: Exception, last: bool, start: int) -> None:
         warnings.warn(
-            errors.checkpoint_unreadable(step, self.directory, err),
+            errors.checkpoint_unreadable(step, self.directory, err, last, start),
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=_caller.user_level(),
         )
 
     def _check(self, step: int, meta: dict, leaves: list) -> None:
@@ -179,6 +222,18 @@ class Checkpoints:
             raise errors.checkpoint_other_data(
                 step, self.directory, meta["data"], self.data
             )
+
+
+_ITEMS = ("state", "history", "meta")
+
+
+def _size(x: Any) -> int:
+    """The number of stored elements of a leaf (a key's: its key data's)."""
+    return int(np.prod(jr.key_data(x).shape if _is_key(x) else x.shape))
+
+
+def _stored_dtype(x: Any) -> Any:
+    return jr.key_data(x).dtype if _is_key(x) else x.dtype
 
 
 def _key_data(key: Any) -> Any:

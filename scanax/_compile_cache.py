@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from . import _caller
 from ._errors import fit as errors
 
 ENV = "SCANAX_COMPILE_CACHE"
@@ -71,7 +72,7 @@ def compile_cache(directory: Any = None) -> str | None:
             pass
     except OSError as err:
         warning = errors.cache_dir_unusable(path, err)
-        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+        warnings.warn(warning, RuntimeWarning, stacklevel=_caller.user_level())
         return None
     jax.config.update("jax_compilation_cache_dir", path)
     min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs

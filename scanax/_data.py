@@ -78,6 +78,11 @@ class ArraySource:
     def length(self, steps: int, steps_per_call: int | None) -> int:
         return max(self.LENGTH, steps_per_call or 0)
 
+    def use_key(self, key: Any) -> None:
+        """Shuffle with ``key`` from now on (a restored run's saved key)."""
+        if self.shuffle:
+            self.key, self.seed, self._orders = key, _seed(key), {}
+
     def sized_automatically(self, steps_per_call: int | None) -> bool:
         """Calls sized by their speed (no ``steps_per_call`` given)."""
         return steps_per_call is None
@@ -270,6 +275,10 @@ class IterSource:
     def sized_automatically(self, steps_per_call: int | None) -> bool:
         return False
 
+    def use_key(self, key: Any) -> None:
+        """Per-step keys from ``key`` (a restored run's saved key)."""
+        self.key = key
+
     def check_mesh(self, mesh: Any) -> None:
         """Checked per chunk (``_mesh.put_chunk``): the batch size is the
         iterable's."""
@@ -408,6 +417,30 @@ class _HostBatches:
 
 
 _HOST_BATCHES = _HostBatches()
+
+
+def check_key(key: Any, population: bool = False) -> None:
+    """Refuse a ``key`` that ``jax.random`` would not take as one key: a typed
+    key of shape ``()`` or a raw ``uint32`` key of the default implementation's
+    shape (``jax.random.PRNGKey``)."""
+    if key is None:
+        return
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if np.shape(key) == ():
+            return
+    elif (
+        isinstance(key, (jax.Array, np.ndarray))
+        and dtype == np.uint32
+        and np.shape(key) == _raw_key_shape()
+    ):
+        return
+    raise errors.key_type(key, population)
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a raw key of JAX's default PRNG implementation."""
+    return jax.eval_shape(lambda: jr.key_data(jr.key(0))).shape
 
 
 @functools.cache

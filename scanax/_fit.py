@@ -12,6 +12,7 @@ import jax
 import jax.tree_util as jtu
 
 from . import (
+    _caller,
     _compile_cache,
     _data,
     _fingerprint,
@@ -194,6 +195,7 @@ def fit(
     if not callable(loss_fn):
         raise errors.loss_fn_not_callable(loss_fn)
     pop = model if _population.is_population(model) else None
+    _data.check_key(key, pop is not None)
     takes_hp, takes_key = _loss_arguments(loss_fn, pop is not None)
     if pop is None:
         options = (
@@ -267,6 +269,7 @@ def fit(
     if log is not None:
         log_every = _data.positive_int("log_every", log_every)
         logger = _fit_checks.Logger(_log.Sinks(log), log_every, pop is not None)
+        logger.sinks.check()  # an unwritable path: refused before anything runs
         if jax.process_index() != 0:  # a multi-process job logs once, from process 0
             logger = None
     _compile_cache.enable_from_env()
@@ -289,7 +292,9 @@ def fit(
     start = adapter.start_step()
     if start is None:
         if opt_state is not None:
-            warnings.warn(errors.no_step_count(), RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                errors.no_step_count(), RuntimeWarning, stacklevel=_caller.user_level()
+            )
         start = 0
     leaves, treedef = jtu.tree_flatten(adapter.state)
     leaves = _fit_program.strong(leaves)

@@ -158,9 +158,11 @@ class Logger:
 
     A window closes at every multiple of ``every`` (global steps: windows line up
     across calls and resumes) and at the end of a run. After a restart from a
-    checkpoint at step ``S``, the sinks drop what they hold after the last window
-    closed by ``S`` and the steps since come from the restored history: each step
-    is logged exactly once.
+    checkpoint, the sinks drop what they hold after the step where the restored
+    history begins (this call's start, when the checkpoint was written by a call
+    that started there) and are given that history again, so that each step is
+    logged exactly once, whatever earlier restarts cut: a call writes the same
+    rows as the uninterrupted call did.
     """
 
     def __init__(self, sinks: Any, every: int, members: bool = False):
@@ -168,29 +170,28 @@ class Logger:
         self.rows: list[tuple[np.ndarray, dict]] = []  # pending train steps
         self.val: list[tuple[np.ndarray, dict]] = []  # pending evaluations
 
-    def resume(self, step: int, history: dict | None = None) -> None:
-        """Start after ``step`` (restored from a checkpoint with ``history``)."""
-        closed = step // self.every * self.every if history is not None else step
-        self.sinks.resume(closed)
-        if history is not None:
-            steps = np.asarray(history["step"])
-            keep = steps > closed
-            axis = 1 if self.members else 0
-            names = [k for k in history if k != "step" and not k.startswith("val_")]
-            self.add(
-                steps[keep],
-                {k: np.compress(keep, history[k], axis=axis) for k in names},
+    def open(self, cut: int, history: dict | None = None) -> None:
+        """Open the sinks, keeping what they hold up to step ``cut``, then give
+        them ``history``'s steps after it (a run restored from a checkpoint: its
+        history since this call's start)."""
+        self.sinks.open(cut)
+        if history is None:
+            return
+        axis = 1 if self.members else 0
+        steps = np.asarray(history["step"])
+        keep = steps > cut
+        names = [k for k in history if k != "step" and not k.startswith("val_")]
+        self.add(
+            steps[keep], {k: np.compress(keep, history[k], axis=axis) for k in names}
+        )
+        if "val_step" in history:
+            vsteps = np.asarray(history["val_step"])
+            vkeep = vsteps > cut
+            vnames = [k for k in history if k.startswith("val_") and k != "val_step"]
+            self.add_val(
+                vsteps[vkeep],
+                {k: np.compress(vkeep, history[k], axis=axis) for k in vnames},
             )
-            if "val_step" in history:
-                vsteps = np.asarray(history["val_step"])
-                vkeep = vsteps > closed
-                vnames = [
-                    k for k in history if k.startswith("val_") and k != "val_step"
-                ]
-                self.add_val(
-                    vsteps[vkeep],
-                    {k: np.compress(vkeep, history[k], axis=axis) for k in vnames},
-                )
 
     def add(self, steps: np.ndarray, values: dict) -> None:
         """Per-step values (``[steps, ...]``; a population's ``[members, steps,

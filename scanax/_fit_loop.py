@@ -12,10 +12,11 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _checkpoint, _progress
+from . import _caller, _checkpoint, _models, _progress, _stop
 from ._errors import fit as errors, population as pop_errors
 from ._fit_program import false
 
@@ -68,10 +69,11 @@ class FitResult:
 
         return _plot.plot(self.history, path)
 
-    def best(self, metric: str = "loss", mode: str = "min") -> int:
+    def best(self, metric: str = "loss", mode: str = "auto") -> int:
         """A population's best member: the index whose last finite value of
         ``metric`` is lowest (``mode="min"``) or highest (``"max"``); members
-        with no finite value rank last."""
+        with no finite value rank last. ``"auto"``: ``EarlyStop``'s rule (max for
+        accuracies and similar names, min otherwise)."""
         if np.ndim(self.steps) != 1:
             raise pop_errors.best_not_population()
         names = sorted(
@@ -82,8 +84,10 @@ class FitResult:
         if metric not in names:
             raise pop_errors.best_metric(metric, names)
         values = self.history[metric]
-        if mode not in ("min", "max"):
+        if mode not in ("auto", "min", "max"):
             raise pop_errors.best_mode(mode)
+        if mode == "auto":
+            mode = _stop.auto_mode(metric)
         values = np.asarray(values, np.float64)
         finite = np.isfinite(values)
         last = np.full(values.shape[0], np.nan)
@@ -92,6 +96,24 @@ class FitResult:
         last[has] = values[has, where[has]]
         sign = 1.0 if mode == "min" else -1.0
         return int(np.argmin(np.where(has, sign * last, np.inf)))
+
+
+def best_state(names: list[str], best: list, last: list, where: Any = None) -> list:
+    """The state an early stop restores: ``best``'s leaves, except the step
+    counts (``_models.is_counter``), which keep ``last``'s: the next ``fit``
+    continues after the last step run. ``where``: a population's per-member
+    mask of the members with a best state (the others keep ``last``)."""
+    out = []
+    for name, b, x in zip(names, best, last):
+        if _models.is_counter(name, x, where is not None):
+            out.append(x)
+        elif where is None:
+            out.append(b)
+        else:
+            out.append(
+                jnp.where(where.reshape(where.shape + (1,) * (x.ndim - 1)), b, x)
+            )
+    return out
 
 
 # ---------------------------------------------------------------------------- history
@@ -156,7 +178,7 @@ class History:
             warnings.warn(
                 errors.metrics_changed(self.count, new, gone),
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=_caller.user_level(),
             )
         for name in new:
             self.arrays[name] = [np.full(self.count, np.nan, np.float32)]
@@ -244,6 +266,11 @@ class Run:
         self.good = leaves  # the last state checked to be finite
         self.data, self.key = source.arguments(self.mesh)
         self.hp = None  # a population's hyperparameters
+        # What the log sinks keep (rows up to this step) and the restored history
+        # they are given again after it (``Logger.open``).
+        self.replay: tuple[int, dict | None] = (self.start, None)
+        self.chunks: Any = None  # the calls to make, and the first (``prepare``)
+        self.nxt: Any = None
 
     def context(self) -> Any:
         """The mesh as context while tracing: NNX Variables with sharding
@@ -260,7 +287,10 @@ class Run:
         )
         past = self.ckpt.steps_after(self.end)
         found = self.ckpt.restore(
-            self._saved(self.leaves, self.extra), self.key, at_most=self.end
+            self._saved(self.leaves, self.extra),
+            self.key,
+            at_most=self.end,
+            start=self.start,
         )
         if past and found is None:  # nothing to resume but a longer run
             raise errors.checkpoint_past_end(
@@ -270,25 +300,64 @@ class Run:
             warnings.warn(
                 errors.checkpoint_saves_dropped(self.ckpt.directory, past, self.end),
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_caller.user_level(),
             )
         if found is None or found[0] <= self.start:
             return
-        step, saved, self.key, history = found
+        step, saved, key, history = found
         self._load(saved)
+        self.use_key(key)
         self.ckpt.last_saved = step
         self.history.restore(history, self.start, step)
-        if self.logger is not None:
-            self.logger.resume(step, self.history.result())
+        restored = self.history.result()
+        # The sinks keep their rows up to where the restored history begins and
+        # are given that history again: a resume never deletes a row it does not
+        # write again (an earlier restart may have cut them).
+        steps = restored["step"]
+        self.replay = (int(steps[0]) - 1 if len(steps) else step, restored)
         self.done = step
         self.good = self.leaves
         if step == self.end:
             warnings.warn(
                 errors.checkpoint_at_end(self.ckpt.directory, step),
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_caller.user_level(),
             )
         self.source.skip(step - self.start)  # the batches those steps used
+
+    def use_key(self, key: Any) -> None:
+        """Continue with ``key`` (a checkpoint's): the shuffle and the per-step
+        keys both come from it."""
+        self.key = key
+        self.source.use_key(key)
+
+    def prepare(self) -> None:
+        """The first call's batches, and its program compiled: every refusal
+        found while tracing ``loss_fn``/``eval_fn`` comes here, before any file,
+        sink, model or optimizer changes."""
+        self.chunks = self.source.calls(self.done, self.end, self.schedule, self.mesh)
+        self.nxt = next(self.chunks, None)
+        if self.nxt is not None:
+            with self.context():
+                self._compiled(self._args(*self._at(*self.nxt)))
+
+    def open_logs(self) -> None:
+        """Open the log sinks after the last refusal, before the first step."""
+        if self.logger is not None:
+            self.logger.open(*self.replay)
+
+    def _at(self, start: int, end: int, xs: Any) -> tuple:
+        """``_call``'s arguments for the steps ``start`` to ``end``."""
+        count = end - start
+        return (
+            self.leaves,
+            self.stopped,
+            start,
+            count,
+            self._every(count),
+            xs,
+            self.extra,
+        )
 
     def _describe(self) -> dict:
         """What a checkpoint records of the run's inputs (a resume must see the
@@ -324,8 +393,8 @@ class Run:
             self.extra = jtu.tree_unflatten(treedef, saved[n:])
 
     def go(self) -> FitResult:
-        if self.logger is not None and self.done == self.start:
-            self.logger.resume(self.start)  # (a restored run resumed it already)
+        self.prepare()
+        self.open_logs()
         shown: Any = contextlib.nullcontext()
         if self.spec is not None:
             self.bar = _progress.open_bar(
@@ -378,8 +447,7 @@ class Run:
         first = self.leaves
         handed = False  # the model may hold a state not yet checked
         try:
-            chunks = self.source.calls(self.done, self.end, self.schedule, self.mesh)
-            nxt = next(chunks, None)
+            chunks, nxt = self.chunks, self.nxt
             while nxt is not None:
                 start, end, xs = nxt
                 inputs = (self.leaves, start, xs, self.extra)
@@ -435,7 +503,9 @@ class Run:
                 self.logger.sinks.close()
         best = self.best_step()
         if best is not None:  # stop=EarlyStop(restore_best=True): the best state
-            model, optimizer = self._finish(list(self.extra.best))
+            model, optimizer = self._finish(
+                best_state(self._names(), self.extra.best, self.leaves)
+            )
         elif not handed or self.halted:
             model, optimizer = self._finish(self.leaves)
         result = FitResult(
@@ -495,8 +565,10 @@ class Run:
             self.halted = True
             self.leaves, self.extra = self._redo(inputs, count)
             self._warn(start + count, ys["loss"][count], loss_ok, grads_ok)
-        elif (
-            self.ckpt is not None
+        self.good = self.leaves if self.halted else leaves
+        if (
+            not self.halted
+            and self.ckpt is not None
             and self.ckpt.every
             and start + count == end
             and end % self.ckpt.every == 0
@@ -504,7 +576,6 @@ class Run:
             self.ckpt.save(
                 end, self._saved(leaves, extra), self.key, self.history.result()
             )
-        self.good = self.leaves if self.halted else leaves
         if self.logger is not None:
             self.logger.write()
 
@@ -540,5 +611,5 @@ class Run:
                 t, loss, bool(loss_ok), bool(grads_ok), self.done - self.start
             ),
             RuntimeWarning,
-            stacklevel=6,  # the user's fit(...) line
+            stacklevel=_caller.user_level(),
         )

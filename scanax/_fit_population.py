@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools as ft
+import itertools
 import os
 import time
 import warnings
@@ -24,6 +25,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import (
+    _caller,
     _data,
     _fingerprint,
     _fit_checks,
@@ -61,12 +63,12 @@ def fit_population(
     n = pop.n
     per_member = not shared and getattr(source, "shuffle", False)
     keys = jr.split(key if key is not None else _data.unused_key(), n)
-    call_for = _caller(loss_fn, takes_hp, takes_key)
+    call_for = _call_for(loss_fn, takes_hp, takes_key)
     checks, eval_arrays, eval_key = None, None, None
     if evaluation is not None:
         checks, eval_arrays, eval_fn, eval_takes = evaluation
         if eval_fn is not None:
-            evaluate = pop.eval_factory(_caller(eval_fn, *eval_takes))
+            evaluate = pop.eval_factory(_call_for(eval_fn, *eval_takes))
             checks = _fit_checks.Checks(
                 checks.every, evaluate, checks.n, checks.batch_size, checks.stop
             )
@@ -154,7 +156,16 @@ def fit_population(
                 run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
             if directory is not None:
                 run.resume(directory, checkpoint_every)
-            leaves, stop, history, count, done, best_step = run.go()
+            try:
+                leaves, stop, history, count, done, best_step = run.go()
+            except BaseException:
+                # Interrupted (Ctrl-C) or failed: all members at once keep the
+                # state of the last call checked, as a single model does (with
+                # groups, the population keeps its state from before the call:
+                # its members would stand at different steps).
+                if len(groups) == 1 and run.checked is not None:
+                    pop.update(*run.checked)
+                raise
             real = len(members)
             states.append([x[:real] for x in leaves])
             stopped.append(stop[:real])
@@ -231,7 +242,7 @@ def _fitting_groups(
         warnings.warn(
             errors.population_in_groups(n, n, k, *first, _memory.SHARE),
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=_caller.user_level(),
         )
     return k, run
 
@@ -267,7 +278,7 @@ class TooBig(Exception):
         self.need, self.free = need, free
 
 
-def _caller(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
+def _call_for(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
     """``call_for(hp)``: ``fn`` as ``call(model, batch, key)`` for a member with
     hyperparameters ``hp``."""
 
@@ -556,6 +567,7 @@ class PopRun(_fit_loop.Run):
                 mesh, (self.leaves, self.key, self.hp, self.stopped, self.extra)
             )
         self.applied = np.zeros(self.k, np.int64)
+        self.checked = None  # (state, stopped, step) after the last call collected
         self.history = PopHistory(self.k)
         self.label = _CALL
 
@@ -595,6 +607,13 @@ class PopRun(_fit_loop.Run):
             loss = self.history.result()["loss"]
             self.applied += np.isfinite(loss).sum(axis=1)
 
+    def use_key(self, key: Any) -> None:
+        """Continue with the members' ``key`` (a checkpoint's): their shuffles
+        too, when each member has its own data order."""
+        self.key = key
+        if getattr(self.source, "members", None) is not None:
+            self.source.for_members(key)
+
     def _describe(self) -> dict:
         """The data and the members' hyperparameters: a sweep re-run with other
         values in the same directory is refused, not silently restored."""
@@ -628,8 +647,8 @@ class PopRun(_fit_loop.Run):
         return _mesh.host_value(self.extra.rule.best_step).astype(np.int64)
 
     def go(self) -> tuple:
-        if self.logger is not None and self.done == self.start:
-            self.logger.resume(self.start)  # (a restored run resumed it already)
+        self.prepare()
+        self.open_logs()
         bar = None
         shown: Any = contextlib.nullcontext()
         if self.spec is not None:
@@ -661,14 +680,15 @@ class PopRun(_fit_loop.Run):
                 self.logger.sinks.close()
         leaves, best = self.leaves, self.best_steps()
         if best is not None:  # each member with a kept state gets it back
+            names = list(self.pop.names)
             kept = jnp.asarray(best >= 0)
-            leaves = [_where(kept, b, x) for b, x in zip(self.extra.best, leaves)]
+            leaves = _fit_loop.best_state(names, self.extra.best, leaves, kept)
         history = self.history.result()
         return leaves, self.mask, history, self.applied, self.done, best
 
     def _loop(self, bar: Any) -> None:
-        calls = self.source.calls(self.done, self.end, self.schedule, self.mesh)
-        for start, end, xs in calls:
+        first = [] if self.nxt is None else [self.nxt]
+        for start, end, xs in itertools.chain(first, self.chunks):
             want = end - start
             leaves, stopped, host, ys, extra = self._call(*self._at(start, end, xs))
             dispatched = time.perf_counter()
@@ -688,16 +708,17 @@ class PopRun(_fit_loop.Run):
                         self.pop.n,
                     ),
                     RuntimeWarning,
-                    stacklevel=6,
+                    stacklevel=_caller.user_level(),
                 )
             recorded = self.history.add_members(start, ys, counts, ran)
+            self.leaves, self.stopped, self.extra = leaves, stopped, extra
+            self.applied += counts
+            self.done = start + ran
+            self.checked = (self.leaves, self.mask, self.done)  # (one assignment)
             if self.logger is not None:
                 self.logger.add(*recorded[:2])
                 self.logger.add_val(*recorded[2:])
                 self.logger.write()
-            self.leaves, self.stopped, self.extra = leaves, stopped, extra
-            self.applied += counts
-            self.done = start + ran
             training = ~self.mask
             if extra is not None:
                 training &= ~np.asarray(ended)

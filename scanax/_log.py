@@ -84,6 +84,11 @@ class TensorBoard:
     def __repr__(self) -> str:
         return f"scanax.TensorBoard({self.logdir!r})"
 
+    def check(self) -> None:
+        """Raise ``OSError`` if ``logdir`` cannot be created or written (nothing
+        is created here)."""
+        writable(self.logdir, directory=True)
+
     def resume(self, step: int) -> None:
         """Start writing after ``step``: a new event file that hides later steps
         of the earlier ones."""
@@ -177,6 +182,11 @@ class CSV:
     def __repr__(self) -> str:
         return f"scanax.CSV({self.path!r})"
 
+    def check(self) -> None:
+        """Raise ``OSError`` if ``path`` cannot be created or written (nothing
+        is created here)."""
+        writable(self.path, directory=False)
+
     def resume(self, step: int) -> None:
         """Keep the rows up to ``step`` (a partly written last row is dropped) and
         append after them."""
@@ -241,6 +251,26 @@ class CSV:
                 f.write(_line([r.get(c, "") for c in header]))
         os.replace(tmp, self.path)
         self._file = open(self.path, "a", newline="")  # noqa: SIM115
+
+
+def writable(path: str, directory: bool) -> None:
+    """Raise ``OSError`` unless ``path`` (a file, or a directory) exists and can
+    be written, or can be created: its nearest existing ancestor is a writable
+    directory. Nothing is created."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if directory != os.path.isdir(path):
+            raise errors.path_wrong_kind(path, directory)
+        if not os.access(path, os.W_OK):
+            raise errors.path_not_writable(path, path)
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise errors.path_wrong_kind(parent, True, path)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise errors.path_not_writable(parent, path)
 
 
 def _cell(value: float | None) -> str:
@@ -332,6 +362,32 @@ class Sinks:
         checkpoint)."""
         self.last_step = int(step)
         self._each("resume", self.last_step, self.last_step)
+
+    def open(self, step: int) -> None:
+        """``resume(step)``, raising ``scanax.SinkError`` at once if a sink
+        cannot start (an unwritable path): before the first step, not after
+        training. The sinks are closed again then."""
+        self.resume(step)
+        if self.failures:
+            failures = self.failures
+            self.close()
+            raise errors.sink_open_failed(failures) from failures[0][2]
+
+    def check(self) -> None:
+        """Raise ``scanax.SinkError`` for a sink whose path cannot be written
+        (a sink's ``check()``, as ``CSV`` and ``TensorBoard`` have), before
+        anything is created or written."""
+        failures = []
+        for sink in self.sinks:
+            check = getattr(sink, "check", None)
+            if check is None:
+                continue
+            try:
+                check()
+            except OSError as err:
+                failures.append((sink, None, err))
+        if failures:
+            raise errors.sink_open_failed(failures) from failures[0][2]
 
     def write(self, steps: np.ndarray, windows: Mapping[str, np.ndarray]) -> None:
         """Hand each row (one per window) to every sink: ``steps`` is ``int[n]``,

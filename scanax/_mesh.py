@@ -26,6 +26,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import _caller
 from ._errors import fit as errors, population as pop_errors, short_type
 
 AXIS = "data"
@@ -151,7 +152,11 @@ def state_shardings(
     if unsharded:
         names = adapter.names()
         rows = [(names[i], short_type(leaves[i])) for i in unsharded]
-        warnings.warn(errors.fsdp_unsharded(rows, n), RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            errors.fsdp_unsharded(rows, n),
+            RuntimeWarning,
+            stacklevel=_caller.user_level(),
+        )
     return out
 
 

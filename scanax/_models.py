@@ -10,6 +10,7 @@ framework the user has not already imported.
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 import sys
 import warnings
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from . import _fingerprint, _nnx
 from ._errors import fit as errors, short_type
@@ -81,6 +83,19 @@ def accumulated(one: Callable, state: Any, batches: Any, keys: Any, k: int) -> t
         for n, v in sums.items()
     }
     return state, total / k, metrics, grads
+
+
+def extra_args(tx: Any, loss: Any) -> dict:
+    """What ``tx.update`` gets besides ``(updates, state, params)``: ``value=``
+    the step's loss (with accumulation, the micro-batches' mean) for an
+    ``optax.GradientTransformationExtraArgs`` (``optax.contrib.reduce_on_plateau``,
+    ``optax.polyak_sgd``; ``optax.chain`` passes it on to those of its parts that
+    take extra arguments), nothing for a plain ``optax.GradientTransformation``.
+    Decided while tracing: a plain transform's step does not change."""
+    optax = sys.modules.get("optax")
+    if optax is not None and isinstance(tx, optax.GradientTransformationExtraArgs):
+        return {"value": loss}
+    return {}
 
 
 class NNXAdapter:
@@ -153,7 +168,7 @@ class NNXAdapter:
             else:
                 model, optimizer = _nnx.unflatten(graphdef, state)
                 loss, metrics, grads = grads_at(model, optimizer, batch, key)
-            optimizer.update(model, grads)
+            optimizer.update(model, grads, **extra_args(optimizer.tx, loss))
             after, values = _nnx.values([model, optimizer])
             same = after == graphdef and (
                 jtu.tree_structure(values) == jtu.tree_structure(state)
@@ -217,16 +232,29 @@ class OptaxAdapter:
         template = [None if i in dynamic else x for i, x in enumerate(leaves)]
         self.layout = _Layout(treedef, template, train, other)
         self.train, self.other = train, other
-        self.tx = tx
         params = [leaves[i] for i in train]
         others = [leaves[i] for i in other]
         fresh = tx.init(self.layout.filtered(params))
+        # A state that keeps no step count of its own (plain SGD, MultiSteps)
+        # gets fit's: ``tx`` is trained as ``optax.chain(tx, counter)``, whose
+        # state is that of ``optax.chain(tx, optax.scale_by_schedule(lambda
+        # step: 1.0))``, so that the next call continues where this one stopped.
+        self.counted = not _keeps_count(fresh)
+        self.given_uncounted = False  # an opt_state given without fit's count
+        if self.counted:
+            self.tx = sys.modules["optax"].chain(tx, _counter())
+            if opt_state is not None and _same_structure(opt_state, fresh):
+                self.given_uncounted = True
+                opt_state = (opt_state, _counter().init(None))
+            fresh = self.tx.init(self.layout.filtered(params))
+        else:
+            self.tx = tx
         if opt_state is not None:
             _check_opt_state(opt_state, fresh)
             fresh = opt_state
         self.state = {"params": params, "other": others, "opt_state": fresh}
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
-        self.static = ("optax", treedef, train, other, statics, tx)
+        self.static = ("optax", treedef, train, other, statics, tx, self.counted)
 
     def fingerprint(self) -> Any:
         return _fingerprint.of(self.static)
@@ -237,18 +265,13 @@ class OptaxAdapter:
 
     def start_step(self) -> int | None:
         """The step count kept in the optax state (``count`` of Adam, schedules,
-        ``inject_hyperparams``...): where this call continues from. None when the
-        state keeps none (plain SGD), when its counts disagree, or when one cycles
-        or counts something else than steps (``optax.apply_every``,
-        ``optax.MultiSteps``)."""
-        counts: set[int] = set()
-        for node in _state_nodes(self.state["opt_state"]):
-            if type(node).__name__ in _CYCLING_STATES:
-                return None
-            count = getattr(node, "count", None)
-            if getattr(count, "shape", None) == ():
-                counts.add(int(count))
-        return counts.pop() if len(counts) == 1 else None
+        ``inject_hyperparams``...; fit's own count for a state that keeps none):
+        where this call continues from. None for an ``opt_state`` given without
+        fit's count (a state made by ``tx.init``, not by ``fit``)."""
+        if self.counted:
+            state = self.state["opt_state"]
+            return None if self.given_uncounted else int(state[1].count)
+        return _step_count(self.state["opt_state"])
 
     def names(self) -> list[str]:
         flat = jtu.tree_flatten_with_path(self.state)[0]
@@ -269,7 +292,10 @@ class OptaxAdapter:
 
             _, loss, metrics, grads = accumulated(one, params, batch, key, accumulate)
             updates, opt_state = tx.update(
-                layout.filtered(grads), state["opt_state"], layout.filtered(params)
+                layout.filtered(grads),
+                state["opt_state"],
+                layout.filtered(params),
+                **extra_args(tx, loss),
             )
             flat = jtu.tree_leaves(updates)
             new = [(p + u).astype(p.dtype) for p, u in zip(params, flat)]
@@ -376,7 +402,16 @@ class TrainStateAdapter:
             )
             # (apply_gradients changes step, params and opt_state only: the same
             # as applying the updates after it)
-            return after.apply_gradients(grads=grads), loss, metrics, grads
+            extra = extra_args(after.tx, loss)
+            if not extra:
+                return after.apply_gradients(grads=grads), loss, metrics, grads
+            # apply_gradients calls tx.update without extra arguments: it runs on
+            # the transform with them bound, then the state gets its own back
+            # (a subclass's apply_gradients and OVERWRITE_WITH_GRADIENT still hold)
+            tx = after.tx
+            bound = tx._replace(update=ft.partial(tx.update, **extra))
+            new = after.replace(tx=bound).apply_gradients(grads=grads)
+            return new.replace(tx=tx), loss, metrics, grads
 
         return step
 
@@ -452,6 +487,75 @@ def _check_opt_state(given: Any, fresh: Any) -> None:
 
 # optax states whose counters are not the number of steps applied
 _CYCLING_STATES = ("ApplyEvery", "MultiStepsState")
+# optax states with a ``count`` that is no step count, passed over (the plateau
+# rule counts the losses of its current window)
+_OTHER_COUNTS = ("ReduceLROnPlateauState",)
+
+
+def _step_count(opt_state: Any) -> int | None:
+    """The step count an optax state keeps, or None when it keeps none (plain
+    SGD), when its counts disagree, or when one cycles or counts something
+    else than steps (``optax.apply_every``, ``optax.MultiSteps``)."""
+    counts: set[int] = set()
+    for node in _state_nodes(opt_state):
+        if type(node).__name__ in _CYCLING_STATES:
+            return None
+        count = getattr(node, "count", None)
+        if getattr(count, "shape", None) == () and not _other_count(node):
+            counts.add(int(count))
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _keeps_count(opt_state: Any) -> bool:
+    """Whether an optax state keeps a step count (by its structure alone: no
+    value is read, the state may be traced)."""
+    nodes = _state_nodes(opt_state)
+    return not any(type(n).__name__ in _CYCLING_STATES for n in nodes) and any(
+        getattr(getattr(n, "count", None), "shape", None) == () and not _other_count(n)
+        for n in nodes
+    )
+
+
+def _other_count(node: Any) -> bool:
+    return type(node).__name__ in _OTHER_COUNTS
+
+
+def _counter() -> Any:
+    """An optax transform that only counts its updates (the state and count
+    of ``optax.scale_by_schedule``, the updates unchanged)."""
+    optax = sys.modules["optax"]
+
+    def init(params: Any) -> Any:
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple:
+        return updates, optax.ScaleByScheduleState(
+            count=optax.safe_increment(state.count)
+        )
+
+    return optax.GradientTransformation(init, update)
+
+
+_COUNTER_NAMES = ("['step']", ".step", "['count']", ".count")
+
+
+def is_counter(name: str, leaf: Any, members: bool = False) -> bool:
+    """Whether a leaf of the training state (by its checkpoint name) is a step
+    count: an optimizer's ``step``, a TrainState's ``step``, an optax state's
+    ``count`` (Adam's bias correction, schedules, fit's own count). Restoring an
+    early stop's best state keeps these at the last step run. ``members``: the
+    leaf has a population's member axis first."""
+    dtype = getattr(leaf, "dtype", None)
+    return (
+        dtype is not None
+        and jnp.issubdtype(dtype, jnp.integer)
+        and np.ndim(leaf) == int(members)
+        and name.endswith(_COUNTER_NAMES)
+    )
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    return jtu.tree_structure(a) == jtu.tree_structure(b)
 
 
 def _state_nodes(tree: Any) -> list:
@@ -506,7 +610,13 @@ def adapt(
     ``opt_state`` (optax pairs only) continues from an earlier optax state."""
     to_tx = getattr(optimizer, "gradient_transformation", None)
     if not _is_gradient_transformation(optimizer) and callable(to_tx):
-        optimizer = to_tx()  # optax.MultiSteps and other wrappers
+        # optax.MultiSteps and other wrappers (MultiSteps passes extra
+        # arguments such as a plateau rule's value= to the transform it wraps)
+        inner = to_tx()
+        optax = sys.modules["optax"]
+        if isinstance(optimizer, optax.MultiSteps):
+            inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
+        optimizer = inner
     if opt_state is not None and not _is_gradient_transformation(optimizer):
         raise errors.opt_state_not_optax(optimizer)
     if _is_train_state(model):

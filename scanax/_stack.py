@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _eager, _remat
+from . import _caller, _eager, _remat
 from ._errors import stack as errors
 from ._scan import scan
 from ._stack_plan import (
@@ -84,18 +83,7 @@ def warn_unstacked(
         found.reverse()
         described = describe_plan(plan_, pieces)
         message = errors.unstacked_by_numbers(found, layers, described)
-        warnings.warn(message, StackWarning, stacklevel=_user_level())
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` of the first caller outside scanax and the frameworks."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and any(
-        part in frame.f_code.co_filename
-        for part in ("scanax", "equinox", "flax", "<frozen")
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
+        warnings.warn(message, StackWarning, stacklevel=_caller.user_level())
 
 
 # ---------------------------------------------------------------------------- pytrees

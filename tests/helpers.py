@@ -5,6 +5,8 @@ block). What fit's test files share (its task and models) is in ``fit_helpers``.
 
 from __future__ import annotations
 
+import csv
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -104,3 +106,22 @@ def _broadcast_axes(axes, tree):
         tree,
         is_leaf=lambda x: x is None,
     )
+
+
+def read_csv(path):
+    """The rows of a CSV file, as dicts of strings."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_tensorboard(logdir):
+    """``{tag: [(step, value), ...]}`` as TensorBoard shows it (purges applied)."""
+    import pytest
+
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return {
+        tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+        for tag in acc.Tags()["scalars"]
+    }

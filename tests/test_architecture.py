@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_errors.plot",
         },
     ),
-    ("ground", {"_tree", "_fingerprint", "_nnx", "_axes"}),
+    ("ground", {"_tree", "_fingerprint", "_nnx", "_axes", "_caller"}),
     ("eager", {"_eager"}),
     ("loop core", {"_loop"}),
     ("loop options", {"_remat", "_progress", "_thin"}),

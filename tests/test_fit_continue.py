@@ -107,23 +107,28 @@ def test_continuing_calls_use_the_documented_batches():
     assert r.history["step"].tolist() == [5]
 
 
-def test_optax_state_without_a_count_warns():
+def test_optax_state_without_a_count_gets_fits_count():
+    """A transform without a step count (plain SGD) continues exactly from the
+    state fit returns; a state made by tx.init warns that it starts at step 0."""
     params = {"w": jnp.zeros((3, 1))}
 
     def loss(p, b):
         return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
 
-    r = _fit(params, optax.sgd(0.1), loss, 3)
-    with pytest.warns(RuntimeWarning, match=r"keeps no step count.*scale_by_schedule"):
-        _fit(r.model, optax.sgd(0.1), loss, 3, opt_state=r.optimizer)
-    # The fix it names continues exactly.
-    tx = optax.chain(optax.sgd(0.1), optax.scale_by_schedule(lambda step: 1.0))
-    one = _fit(params, tx, loss, 8)
-    a = _fit(params, tx, loss, 3)
-    b = _fit(a.model, tx, loss, 5, opt_state=a.optimizer)
+    sgd = optax.sgd(0.1)
+    one = _fit(params, sgd, loss, 8)
+    a = _fit(params, sgd, loss, 3)
+    b = _fit(a.model, sgd, loss, 5, opt_state=a.optimizer)
     np.testing.assert_array_equal(
         np.concatenate([a.history["loss"], b.history["loss"]]), one.history["loss"]
     )
+    assert b.history["step"].tolist() == [4, 5, 6, 7, 8]
+    with pytest.warns(RuntimeWarning, match=r"made by tx.init.*result.optimizer"):
+        c = _fit(a.model, sgd, loss, 2, opt_state=sgd.init(a.model))
+    assert c.history["step"].tolist() == [1, 2]
+    # The state is the documented chain's: it continues that chain by hand too.
+    tx = optax.chain(sgd, optax.scale_by_schedule(lambda step: 1.0))
+    assert jax.tree.structure(a.optimizer) == jax.tree.structure(tx.init(params))
 
 
 # ---------------------------------------------------------------- checkpoint loops
@@ -312,17 +317,20 @@ def test_list_of_arrays_gets_the_tuple_and_batch_size_fix():
 
 @pytest.mark.standard_promotion("optax.apply_every multiplies floats by a bool")
 def test_cycling_optax_counts_are_not_steps():
-    """optax.apply_every's count cycles: not a step count (a warning, not a
-    silently wrong data order)."""
+    """optax.apply_every's count cycles: not a step count; fit keeps its own,
+    so a second call continues the data order exactly."""
     params = {"w": jnp.zeros((3, 1))}
 
     def loss(p, b):
         return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
 
     tx = optax.chain(optax.apply_every(3), optax.sgd(0.1))
+    one = _fit(params, tx, loss, 10)
     r = _fit(params, tx, loss, 5)
-    with pytest.warns(RuntimeWarning, match=r"keeps no step count"):
-        _fit(r.model, tx, loss, 5, opt_state=r.optimizer)
+    more = _fit(r.model, tx, loss, 5, opt_state=r.optimizer)
+    np.testing.assert_array_equal(
+        np.concatenate([r.history["loss"], more.history["loss"]]), one.history["loss"]
+    )
 
 
 def test_key_parameter_names():

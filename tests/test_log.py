@@ -2,7 +2,6 @@
 callables), their failures, the resume rule after kill -9, and the window
 reduction against a plain Python loop."""
 
-import csv
 import math
 import signal
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import read_csv, read_tensorboard
 
 import scanax
 from scanax._log import (
@@ -21,23 +21,6 @@ from scanax._log import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def read_csv(path):
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    return rows
-
-
-def read_tensorboard(logdir):
-    """``{tag: [(step, value), ...]}`` as TensorBoard shows it (purges applied)."""
-    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0})
-    acc.Reload()
-    return {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)]
-        for tag in acc.Tags()["scalars"]
-    }
 
 
 def f32(values):

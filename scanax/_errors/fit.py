@@ -434,10 +434,18 @@ def nonfinite_step(t: int, loss: Any, loss_ok: bool, grads_ok: bool, done: int) 
     )
 
 
-def checkpoint_unreadable(step: int, directory: Any, err: Exception) -> str:
+def checkpoint_unreadable(
+    step: int, directory: Any, err: Exception, last: bool = False, start: int = 0
+) -> str:
+    then = (
+        f"no readable checkpoint is left in it, so training starts from step "
+        f"{start}, the model as given (nothing is resumed)."
+        if last
+        else "falling back to an older one."
+    )
     return (
         f"{CALL}: checkpoint {step} in {directory} could not be read "
-        f"({type(err).__name__}: {str(err)[:200]}); falling back to an older one."
+        f"({type(err).__name__}: {str(err)[:200]}); {then}"
     )
 
 
@@ -462,6 +470,25 @@ def loss_fn_arity(
     )
 
 
+def key_type(key: Any, population: bool = False) -> TypeError:
+    if isinstance(key, int) and not isinstance(key, bool):
+        fix = f"key=jax.random.key({key})"
+    else:
+        fix = "key=jax.random.key(seed)"
+    one = (
+        " A population takes one key too: each member's is split from it."
+        if population
+        else ""
+    )
+    return TypeError(
+        f"{CALL}: `key` must be one JAX random key, as jax.random.key(seed) "
+        "makes (a typed key array of shape ()), or a legacy raw key "
+        "(jax.random.PRNGKey(seed): uint32 of the default implementation's key "
+        f"shape); got {short_type(key)}.{one}\nFix: pass {fix}; it shuffles the "
+        "data and gives the per-step keys."
+    )
+
+
 def loss_key_without_key() -> TypeError:
     return TypeError(
         f"{CALL}: `loss_fn` takes a third argument (a per-step random key), but "
@@ -472,11 +499,13 @@ def loss_key_without_key() -> TypeError:
 
 def no_step_count() -> str:
     return (
-        f"{CALL}: `opt_state` keeps no step count (e.g. plain optax.sgd, or "
-        "optax.MultiSteps), so this call cannot tell where the earlier one "
-        "stopped: the data order and per-step keys restart at step 0. Chain a "
-        "counting transform to continue exactly, e.g. "
-        "optax.chain(tx, optax.scale_by_schedule(lambda step: 1.0))."
+        f"{CALL}: `opt_state` was made by tx.init, not returned by fit, and tx "
+        "keeps no step count of its own (e.g. plain optax.sgd, or "
+        "optax.MultiSteps), so this call cannot tell where an earlier one "
+        "stopped: the data order and per-step keys start at step 0. To continue "
+        "an earlier fit exactly, pass its result.optimizer as opt_state (fit "
+        "keeps its own step count there: the state of optax.chain(tx, "
+        "optax.scale_by_schedule(lambda step: 1.0)))."
     )
 
 

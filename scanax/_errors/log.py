@@ -126,3 +126,35 @@ def sink_failed(
         failures,
         result,
     )
+
+
+def sink_open_failed(
+    failures: list[tuple[Any, int | None, BaseException]],
+) -> SinkError:
+    lines = [
+        f"  {sink_name(sink)}: {type(err).__name__}: {err}".rstrip()
+        for sink, _, err in failures
+    ]
+    n = len(failures)
+    return SinkError(
+        f"{CALL}: {'a log sink' if n == 1 else f'{n} log sinks'} cannot write "
+        "its log, so nothing was trained (no step ran, the model and optimizer "
+        "are as they were):\n"
+        + "\n".join(lines)
+        + "\nFix: give a path in a writable directory, or check the sink's error "
+        "(chained as __cause__).",
+        failures,
+    )
+
+
+def path_wrong_kind(path: str, directory: bool, wanted: str | None = None) -> OSError:
+    kind = "a directory" if directory else "a file"
+    made = f": {wanted} cannot be made" if wanted is not None else ""
+    return (NotADirectoryError if directory else IsADirectoryError)(
+        f"{path} is not {kind}{made}"
+    )
+
+
+def path_not_writable(path: str, wanted: str) -> PermissionError:
+    made = "" if path == wanted else f": {wanted} cannot be made"
+    return PermissionError(f"{path} is not writable{made}")

@@ -166,8 +166,9 @@ def best_metric(name: str, available: list[str]) -> ValueError:
 
 def best_mode(mode: Any) -> ValueError:
     return ValueError(
-        f"{FIT}: result.best(mode={mode!r}): expected 'min' or 'max'.\nFix: "
-        "mode='max' for metrics where larger is better (accuracy)."
+        f"{FIT}: result.best(mode={mode!r}): expected 'auto', 'min' or 'max'.\n"
+        "Fix: mode='max' for metrics where larger is better (accuracy), 'auto' "
+        "to choose by the metric's name as EarlyStop does."
     )
 
 

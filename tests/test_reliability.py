@@ -1,0 +1,640 @@
+"""Nothing lost, nothing changed by a refusal: the seams of ``scanax.fit`` between
+calls, restarts, checkpoints, logs and refusals, each against an uninterrupted
+run or the files and objects as they were before the call."""
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from fit_helpers import (
+    BS,
+    KEY,
+    TX,
+    X,
+    Y,
+    eqx_loss,
+    eqx_model,
+    nnx,
+    nnx_loss,
+    nnx_pair,
+    optax,
+    ts_loss,
+    ts_make,
+)
+from helpers import leaves_equal, read_csv, read_tensorboard
+
+import scanax
+
+
+def snapshot(path):
+    """Every file under ``path`` (or the file itself) with its bytes; None when
+    it does not exist."""
+    path = str(path)
+    if not os.path.exists(path):
+        return None
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read()
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(root, name), path)] = "dir"
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out
+
+
+def fit_quiet(*args, **kwargs):
+    kwargs.setdefault("progress", False)
+    return scanax.fit(*args, **kwargs)
+
+
+# --------------------------------------------------------------- 1. epoch loop logs
+
+
+def epoch_loop(directory, sinks, calls):
+    """The documented epoch loop: one checkpoint_dir, one set of sinks, a fit of
+    20 steps per call; a new model each time the script starts."""
+    model, optimizer = nnx_pair()
+    for _ in range(calls):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "already holds step"
+            fit_quiet(
+                model,
+                optimizer,
+                nnx_loss,
+                (X, Y),
+                steps=20,
+                batch_size=BS,
+                key=KEY,
+                checkpoint_dir=directory,
+                log=sinks(),
+                log_every=10,
+            )
+    return model
+
+
+@pytest.mark.parametrize("tensorboard", [False, True], ids=["csv", "csv+tensorboard"])
+def test_epoch_loop_restarted_from_the_top_logs_each_step_once(tmp_path, tensorboard):
+    """Killed after call 2 and run again from the top: the CSV (and TensorBoard)
+    rows equal an uninterrupted run's, every step once."""
+    if tensorboard:
+        pytest.importorskip("tensorboardX")
+
+    def sinks_in(where):
+        def sinks():
+            out = [scanax.CSV(where / "m.csv")]
+            if tensorboard:
+                out.append(scanax.TensorBoard(where / "tb"))
+            return out
+
+        return sinks
+
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    reference = epoch_loop(whole / "ck", sinks_in(whole), 3)
+    epoch_loop(broken / "ck", sinks_in(broken), 2)  # then killed
+    restarted = epoch_loop(broken / "ck", sinks_in(broken), 3)  # from the top
+
+    leaves_equal(nnx.state(restarted), nnx.state(reference))
+    want = read_csv(whole / "m.csv")
+    assert [int(r["step"]) for r in want] == [10, 20, 30, 40, 50, 60]
+    assert read_csv(broken / "m.csv") == want
+    if tensorboard:
+        assert read_tensorboard(broken / "tb") == read_tensorboard(whole / "tb")
+
+
+# ------------------------------------------------ 2. a checkpoint before evaluating
+
+
+def test_a_checkpoint_before_the_first_evaluation_saves_and_resumes(tmp_path):
+    """checkpoint_every < eval_every: the first checkpoints hold an empty
+    validation history; a run resumed from one equals an uninterrupted run."""
+    kwargs = dict(
+        batch_size=BS,
+        key=KEY,
+        eval_data=(X, Y),
+        eval_every=10,
+        steps_per_call=5,
+    )
+    model, optimizer = nnx_pair()
+    ref = fit_quiet(model, optimizer, nnx_loss, (X, Y), steps=15, **kwargs)
+
+    directory = tmp_path / "ck"
+    first, first_opt = nnx_pair()
+    res = fit_quiet(
+        first,
+        first_opt,
+        nnx_loss,
+        (X, Y),
+        steps=5,
+        checkpoint_dir=directory,
+        checkpoint_every=5,
+        **kwargs,
+    )
+    assert res.history["val_step"].tolist() == []
+    assert int(first_opt.step[...]) == 5
+    assert sorted(os.listdir(directory)) == ["5"]  # no temporary folder left
+
+    again, again_opt = nnx_pair()  # a new process: resumes from step 5
+    out = fit_quiet(
+        again,
+        again_opt,
+        nnx_loss,
+        (X, Y),
+        steps=15,
+        checkpoint_dir=directory,
+        checkpoint_every=5,
+        **kwargs,
+    )
+    leaves_equal(nnx.state(again), nnx.state(model))
+    for name in ("step", "loss", "val_step", "val_loss"):
+        np.testing.assert_array_equal(out.history[name], ref.history[name])
+
+
+def test_a_checkpoint_of_a_training_metric_early_stop_before_its_first_check(
+    tmp_path,
+):
+    """EarlyStop on a training metric without eval_data, checkpointed before
+    its first check, resumes exactly (its kept best state included)."""
+    stop = scanax.EarlyStop("loss", patience=100)
+    kwargs = dict(batch_size=BS, key=KEY, eval_every=10, stop=stop, steps_per_call=5)
+    model, optimizer = nnx_pair()
+    ref = fit_quiet(model, optimizer, nnx_loss, (X, Y), steps=15, **kwargs)
+    directory = tmp_path / "ck"
+    fit_quiet(
+        *nnx_pair(),
+        nnx_loss,
+        (X, Y),
+        steps=5,
+        checkpoint_dir=directory,
+        checkpoint_every=5,
+        **kwargs,
+    )
+    again, again_opt = nnx_pair()
+    out = fit_quiet(
+        again,
+        again_opt,
+        nnx_loss,
+        (X, Y),
+        steps=15,
+        checkpoint_dir=directory,
+        **kwargs,
+    )
+    leaves_equal(nnx.state(again), nnx.state(model))
+    assert out.best_step == ref.best_step == 10
+
+
+def test_a_population_checkpoint_before_the_first_evaluation(tmp_path):
+    def population():
+        return scanax.population(
+            make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 3e-2])
+        )
+
+    kwargs = dict(
+        batch_size=BS, key=KEY, eval_data=(X, Y), eval_every=10, steps_per_call=5
+    )
+    whole = population()
+    ref = fit_quiet(whole, None, eqx_loss, (X, Y), steps=15, **kwargs)
+    directory = tmp_path / "ck"
+    fit_quiet(
+        population(),
+        None,
+        eqx_loss,
+        (X, Y),
+        steps=5,
+        checkpoint_dir=directory,
+        checkpoint_every=5,
+        **kwargs,
+    )
+    again = population()
+    out = fit_quiet(
+        again, None, eqx_loss, (X, Y), steps=15, checkpoint_dir=directory, **kwargs
+    )
+    leaves_equal(list(again.state), list(whole.state))
+    np.testing.assert_array_equal(out.history["val_loss"], ref.history["val_loss"])
+
+
+def make_member(key, lr):
+    import equinox as eqx
+
+    return eqx.nn.MLP(3, 1, 8, 1, key=key), optax.adam(lr)
+
+
+# ---------------------------------------------- 3. a refusal while tracing changes nothing
+
+
+def vector_loss(model, batch):
+    x, y = batch
+    return (model(x) - y) ** 2  # not a scalar
+
+
+def vector_eval(model, batch):
+    x, y = batch
+    return jnp.abs(model(x) - y)  # not a scalar
+
+
+REFUSED_WHILE_TRACING = {
+    "unknown monitor": (
+        dict(stop=scanax.EarlyStop("val_nothing", patience=1), eval_data=(X, Y)),
+        nnx_loss,
+        ValueError,
+        "val_nothing",
+    ),
+    "eval_fn vector": (
+        dict(eval_data=(X, Y), eval_fn=vector_eval),
+        nnx_loss,
+        TypeError,
+        "eval_fn",
+    ),
+    "loss_fn vector": (dict(), vector_loss, TypeError, "loss_fn"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_WHILE_TRACING))
+@pytest.mark.parametrize("directory_exists", [False, True])
+def test_a_refusal_while_tracing_changes_no_file_and_no_model(
+    tmp_path, case, directory_exists
+):
+    options, loss_fn, error, match = REFUSED_WHILE_TRACING[case]
+    if "eval_data" in options:
+        options = {"eval_every": 5, **options}
+    log = tmp_path / "m.csv"
+    log.write_text("step,loss\n10,0.5\n20,0.25\n")
+    directory = tmp_path / "ck"
+    if directory_exists:  # written by the same run without its mistake
+        good = {}
+        if "stop" in options:
+            good = dict(stop=scanax.EarlyStop("val_loss", patience=1), eval_every=5)
+            good["eval_data"] = (X, Y)
+        fit_quiet(
+            *nnx_pair(1),
+            nnx_loss,
+            (X, Y),
+            steps=4,
+            batch_size=BS,
+            key=KEY,
+            checkpoint_dir=directory,
+            **good,
+        )
+        (directory / "6.orbax-checkpoint-tmp-1").mkdir()  # a killed save's leftover
+    model, optimizer = nnx_pair()
+    before = (snapshot(log), snapshot(directory), jax.device_get(nnx.state(model)))
+    opt_before = jax.device_get(nnx.state(optimizer))
+    with pytest.raises(error, match=match):
+        fit_quiet(
+            model,
+            optimizer,
+            loss_fn,
+            (X, Y),
+            steps=8,
+            batch_size=BS,
+            key=KEY,
+            checkpoint_dir=directory,
+            checkpoint_every=4,
+            log=scanax.CSV(log),
+            **options,
+        )
+    assert snapshot(log) == before[0]
+    assert snapshot(directory) == before[1]
+    leaves_equal(nnx.state(model), before[2])
+    leaves_equal(nnx.state(optimizer), opt_before)
+
+
+def test_an_unwritable_log_path_is_refused_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    model, optimizer = nnx_pair()
+    before = jax.device_get(nnx.state(model))
+    with pytest.raises(scanax.SinkError, match="a-file") as info:
+        fit_quiet(
+            model,
+            optimizer,
+            nnx_loss,
+            (X, Y),
+            steps=8,
+            batch_size=BS,
+            log=scanax.CSV(blocker / "m.csv"),
+        )
+    assert info.value.result is None  # nothing trained
+    assert int(optimizer.step[...]) == 0
+    leaves_equal(nnx.state(model), before)
+
+
+# ------------------------------------------------------------- 5. the key has one home
+
+
+def keyed_loss(model, batch, key):
+    x, y = batch
+    noise = 0.1 * jr.normal(key, y.shape)
+    return jnp.mean((model(x) - y - noise) ** 2)
+
+
+def test_a_resume_with_another_key_uses_the_saved_key_for_everything(tmp_path):
+    """Saved at step 4 with key 1, resumed to step 8 with key 2: the shuffle and
+    the per-step keys both continue key 1's run (docs/checkpoint.md)."""
+    kwargs = dict(batch_size=BS, steps_per_call=4)
+    model, optimizer = nnx_pair()
+    ref = fit_quiet(
+        model, optimizer, keyed_loss, (X, Y), steps=8, key=jr.key(1), **kwargs
+    )
+    directory = tmp_path / "ck"
+    fit_quiet(
+        *nnx_pair(),
+        keyed_loss,
+        (X, Y),
+        steps=4,
+        key=jr.key(1),
+        checkpoint_dir=directory,
+        **kwargs,
+    )
+    again, again_opt = nnx_pair()
+    out = fit_quiet(
+        again,
+        again_opt,
+        keyed_loss,
+        (X, Y),
+        steps=8,
+        key=jr.key(2),
+        checkpoint_dir=directory,
+        **kwargs,
+    )
+    leaves_equal(nnx.state(again), nnx.state(model))
+    np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
+
+
+# ------------------------------------------------------------------ 7. keys as jax's
+
+
+BAD_KEYS = {
+    "int": 0,
+    "float": 1.5,
+    "string": "abc",
+    "float array": jnp.array([1.0, 2.0]),
+    "uint32[3]": jnp.zeros(3, jnp.uint32),
+    "int32[2]": jnp.zeros(2, jnp.int32),
+    "three keys": jr.split(jr.key(0), 3),
+    "three raw keys": jr.split(jr.PRNGKey(0), 3),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_KEYS))
+@pytest.mark.parametrize("population", [False, True], ids=["solo", "population"])
+def test_a_bad_key_is_refused_naming_key(name, population):
+    if population:
+        pop = scanax.population(
+            make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 2e-2])
+        )
+        args = (pop, None, eqx_loss)
+    else:
+        args = (*nnx_pair(), nnx_loss)
+    with pytest.raises(TypeError, match=r"scanax.fit: `key` .*jax.random.key"):
+        fit_quiet(*args, (X, Y), steps=2, batch_size=BS, key=BAD_KEYS[name])
+
+
+def test_a_raw_uint32_key_is_the_typed_key_with_its_data():
+    results = []
+    for key in (jr.key(3), jr.PRNGKey(3)):
+        model, optimizer = nnx_pair()
+        results.append(
+            fit_quiet(
+                model, optimizer, keyed_loss, (X, Y), steps=8, batch_size=BS, key=key
+            )
+        )
+        results.append(nnx.state(model))
+    np.testing.assert_array_equal(
+        results[0].history["loss"], results[2].history["loss"]
+    )
+    leaves_equal(results[1], results[3])
+
+
+# -------------------------------------------- 11. repeated calls of any optimizer
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.sgd(0.05),
+        optax.sgd(0.05, momentum=0.9),
+        pytest.param(
+            optax.MultiSteps(TX, 2),
+            marks=pytest.mark.standard_promotion("optax's MultiSteps mixes dtypes"),
+        ),
+    ],
+    ids=["sgd", "momentum", "multisteps"],
+)
+def test_ten_calls_equal_one_for_optimizers_that_keep_no_count(tx):
+    model = eqx_model()
+    once = fit_quiet(
+        model, tx, eqx_loss, (X, Y), steps=20, batch_size=BS, key=KEY, steps_per_call=4
+    )
+    params, opt_state = model, None
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "keeps no step count" warning
+        for _ in range(10):
+            res = fit_quiet(
+                params,
+                tx,
+                eqx_loss,
+                (X, Y),
+                steps=2,
+                batch_size=BS,
+                key=KEY,
+                opt_state=opt_state,
+            )
+            params, opt_state = res.model, res.optimizer
+            losses.append(res.history["loss"])
+    leaves_equal(eqx_filter_params(params), eqx_filter_params(once.model))
+    leaves_equal(opt_state, once.optimizer)
+    np.testing.assert_array_equal(np.concatenate(losses), once.history["loss"])
+
+
+def test_the_counted_state_continues_with_the_documented_chain():
+    """The state fit returns for a transform without a step count is the state
+    of ``optax.chain(tx, optax.scale_by_schedule(lambda step: 1.0))``: an optax
+    user can continue by hand with it."""
+    tx = optax.sgd(0.05)
+    res = fit_quiet(eqx_model(), tx, eqx_loss, (X, Y), steps=3, batch_size=BS)
+    chained = optax.chain(tx, optax.scale_by_schedule(lambda step: 1.0))
+    want = chained.init(eqx_filter_params(res.model))
+    assert jax.tree.structure(res.optimizer) == jax.tree.structure(want)
+    assert int(res.optimizer[1].count) == 3
+
+
+def eqx_filter_params(model):
+    import equinox as eqx
+
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+# ------------------------------------------------- 12. early stop keeps counting
+
+
+@pytest.mark.parametrize("kind", ["nnx", "optax", "trainstate"])
+def test_after_restoring_the_best_the_next_call_continues_after_the_last_step(kind):
+    """EarlyStop restores the best model but its step count keeps counting: the
+    next call continues the data order after the last step run."""
+    stop = scanax.EarlyStop("val_loss", patience=1, min_delta=10.0)  # stops early
+    kwargs = dict(batch_size=BS, key=KEY, eval_data=(X, Y), eval_every=4)
+    if kind == "nnx":
+        model, optimizer = nnx_pair()
+        args, loss = (model, optimizer), nnx_loss
+    elif kind == "optax":
+        args, loss = (eqx_model(), TX), eqx_loss
+    else:
+        args, loss = (ts_make(), None), ts_loss
+    res = fit_quiet(*args, loss, (X, Y), steps=40, stop=stop, **kwargs)
+    last = int(res.history["step"][-1])
+    assert res.best_step == 4 and last == 8
+    if kind == "nnx":
+        assert int(optimizer.step[...]) == last
+        after = fit_quiet(model, optimizer, loss, (X, Y), steps=3, **kwargs)
+    elif kind == "optax":
+        after = fit_quiet(
+            res.model, TX, loss, (X, Y), steps=3, opt_state=res.optimizer, **kwargs
+        )
+    else:
+        assert int(res.model.step) == last
+        after = fit_quiet(res.model, None, loss, (X, Y), steps=3, **kwargs)
+    assert after.history["step"].tolist() == [last + 1, last + 2, last + 3]
+
+
+# ---------------------------------------------- 13. every checkpoint unreadable
+
+
+def test_when_no_checkpoint_is_readable_the_warning_says_training_starts_over(
+    tmp_path,
+):
+    directory = tmp_path / "ck"
+    fit_quiet(
+        *nnx_pair(),
+        nnx_loss,
+        (X, Y),
+        steps=8,
+        batch_size=BS,
+        checkpoint_dir=directory,
+        checkpoint_every=4,
+    )
+    for step in ("4", "8"):
+        for root, _, files in os.walk(directory / step / "state"):
+            for name in files:
+                os.remove(os.path.join(root, name))
+    model, optimizer = nnx_pair()
+    with pytest.warns(RuntimeWarning) as seen:
+        fit_quiet(
+            model,
+            optimizer,
+            nnx_loss,
+            (X, Y),
+            steps=8,
+            batch_size=BS,
+            checkpoint_dir=directory,
+            checkpoint_every=4,
+        )
+    messages = [str(w.message) for w in seen]
+    assert "checkpoint 8" in messages[0] and "an older one" in messages[0]
+    assert "checkpoint 4" in messages[1]
+    assert "no readable checkpoint is left" in messages[1]
+    assert "starts from step 0" in messages[1]
+    assert int(optimizer.step[...]) == 8
+
+
+# ------------------------------------------------ warnings point at the user's line
+
+
+def test_warnings_point_at_the_callers_line(tmp_path):
+    def poisoned(model, batch):  # NaN from the first step on
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2) * jnp.float32(jnp.nan)
+
+    with pytest.warns(RuntimeWarning, match="non-finite") as seen:
+        fit_quiet(*nnx_pair(), poisoned, (X, Y), steps=4, batch_size=BS)
+    assert [w.filename for w in seen] == [__file__]
+
+    def member_nan(model, batch, hp):
+        x, y = batch
+        loss = jnp.mean((jax.vmap(model)(x) - y) ** 2)
+        return loss * jnp.where(hp["lr"] > 0.015, jnp.float32(jnp.nan), 1.0)
+
+    pop = scanax.population(make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 2e-2]))
+    with pytest.warns(RuntimeWarning, match="member") as seen:
+        fit_quiet(pop, None, member_nan, (X, Y), steps=4, batch_size=BS)
+    assert [w.filename for w in seen] == [__file__]
+
+    directory = tmp_path / "ck"
+    model, optimizer = nnx_pair()
+    fit_quiet(
+        model,
+        optimizer,
+        nnx_loss,
+        (X, Y),
+        steps=2,
+        batch_size=BS,
+        checkpoint_dir=directory,
+    )
+    with pytest.warns(RuntimeWarning, match="already holds step 2") as seen:
+        fit_quiet(
+            *nnx_pair(),
+            nnx_loss,
+            (X, Y),
+            steps=2,
+            batch_size=BS,
+            checkpoint_dir=directory,
+        )
+    assert [w.filename for w in seen] == [__file__]
+
+
+# ----------------------------------------------------- Ctrl-C during a population
+
+
+def test_ctrl_c_during_a_population_fit_keeps_its_last_checked_state():
+    """A KeyboardInterrupt after step 20 (raised by a log sink) leaves the
+    population as a fit of 20 steps does, and the next call continues."""
+
+    def interrupt(step, metrics):
+        if step == 20:
+            raise KeyboardInterrupt
+
+    def population():
+        return scanax.population(
+            make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 3e-2])
+        )
+
+    kwargs = dict(batch_size=BS, key=KEY, steps_per_call=10)
+    ref = population()
+    fit_quiet(ref, None, eqx_loss, (X, Y), steps=20, **kwargs)
+    pop = population()
+    with pytest.raises(KeyboardInterrupt):
+        fit_quiet(pop, None, eqx_loss, (X, Y), steps=40, log=interrupt, **kwargs)
+    assert pop.step == 20
+    leaves_equal(list(pop.state), list(ref.state))
+    more = fit_quiet(pop, None, eqx_loss, (X, Y), steps=5, **kwargs)
+    assert more.history["step"].tolist() == [21, 22, 23, 24, 25]
+
+
+@pytest.mark.standard_promotion("optax's reduce_on_plateau mixes dtypes")
+def test_a_plateau_chain_continues_and_runs_inside_multisteps():
+    """reduce_on_plateau's own count (its window) is no step count: a second
+    call continues at Adam's; inside optax.MultiSteps it still gets value=."""
+    tx = optax.chain(TX, optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+    one = fit_quiet(eqx_model(), tx, eqx_loss, (X, Y), steps=10, batch_size=BS)
+    a = fit_quiet(eqx_model(), tx, eqx_loss, (X, Y), steps=5, batch_size=BS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = fit_quiet(
+            a.model, tx, eqx_loss, (X, Y), steps=5, batch_size=BS, opt_state=a.optimizer
+        )
+    assert b.history["step"].tolist() == [6, 7, 8, 9, 10]
+    np.testing.assert_array_equal(
+        np.concatenate([a.history["loss"], b.history["loss"]]), one.history["loss"]
+    )
+    multi = fit_quiet(
+        eqx_model(), optax.MultiSteps(tx, 2), eqx_loss, (X, Y), steps=4, batch_size=BS
+    )
+    assert multi.history["step"].tolist() == [1, 2, 3, 4]
