@@ -329,15 +329,18 @@ def fit(
     program = _fit_program.program(
         identity,
         lambda: _fit_program.build_chunk(
-            _solo_step(adapter, treedef, call, accumulate),
+            _fit_program.Solo(
+                _solo_step(adapter, treedef, call, accumulate),
+                sampler,
+                mesh,
+                shardings,
+                takes_key,
+                _with_eval(checks, adapter, treedef, eval_call),
+                accumulate,
+            ),
             sampler,
             length,
-            mesh,
-            shardings,
             ticks,
-            takes_key,
-            _with_eval(checks, adapter, treedef, eval_call),
-            accumulate,
         ),
     )
     bar_every = spec.every if spec is not None and not ticks else None

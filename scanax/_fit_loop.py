@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _caller, _checkpoint, _models, _progress, _stop
 from ._errors import fit as errors, population as pop_errors
-from ._fit_program import false
+from ._fit_program import Chunk, false
 
 _CALL = errors.CALL
 # The wall time that the automatic schedule aims each call at (array data: calls
@@ -120,13 +120,22 @@ def best_state(names: list[str], best: list, last: list, where: Any = None) -> l
 
 
 class History:
-    """Per-step values of one ``fit`` call, with their global step numbers."""
+    """Per-step values of one ``fit`` call, with their global step numbers.
 
-    def __init__(self):
+    A population's (``members=k``): ``[members, steps]`` arrays (NaN where a
+    member did not train) and ``[members, evaluations]`` evaluations (NaN
+    where a member did not evaluate); the step numbers are shared."""
+
+    def __init__(self, members: int | None = None):
+        self.members = members
+        self.axis = 0 if members is None else 1  # the steps' axis of a value
         self.arrays: dict[str, list[np.ndarray]] = {"step": [], "loss": []}
         self.val: dict[str, list[np.ndarray]] = {}  # "val_step" and "val_<name>"
         self.count = 0  # steps recorded
         self.warned = False
+
+    def _axis(self, name: str) -> int:
+        return 0 if name.endswith("step") else self.axis
 
     def restore(self, saved: dict[str, np.ndarray], after: int, step: int) -> None:
         """The history of a checkpoint at ``step``, from step ``after + 1`` on (a
@@ -135,37 +144,70 @@ class History:
         val = {k: saved.pop(k) for k in list(saved) if k.startswith("val_")}
         if "val_step" in val:
             keep_val = np.asarray(val["val_step"]) > after
-            self.val = {k: [np.compress(keep_val, v, axis=-1)] for k, v in val.items()}
+            self.val = {
+                k: [np.compress(keep_val, v, axis=self._axis(k))]
+                for k, v in val.items()
+            }
         n = len(saved.get("loss", ()))
         steps = saved.pop("step", np.arange(step - n + 1, step + 1, dtype=np.int64))
         keep = np.asarray(steps) > after
         self.arrays = {"step": [np.asarray(steps)[keep]]}
-        self.arrays.update({k: [np.asarray(v)[keep]] for k, v in saved.items()})
+        self.arrays.update(
+            {k: [np.compress(keep, v, axis=self.axis)] for k, v in saved.items()}
+        )
         self.arrays.setdefault("loss", [])
         self.count = int(keep.sum())
 
-    def add(self, first: int, ys: dict, count: int) -> tuple:
-        """``count`` steps from global step ``first`` (0-based; recorded 1-based,
-        as the optimizer's step count after each). Returns what it recorded, for
-        the logger: ``(steps, values, val_steps, val_values)``."""
-        steps = np.arange(first + 1, first + count + 1)
-        metrics = {k: np.asarray(v)[:count] for k, v in ys["metrics"].items()}
+    def add(self, first: int, ys: dict, applied: Any, ran: int) -> tuple:
+        """``ran`` steps from global step ``first`` (0-based; recorded 1-based,
+        as the optimizer's step count after each), of which ``applied`` (per
+        member) were applied: a member's others are NaN. Returns what it
+        recorded, for the logger: ``(steps, values, val_steps, val_values)``."""
+        values = {"loss": ys["loss"], **ys["metrics"]}
+        if self.members is None:
+            values = {k: np.asarray(v)[:ran] for k, v in values.items()}
+        else:
+            mask = np.arange(ran)[None, :] >= np.asarray(applied)[:, None]
+            for name, v in values.items():
+                v = np.asarray(v)[:, :ran]
+                if not np.issubdtype(v.dtype, np.floating):
+                    v = v.astype(np.float64)
+                values[name] = np.where(
+                    mask.reshape(mask.shape + (1,) * (v.ndim - 2)), np.nan, v
+                )
+        metrics = {k: v for k, v in values.items() if k != "loss"}
         if set(metrics) != set(self.arrays) - {"loss", "step"}:
-            self._align(metrics, count)
-        values = {"loss": ys["loss"][:count], **metrics}
+            self._align(metrics, ran)
+        steps = np.arange(first + 1, first + ran + 1)
         self.arrays["step"].append(steps)
         for name, value in values.items():
             self.arrays[name].append(value)
-        self.count += count
+        self.count += ran
         if "val" not in ys:
             return steps, values, steps[:0], {}
-        # evaluations: one entry each, at their steps
-        idx = np.flatnonzero(np.asarray(ys["evaluated"])[:count])
-        val = {k: np.asarray(v)[idx] for k, v in ys["val"].items()}
+        # evaluations: one entry each, at their steps (a population: where any
+        # member evaluated, NaN for the others)
+        evaluated = np.asarray(ys["evaluated"])
+        if self.members is None:
+            idx = np.flatnonzero(evaluated[:ran])
+            val = {k: np.asarray(v)[idx] for k, v in ys["val"].items()}
+        else:
+            evaluated = evaluated[:, :ran]
+            idx = np.flatnonzero(evaluated.any(axis=0))
+            val = {
+                k: np.where(evaluated[:, idx], np.asarray(v)[:, idx], np.nan)
+                for k, v in ys["val"].items()
+            }
         self.val.setdefault("val_step", []).append(first + 1 + idx)
         for name, value in val.items():
             self.val.setdefault(name, []).append(value)
         return steps, values, first + 1 + idx, val
+
+    def _nan(self, count: int) -> np.ndarray:
+        """NaN for ``count`` steps (and every member)."""
+        if self.members is None:
+            return np.full(count, np.nan, np.float32)
+        return np.full((self.members, count), np.nan)
 
     def _align(self, metrics: dict, count: int) -> None:
         """Metric names differ from those of the history so far (a checkpoint of a
@@ -180,17 +222,27 @@ class History:
                 RuntimeWarning,
                 stacklevel=_caller.user_level(),
             )
-        for name in new:
-            self.arrays[name] = [np.full(self.count, np.nan, np.float32)]
+        for name in new:  # (one model: a float32 start, as it always had)
+            first = self.count or self.members is None
+            self.arrays[name] = [self._nan(self.count)] if first else []
         for name in gone:
-            self.arrays[name].append(np.full(count, np.nan, np.float32))
+            self.arrays[name].append(self._nan(count))
 
     def result(self) -> dict[str, np.ndarray]:
-        empty = {"step": np.zeros((0,), np.int64), "val_step": np.zeros((0,), int)}
-        return {
-            k: np.concatenate(v) if v else empty.get(k, np.zeros((0,), np.float32))
-            for k, v in {**self.arrays, **self.val}.items()
-        }
+        def empty(name: str) -> np.ndarray:
+            if name.endswith("step"):
+                return np.zeros((0,), np.int64)
+            return np.zeros((0,) if self.members is None else (self.members, 0))
+
+        out = {}
+        for name, parts in {**self.arrays, **self.val}.items():
+            if parts:
+                out[name] = np.concatenate(parts, axis=self._axis(name))
+            else:
+                out[name] = empty(name).astype(
+                    np.int64 if name.endswith("step") else np.float32
+                )
+        return out
 
 
 # ---------------------------------------------------------------------------- driver
@@ -413,12 +465,12 @@ class Run:
                 self.bar.refresh()
             return result
 
-    def _args(self, leaves, stopped, start, count, every, xs, extra=None) -> tuple:
+    def _args(self, leaves, stopped, start, count, every, xs, extra=None) -> Chunk:
         """The compiled chunk's arguments for a call."""
         aux = None
         if self.checks is not None:
             aux = {"eval": self.eval_data, "stop": extra}
-        return (
+        return Chunk(
             leaves,
             stopped,
             np.int32(start),
@@ -542,10 +594,11 @@ class Run:
         inputs: tuple,
         extra: Any = None,
     ) -> None:
-        applied, ys = jax.device_get((applied, ys))
-        count, loss_ok, grads_ok, early = (int(a) for a in applied)
+        report, ys = jax.device_get((applied, ys))
+        count, early = int(report.applied), bool(report.ended)
+        loss_ok, grads_ok = report.loss_ok, report.grads_ok
         self.schedule.ran(end - start, inputs[-1])
-        steps, values, val_steps, val = self.history.add(start, ys, count)
+        steps, values, val_steps, val = self.history.add(start, ys, count, count)
         if self.logger is not None:
             self.logger.add(steps, values)
             self.logger.add_val(val_steps, val)
@@ -585,10 +638,10 @@ class Run:
         out, _, applied, _, extra = self._call(
             leaves, false(), start, count, count + 1, xs, extra
         )  # count + 1: no reports
-        if int(applied[0]) != count:  # the same program on the same inputs
+        if int(applied.applied) != count:  # the same program on the same inputs
             raise RuntimeError(
                 f"{_CALL}: internal error: replaying {count} good steps applied "
-                f"{int(applied[0])}. Please report this with your model and data."
+                f"{int(applied.applied)}. Please report this with your model and data."
             )
         return out, extra
 

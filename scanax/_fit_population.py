@@ -105,10 +105,9 @@ def fit_population(
         )
 
         def build():
-            return build_chunk(
+            lanes = Members(
                 pop.step_factory(call_for, accumulate),
                 sampler,
-                length,
                 mesh,
                 takes_key,
                 accumulate,
@@ -116,6 +115,7 @@ def fit_population(
                 None if mesh is None else _mesh.MEMBERS,
                 checks,
             )
+            return _fit_program.build_chunk(lanes, sampler, length, False)
 
         return _fit_program.program(identity, build)
 
@@ -317,225 +317,112 @@ def merge_groups(histories: list[dict]) -> dict:
     return out
 
 
-def build_chunk(
-    step: Callable,
-    source: Any,
-    length: int,
-    mesh: Any,
-    takes_key: bool,
-    accumulate: int,
-    xs_axis: int | None,
-    members: str | None,
-    checks: Any = None,
-) -> Callable:
-    """``chunk(leaves, stopped, start, count, every, data, keys, xs, hp, aux)`` of
-    a population: one ``lax.while_loop`` over the steps whose body is the
-    members' step under ``vmap``. A member takes step ``i`` while ``i <
-    count[m]`` and it has not stopped; a non-finite step is not applied (a
-    select per state leaf) and stops that member alone. The loop itself is not
-    vmapped: a vmapped loop with a per-member condition would select every
-    carried buffer at every step.
+class Members(_fit_program.Lanes):
+    """A population's members side by side: their step under ``vmap`` in one
+    loop. A member takes step ``i`` while ``i < count[m]`` and it has not
+    stopped; a non-finite step is not applied (a select per state leaf) and
+    stops that member alone. The loop itself is not vmapped: a vmapped loop
+    with a per-member condition would select every carried buffer at every
+    step.
 
     With ``checks`` (``_fit_checks.Checks``): after each step, every member's
     evaluation and early-stop rule (``checks.run`` under ``vmap``; the
     evaluation is due at the same steps for all, so it stays one ``lax.cond``),
-    their carry ``aux["stop"]`` with a leading member axis. A member whose rule
-    says stop stops (its ``rule.stopped``); a member that did not take the step
-    (stopped, or a non-finite step) leaves its carry as it was and records no
-    evaluation (``evaluated`` is per member).
+    their carry with a leading member axis. A member whose rule says stop stops
+    (its ``rule.stopped``); a member that did not take the step (stopped, or a
+    non-finite step) leaves its carry as it was and records no evaluation
+    (``evaluated`` is per member).
 
-    Returns ``(leaves, stopped, (applied, ran, stopped, ended), bufs, carry)``:
-    per member, the steps applied; the steps the loop ran (fewer than
-    ``max(count)`` when every member stopped); the stopped members, those
-    stopped by their rule; per-step outputs ``[length, members, ...]``. On a
-    mesh, the third and fourth are replicated: every process reads them.
+    The report holds, per member, the steps applied, the stopped members and
+    those stopped by their rule, and the steps the loop ran (fewer than
+    ``max(count)`` when every member stopped); per-step outputs are
+    ``[length, members, ...]``. On a mesh, the report and the outputs are
+    replicated: every process reads them.
     """
 
-    def one(leaves, key, xs, hp, perm, data, t, i):
-        batch = source.batch(perm, data, xs, t, i)
-        if mesh is not None and _mesh.has_data_axis(mesh):
-            batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
-        key_t = None
-        if takes_key:
-            key_t = _fit_program.step_key(jr.split(key)[1], t, accumulate)
-        new, loss, metrics, grads = step(leaves, batch, key_t, hp)
-        loss_ok, grads_ok = _fit_program.finite(loss, grads)
-        return new, {"loss": loss, "metrics": metrics}, loss_ok & grads_ok
+    def __init__(
+        self, step, sampler, mesh, takes_key, accumulate, xs_axis, members, checks
+    ):
+        self.mesh, self.checks = mesh, checks
 
-    axes = (0, 0, xs_axis, 0, None, None, None, None)
-    members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)
+        def one(leaves, key, xs, hp, perm, data, t, i):
+            batch = sampler.batch(perm, data, xs, t, i)
+            if mesh is not None and _mesh.has_data_axis(mesh):
+                batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
+            key_t = None
+            if takes_key:
+                key_t = _fit_program.step_key(jr.split(key)[1], t, accumulate)
+            new, loss, metrics, grads = step(leaves, batch, key_t, hp)
+            loss_ok, grads_ok = _fit_program.finite(loss, grads)
+            return new, {"loss": loss, "metrics": metrics}, loss_ok & grads_ok
 
-    def check(t, leaves, out, take, eval_data, key, hp, extra):
-        # the solo run's evaluation key: fit's key (the member's), then the step
-        eval_key = jr.fold_in(jr.split(key)[0], t)
-        return checks.run(t + 1, leaves, out, take, eval_data, eval_key, hp, extra)
+        axes = (0, 0, xs_axis, 0, None, None, None, None)
+        self.members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)
 
-    members_check = jax.vmap(
-        check,
-        in_axes=(None, 0, 0, 0, None, 0, 0, 0),
-        out_axes=(0, None, 0, 0),
-        spmd_axis_name=members,
-    )
+        def check(t, leaves, out, take, eval_data, key, hp, extra):
+            # the solo run's evaluation key: fit's key (the member's), then the step
+            eval_key = jr.fold_in(jr.split(key)[0], t)
+            return checks.run(t + 1, leaves, out, take, eval_data, eval_key, hp, extra)
 
-    def ended(extra):
-        """Members stopped by their early-stop rule."""
-        if extra is None:
-            return jnp.array(False)
-        return extra.rule.stopped
+        self.members_check = jax.vmap(
+            check,
+            in_axes=(None, 0, 0, 0, None, 0, 0, 0),
+            out_axes=(0, None, 0, 0),
+            spmd_axis_name=members,
+        )
 
-    def chunk(leaves, stopped, start, count, every, data, keys, xs, hp, aux):
-        with jax.named_scope(_CALL):
-            extra = None if aux is None else aux["stop"]
-            eval_data = None if aux is None else aux["eval"]
-            perm = source.first(None, start)
+    def begin(self, c):
+        return None, jnp.zeros(c.stopped.shape, jnp.int32)  # steps applied
 
-            def run_one(leaves, stopped, extra, perm, t, i):
-                """The members' step, then (``checks``) their evaluation and
-                early-stop rule."""
-                new, out, ok = members_step(leaves, keys, xs, hp, perm, data, t, i)
-                active = (i < count) & ~stopped & ~ended(extra)
-                take = active & ok
-                leaves = [_where(take, n, x) for n, x in zip(new, leaves)]
-                if checks is not None:
-                    val, due, checked, _ = members_check(
-                        t, leaves, out, take, eval_data, keys, hp, extra
-                    )
-                    if extra is not None:  # (the best state changes only at take)
-                        keep = ft.partial(_where, take)
-                        extra = checked._replace(
-                            rule=jtu.tree_map(keep, checked.rule, extra.rule),
-                            total=keep(checked.total, extra.total),
-                            count=keep(checked.count, extra.count),
-                        )
-                    out = {**out, "val": val, "evaluated": due & take}
-                return leaves, out, take, stopped | (active & ~ok), extra
-
-            run_one, shapes = _fit_program.trace_once(
-                run_one, leaves, stopped, extra, perm, start, jnp.int32(0)
+    def step(self, c, env, carry, perm, t, i):
+        leaves, stopped, extra, applied = carry
+        new, out, ok = self.members_step(leaves, c.key, c.xs, c.hp, perm, c.data, t, i)
+        active = (i < c.count) & ~stopped & ~_ended(extra)
+        take = active & ok
+        leaves = [_where(take, n, x) for n, x in zip(new, leaves)]
+        if self.checks is not None:
+            eval_data = c.aux["eval"]
+            val, due, checked, _ = self.members_check(
+                t, leaves, out, take, eval_data, c.key, c.hp, extra
             )
-            out_type = shapes[1]
-            bufs = jtu.tree_map(
-                lambda s: jnp.zeros((length, *s.shape), s.dtype), out_type
-            )
-            applied = jnp.zeros(stopped.shape, jnp.int32)
-
-            def cond(carry):
-                i, _, stopped, _, _, _, extra = carry
-                return (i < jnp.max(count)) & ~jnp.all(stopped | ended(extra))
-
-            def body(carry):
-                i, leaves, stopped, perm, bufs, applied, extra = carry
-                t = start + i
-                perm = source.advance(perm, None, t)
-                leaves, out, take, stopped, extra = run_one(
-                    leaves, stopped, extra, perm, t, i
+            if extra is not None:  # (the best state changes only at take)
+                keep = ft.partial(_where, take)
+                extra = checked._replace(
+                    rule=jtu.tree_map(keep, checked.rule, extra.rule),
+                    total=keep(checked.total, extra.total),
+                    count=keep(checked.count, extra.count),
                 )
-                bufs = jtu.tree_map(
-                    lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
-                    bufs,
-                    out,
-                )
-                applied = applied + take.astype(applied.dtype)
-                return i + 1, leaves, stopped, perm, bufs, applied, extra
+            out = {**out, "val": val, "evaluated": due & take}
+        applied = applied + take.astype(applied.dtype)
+        return (leaves, stopped | (active & ~ok), extra, applied), out
 
-            init = (jnp.int32(0), leaves, stopped, perm, bufs, applied, extra)
-            i, leaves, stopped, _, bufs, applied, extra = jax.lax.while_loop(
-                cond, body, init
-            )
+    def running(self, c, i, stopped, extra, lane):
+        return (i < jnp.max(c.count)) & ~jnp.all(stopped | _ended(extra))
+
+    def finish(self, c, i, carry, bufs):
+        leaves, stopped, extra, applied = carry
+        report = _fit_program.Report(applied, i, stopped, _ended(extra))
+        if self.mesh is not None:
             # What the host reads after the call, readable by every process
             # (members split over processes' devices are gathered).
-            host = (applied, i, stopped, ended(extra))
-            if mesh is not None:
-                host, bufs = _mesh.everywhere(mesh, (host, bufs))
-                # (the carry keeps its placement: host copies are not it)
-                leaves, stopped, extra = _mesh.keep_by_member(
-                    mesh, (leaves, stopped, extra)
-                )
-            return leaves, stopped, host, bufs, extra
+            report, bufs = _mesh.everywhere(self.mesh, (report, bufs))
+            # (the carry keeps its placement: host copies are not it)
+            leaves, stopped, extra = _mesh.keep_by_member(
+                self.mesh, (leaves, stopped, extra)
+            )
+        return _fit_program.Out(leaves, stopped, report, bufs, extra)
 
-    return chunk
+
+def _ended(extra: Any) -> Any:
+    """Members stopped by their early-stop rule."""
+    if extra is None:
+        return jnp.array(False)
+    return extra.rule.stopped
 
 
 def _where(take: Any, new: Any, old: Any) -> Any:
     """``new`` for the members where ``take``, else ``old`` (a member axis first)."""
     return jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)
-
-
-class PopHistory(_fit_loop.History):
-    """Per-step values of every member: ``[members, steps]`` arrays (NaN where a
-    member did not train), and the global step numbers; evaluations
-    ``[members, evaluations]`` (NaN where a member did not evaluate) at
-    ``val_step``."""
-
-    def __init__(self, k: int):
-        super().__init__()
-        self.k = k
-
-    def add_members(self, first: int, ys: dict, counts: np.ndarray, ran: int) -> tuple:
-        """``ran`` steps from global step ``first``; member ``m`` applied
-        ``counts[m]`` of them (the rest is NaN). Returns what it recorded, for
-        the logger: ``(steps, values, val_steps, val_values)``."""
-        mask = np.arange(ran)[None, :] >= counts[:, None]
-        values = {"loss": ys["loss"], **ys["metrics"]}
-        for name, v in values.items():
-            v = np.asarray(v)[:, :ran]
-            if not np.issubdtype(v.dtype, np.floating):
-                v = v.astype(np.float64)
-            values[name] = np.where(
-                mask.reshape(mask.shape + (1,) * (v.ndim - 2)), np.nan, v
-            )
-        metrics = {k: v for k, v in values.items() if k != "loss"}
-        if set(metrics) != set(self.arrays) - {"loss", "step"}:
-            self._align(metrics, ran)
-        steps = np.arange(first + 1, first + ran + 1)
-        self.arrays["step"].append(steps)
-        for name, v in values.items():
-            self.arrays[name].append(v)
-        self.count += ran
-        if "val" not in ys:
-            return steps, values, steps[:0], {}
-        # evaluations: the steps where any member evaluated, NaN for the others
-        evaluated = np.asarray(ys["evaluated"])[:, :ran]
-        idx = np.flatnonzero(evaluated.any(axis=0))
-        val = {
-            k: np.where(evaluated[:, idx], np.asarray(v)[:, idx], np.nan)
-            for k, v in ys["val"].items()
-        }
-        self.val.setdefault("val_step", []).append(first + 1 + idx)
-        for name, v in val.items():
-            self.val.setdefault(name, []).append(v)
-        return steps, values, first + 1 + idx, val
-
-    def _align(self, metrics: dict, count: int) -> None:
-        known = set(self.arrays) - {"loss", "step"}
-        for name in sorted(set(metrics) - known):
-            self.arrays[name] = (
-                [np.full((self.k, self.count), np.nan)] if self.count else []
-            )
-        for name in sorted(known - set(metrics)):
-            self.arrays[name].append(np.full((self.k, count), np.nan))
-
-    def restore(self, saved: dict, after: int, step: int) -> None:
-        saved = dict(saved)
-        val = {k: saved.pop(k) for k in list(saved) if k.startswith("val_")}
-        if "val_step" in val:
-            keep_val = np.asarray(val["val_step"]) > after
-            self.val = {k: [np.compress(keep_val, v, axis=-1)] for k, v in val.items()}
-        steps = np.asarray(saved.pop("step"))
-        keep = steps > after
-        self.arrays = {"step": [steps[keep]]}
-        self.arrays.update({k: [np.asarray(v)[:, keep]] for k, v in saved.items()})
-        self.count = int(keep.sum())
-
-    def result(self) -> dict[str, np.ndarray]:
-        out = {
-            "step": np.zeros((0,), np.int64),
-            "loss": np.zeros((self.k, 0), np.float32),
-        }
-        for name, parts in {**self.arrays, **self.val}.items():
-            if parts:
-                out[name] = np.concatenate(parts, axis=-1)
-        return out
 
 
 class PopRun(_fit_loop.Run):
@@ -568,7 +455,7 @@ class PopRun(_fit_loop.Run):
             )
         self.applied = np.zeros(self.k, np.int64)
         self.checked = None  # (state, stopped, step) after the last call collected
-        self.history = PopHistory(self.k)
+        self.history = _fit_loop.History(self.k)
         self.label = _CALL
 
     def check_memory(self) -> None:
@@ -690,9 +577,10 @@ class PopRun(_fit_loop.Run):
         first = [] if self.nxt is None else [self.nxt]
         for start, end, xs in itertools.chain(first, self.chunks):
             want = end - start
-            leaves, stopped, host, ys, extra = self._call(*self._at(start, end, xs))
+            leaves, stopped, report, ys, extra = self._call(*self._at(start, end, xs))
             dispatched = time.perf_counter()
-            (applied, ran, now, ended), ys = jax.device_get((host, ys))
+            report, ys = jax.device_get((report, ys))
+            applied, ran, now, ended = report[:4]
             ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]
             counts = np.asarray(applied).astype(np.int64)
             ran = int(ran)  # (fewer than want: every member stopped)
@@ -710,7 +598,7 @@ class PopRun(_fit_loop.Run):
                     RuntimeWarning,
                     stacklevel=_caller.user_level(),
                 )
-            recorded = self.history.add_members(start, ys, counts, ran)
+            recorded = self.history.add(start, ys, counts, ran)
             self.leaves, self.stopped, self.extra = leaves, stopped, extra
             self.applied += counts
             self.done = start + ran

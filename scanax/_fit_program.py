@@ -4,11 +4,12 @@ once, finiteness, per-step keys, the state's dtypes)."""
 
 from __future__ import annotations
 
+import abc
 import collections
 import functools
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,24 +136,127 @@ def identity(fingerprint: Any, fallback: Any, loss_fn: Callable, *rest: Any) -> 
 # ---------------------------------------------------------------------------- chunk
 
 
-def build_chunk(
-    step: Callable,
-    source: Any,
-    length: int,
-    mesh: Any,
-    shardings: tuple | None,
-    ticks: bool,
-    takes_key: bool,
-    checks: Any = None,
-    accumulate: int = 1,
-) -> Callable:
-    """``chunk(leaves, stopped, start, count, every, data, key, xs, hp, aux)``: up
-    to ``count`` steps of ``step(leaves, batch, key, hp)`` from global step
-    ``start``, ending early at a non-finite step (``hp``: a population member's
-    hyperparameters, else None). With ``checks`` (``_fit_checks.Checks``): an
-    evaluation over ``aux["eval"]`` and the early-stop rule (its carry
-    ``aux["stop"]``, returned updated) every ``checks.every`` steps; the loop also
-    ends when the rule says stop.
+class Chunk(NamedTuple):
+    """A compiled call's arguments (a population's with a member axis first)."""
+
+    leaves: list  # the training state
+    stopped: Any  # bool: stopped before the call (per member)
+    start: Any  # int32: the global step of the call's first step
+    count: Any  # int32: the steps to run (per member)
+    every: Any  # int32: steps between in-loop progress reports
+    data: Any  # array data (None for host batches)
+    key: Any  # fit's key (the members' keys)
+    xs: Any  # the call's example orders, or its stacked host batches
+    hp: Any  # the members' hyperparameters, else None
+    aux: Any  # {"eval": eval arrays, "stop": early-stop carry}, or None
+
+
+class Report(NamedTuple):
+    """What the host reads of a compiled call (per member for a population)."""
+
+    applied: Any  # steps applied
+    ran: Any  # steps the loop ran
+    stopped: Any  # stopped by a non-finite step (a population: or before)
+    ended: Any  # stopped by the early-stop rule
+    loss_ok: Any = None  # one model: the last step run's loss was finite
+    grads_ok: Any = None  # and its gradients
+
+
+class Out(NamedTuple):
+    """A compiled call's outputs."""
+
+    leaves: list
+    stopped: Any  # the next call's ``Chunk.stopped``
+    report: Report
+    bufs: Any  # per-step outputs, ``[length, ...]`` ({"loss", "metrics", ...})
+    extra: Any  # the early-stop carry
+
+
+class Lanes(abc.ABC):
+    """How a call's steps advance the state: one model (``Solo``) or a
+    population's members side by side (``_fit_population.Members``). The loop
+    around them (``build_chunk``) is the same."""
+
+    @abc.abstractmethod
+    def begin(self, c: Chunk) -> tuple[Any, Any]:
+        """``(env, lane)``: values fixed for the call (computed once, outside
+        the loop) and the lanes' own carry."""
+
+    @abc.abstractmethod
+    def step(self, c: Chunk, env: Any, carry: tuple, perm: Any, t: Any, i: Any):
+        """One step: ``(leaves, stopped, extra, lane)`` after it, and its
+        outputs for the buffers. ``carry`` is ``(leaves, stopped, extra,
+        lane)``."""
+
+    @abc.abstractmethod
+    def running(self, c: Chunk, i: Any, stopped: Any, extra: Any, lane: Any) -> Any:
+        """Whether the loop takes step ``i``."""
+
+    @abc.abstractmethod
+    def finish(self, c: Chunk, i: Any, carry: tuple, bufs: Any) -> Out:
+        """The call's outputs after ``i`` steps ran."""
+
+
+class Solo(Lanes):
+    """One model: a step stops the loop when its loss or gradients are not
+    finite (it is applied; the host recomputes the call's good steps, see
+    ``build_chunk``); with ``checks`` (``_fit_checks.Checks``), evaluation and
+    the early-stop rule after each step, which may end the loop too."""
+
+    def __init__(self, step, sampler, mesh, shardings, takes_key, checks, accumulate):
+        self.fn, self.sampler, self.mesh = step, sampler, mesh
+        self.shardings, self.takes_key = shardings, takes_key
+        self.checks, self.accumulate = checks, accumulate
+
+    def begin(self, c: Chunk) -> tuple[Any, Any]:
+        root = jr.split(c.key)[1] if self.takes_key else None
+        # (loss_ok, grads_ok) of the last step run: the bad one, if any; early
+        return root, ((jnp.array(True), jnp.array(True)), jnp.array(False))
+
+    def step(self, c, env, carry, perm, t, i):
+        leaves, _, extra, _ = carry
+        batch = self.sampler.batch(perm, c.data, c.xs, t, i)
+        if self.mesh is not None:
+            batch = _mesh.batch_constraint(
+                self.mesh, batch, 1 if self.accumulate > 1 else 0
+            )
+        key_t = step_key(env, t, self.accumulate) if self.takes_key else None
+        leaves, loss, metrics, grads = self.fn(leaves, batch, key_t, c.hp)
+        loss_ok, grads_ok = finite(loss, grads)
+        out = {"loss": loss, "metrics": metrics}
+        early = jnp.array(False)
+        if self.checks is not None:
+            # (fit's key, or a placeholder: an eval_fn may take a key when
+            # loss_fn does not)
+            eval_key = jr.fold_in(jr.split(c.key)[0], t)
+            val, due, extra, early = self.checks.run(
+                t + 1, leaves, out, loss_ok & grads_ok, c.aux["eval"], eval_key,
+                c.hp, extra,
+            )  # fmt: skip
+            out = {**out, "val": val, "evaluated": due}
+        stop = ~(loss_ok & grads_ok)
+        return (leaves, stop, extra, ((loss_ok, grads_ok), early & ~stop)), out
+
+    def running(self, c, i, stopped, extra, lane):
+        return (i < c.count) & ~stopped & ~lane[1]
+
+    def finish(self, c, i, carry, bufs):
+        leaves, stopped, extra, ((loss_ok, grads_ok), early) = carry
+        applied = jnp.where(stopped & ~c.stopped, i - 1, i)
+        if self.shardings is not None:  # the state keeps its placement
+            leaves = [
+                jax.lax.with_sharding_constraint(x, s)
+                for x, s in zip(leaves, self.shardings)
+            ]
+        report = Report(applied, i, stopped, early, loss_ok, grads_ok)
+        # A stop by the rule also stops the next call (already dispatched).
+        return Out(leaves, stopped | early, report, bufs, extra)
+
+
+def build_chunk(lanes: Lanes, sampler: Any, length: int, ticks: bool) -> Callable:
+    """``chunk(*Chunk)``: up to ``count`` steps from global step ``start``, as
+    ``lanes`` takes them, in one ``lax.while_loop``; returns ``Out``.
+
     With ``ticks`` (a bar, and calls not sized automatically: host batches or a
     ``steps_per_call``), every ``every``-th global step reports to the host from
     inside the loop (``_progress.tick_newest``), so the bar moves during long
@@ -164,105 +268,52 @@ def build_chunk(
     A ``lax.while_loop`` rather than a scan: the number of steps per call varies
     (the automatic schedule, the last call, a NaN) without recompiling, and steps
     that do not run cost nothing. Per-step outputs go to ``length``-long buffers.
+    One model's non-finite step is applied and the loop stops after it; the host
+    then recomputes the good steps of that call from the call's input (the same
+    program on the same inputs: bit-identical). Keeping the previous state at
+    every step instead (a select per leaf) made small models ~2x slower on CPU.
     """
 
-    def guarded(leaves, batch, key, hp):
-        """One step, and whether its loss and gradients are finite.
-
-        A non-finite step is applied here and the loop stops after it; the host
-        then recomputes the good steps of that call from the call's input (the
-        same program on the same inputs: bit-identical). Keeping the previous
-        state at every step instead (a select per leaf) made small models ~2x
-        slower on CPU.
-        """
-        new, loss, metrics, grads = step(leaves, batch, key, hp)
-        loss_ok, grads_ok = finite(loss, grads)
-        return (
-            new,
-            {"loss": loss, "metrics": metrics},
-            loss_ok,
-            grads_ok,
-        )
-
-    def batch_at(data, xs, perm, t, i):
-        batch = source.batch(perm, data, xs, t, i)
-        if mesh is None:
-            return batch
-        return _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
-
-    def chunk(leaves, stopped, start, count, every, data, key, xs, hp, aux):
+    def chunk(*args):
+        c = Chunk(*args)
         with jax.named_scope(_CALL):
-            perm = source.first(key, start)
-            root = jr.split(key)[1] if takes_key else None
+            perm = sampler.first(c.key, c.start)
+            extra = None if c.aux is None else c.aux["stop"]
+            env, lane = lanes.begin(c)
 
-            def key_at(t):
-                return step_key(root, t, accumulate) if takes_key else None
+            def one(carry, perm, t, i):
+                return lanes.step(c, env, carry, perm, t, i)
 
-            def one(leaves, batch, t, extra):
-                """A step, then (``checks``) evaluation and early stopping."""
-                leaves, out, loss_ok, grads_ok = guarded(leaves, batch, key_at(t), hp)
-                early = jnp.array(False)
-                if checks is not None:
-                    # (fit's key, or a placeholder: an eval_fn may take a key
-                    # when loss_fn does not)
-                    eval_key = jr.fold_in(jr.split(key)[0], t)
-                    val, due, extra, early = checks.run(
-                        t + 1,
-                        leaves,
-                        out,
-                        loss_ok & grads_ok,
-                        aux["eval"],
-                        eval_key,
-                        hp,
-                        extra,
-                    )
-                    out = {**out, "val": val, "evaluated": due}
-                return leaves, out, loss_ok, grads_ok, extra, early
-
-            extra = None if aux is None else aux["stop"]
-            first = batch_at(data, xs, perm, start, 0)
-            one, shapes = trace_once(one, leaves, first, start, extra)
-            out_type = shapes[1]
-            # (loss_ok, grads_ok) of the last step run: the bad one, if any.
-            flags = (jnp.array(True), jnp.array(True))
+            # (traced once: the buffers' shapes, and the loop's step)
+            carry = (c.leaves, c.stopped, extra, lane)
+            one, shapes = trace_once(one, carry, perm, c.start, jnp.int32(0))
             bufs = jtu.tree_map(
-                lambda s: jnp.zeros((length, *s.shape), s.dtype), out_type
+                lambda s: jnp.zeros((length, *s.shape), s.dtype), shapes[1]
             )
 
-            def cond(carry):
-                i, _, stopped, _, _, _, _, early = carry
-                return (i < count) & ~stopped & ~early
+            def cond(loop):
+                i, carry, _, _ = loop
+                _, stopped, extra, lane = carry
+                return lanes.running(c, i, stopped, extra, lane)
 
-            def body(carry):
-                i, leaves, _, perm, bufs, _, extra, _ = carry
-                t = start + i
-                perm = source.advance(perm, key, t)
-                leaves, out, loss_ok, grads_ok, extra, early = one(
-                    leaves, batch_at(data, xs, perm, t, i), t, extra
-                )
+            def body(loop):
+                i, carry, perm, bufs = loop
+                t = c.start + i
+                perm = sampler.advance(perm, c.key, t)
+                carry, out = one(carry, perm, t, i)
                 bufs = jtu.tree_map(
                     lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
                     bufs,
                     out,
                 )
-                stop = ~(loss_ok & grads_ok)
                 if ticks:
-                    _progress.tick_newest((t + 1) % every == 0, t + 1, out["loss"])
-                flags = (loss_ok, grads_ok)
-                return i + 1, leaves, stop, perm, bufs, flags, extra, early & ~stop
+                    _progress.tick_newest((t + 1) % c.every == 0, t + 1, out["loss"])
+                return i + 1, carry, perm, bufs
 
-            init = (jnp.int32(0), leaves, stopped, perm, bufs, flags, extra, False)
-            i, leaves, stopped_out, _, bufs, flags, extra, early = jax.lax.while_loop(
-                cond, body, (*init[:-1], jnp.array(False))
+            i, carry, _, bufs = jax.lax.while_loop(
+                cond, body, (jnp.int32(0), carry, perm, bufs)
             )
-            applied = jnp.where(stopped_out & ~stopped, i - 1, i)
-            if shardings is not None:  # the state keeps its placement
-                leaves = [
-                    jax.lax.with_sharding_constraint(x, s)
-                    for x, s in zip(leaves, shardings)
-                ]
-            # A stop by the rule also stops the next call (already dispatched).
-            return leaves, stopped_out | early, (applied, *flags, early), bufs, extra
+            return lanes.finish(c, i, carry, bufs)
 
     return chunk
 
