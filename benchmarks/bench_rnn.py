@@ -10,7 +10,7 @@ backend (``order="auto"``: layer-outer on CPU).
 
 Run alone with ``python -m benchmarks.bench_rnn``. ``--orders`` instead times
 ``order="layer"`` against ``order="time"`` over a grid of cells and shapes (the
-measurement behind ``order="auto"``; not part of ``scanax bench``).
+measurement behind ``order="auto"``; not part of ``python -m benchmarks``).
 """
 
 from __future__ import annotations

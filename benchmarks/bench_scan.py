@@ -16,7 +16,7 @@ And un-jitted calls (issue 18): an eager ``scanax.scan`` with a new closure per 
 same body. Target: ≤ 3× ``lax.scan`` with the same function (its best case).
 
 Run alone with ``python -m benchmarks.bench_scan``, or with every benchmark through
-``scanax bench``.
+``python -m benchmarks``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``scanax`` console script: ``scanax demo`` and ``scanax bench``."""
+"""``scanax`` console script: ``scanax demo``."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("demo", "bench"):
-        print("usage: scanax {demo,bench} [options]", file=sys.stderr)
+    if argv[:1] == ["bench"]:
+        print(
+            "scanax bench: the benchmarks live in scanax's source checkout, not in "
+            "the installed package: run `python -m benchmarks` there (options: "
+            "--quick, --only NAME, --out DIR).",
+            file=sys.stderr,
+        )
         return 2
-    if argv[0] == "demo":
-        from ._demo import main as demo_main
+    if argv[:1] != ["demo"]:
+        print("usage: scanax demo [options]", file=sys.stderr)
+        return 2
+    from ._demo import main as demo_main
 
-        return demo_main(argv[1:])
-    from ._bench import main as bench_main
-
-    return bench_main(argv[1:])
+    return demo_main(argv[1:])
 
 
 if __name__ == "__main__":

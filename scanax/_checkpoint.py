@@ -11,6 +11,7 @@ checkpoints intact; the newest few are kept.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any
@@ -59,13 +60,16 @@ class Checkpoints:
     save's temporary folders cleaned up, by the first save (so that a call
     refused before its first step leaves the directory as it was)."""
 
-    def __init__(self, directory: Any, every: int, names: list[str], data: dict):
+    def __init__(
+        self, directory: Any, every: int, names: list[str], data: dict, start: int
+    ):
         ocp = _ocp()
         self.ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
         self.names = names
         self.data = data
+        self.start = start  # the step this call started from
         self.reader = None
         if os.path.isdir(self.directory):
             options = ocp.CheckpointManagerOptions(
@@ -76,6 +80,7 @@ class Checkpoints:
             )
         self.manager = None  # the writer, made by the first save
         self.last_saved = None
+        self.starts = _read_index(self.directory)  # step -> its call's start
 
     # ------------------------------------------------------------------ save
 
@@ -85,7 +90,7 @@ class Checkpoints:
                 self.reader.close()
                 self.reader = None
             options = self.ocp.CheckpointManagerOptions(
-                max_to_keep=KEEP, create=True, cleanup_tmp_directories=True
+                max_to_keep=None, create=True, cleanup_tmp_directories=True
             )
             self.manager = self.ocp.CheckpointManager(
                 self.directory, options=options, item_names=_ITEMS
@@ -106,9 +111,13 @@ class Checkpoints:
             "leaves": [[n, *describe(x)] for n, x in zip(self.names, leaves)],
             "data": self.data,
             "empty_history": empty,
+            "key": describe(key),
+            "call_start": int(self.start),
         }
         ocp = self.ocp
-        self._writer().save(
+        manager = self._writer()
+        self._prune(manager, int(step))
+        manager.save(
             int(step),
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
@@ -119,6 +128,27 @@ class Checkpoints:
             ),
         )
         self.last_saved = step
+
+    def _prune(self, manager: Any, step: int) -> None:
+        """Before saving ``step``: delete the checkpoints that are neither among
+        the newest ``KEEP`` nor the newest of the call that wrote them (each
+        call's last checkpoint is kept, so that an epoch loop restarted from
+        the top finds every call's end), and record ``step`` in the index."""
+        self.starts[step] = self.start
+        steps = sorted({*manager.all_steps(), step})
+        keep = set(steps[-KEEP:])
+        newest: dict[int, int] = {}
+        for s in steps:
+            if s in self.starts:
+                newest[self.starts[s]] = s
+        keep |= set(newest.values())
+        for s in steps:
+            if s not in keep and s != step:
+                manager.delete(s)
+                self.starts.pop(s, None)
+        self.starts = {s: c for s, c in self.starts.items() if s in keep}
+        if jax.process_index() == 0:
+            _write_index(self.directory, self.starts)
 
     def close(self) -> None:
         for manager in (self.manager, self.reader):
@@ -144,6 +174,11 @@ class Checkpoints:
         warning (the last one says that training starts from ``start``, the
         model as given); one from another model is an error."""
         steps = sorted((s for s in self._steps() if s <= at_most), reverse=True)
+        # A call restarted (an epoch loop run again from the top) resumes from
+        # its own checkpoints first: a later call's may lie within its steps
+        # too when calls end early (an early stop, a NaN, an iterable's end).
+        own = [s for s in steps if self.starts.get(s) == self.start and s > start]
+        steps = own + [s for s in steps if s not in own]
         for i, step in enumerate(steps):
             try:
                 meta = self.reader.restore(
@@ -152,7 +187,7 @@ class Checkpoints:
             except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
                 self._skip(step, err, i == len(steps) - 1, start)
                 continue
-            self._check(step, meta, leaves)
+            self._check(step, meta, leaves, key)
             try:
                 restored, new_key, history = self._read(step, meta, leaves, key)
             except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
@@ -196,7 +231,7 @@ class Checkpoints:
             stacklevel=_caller.user_level(),
         )
 
-    def _check(self, step: int, meta: dict, leaves: list) -> None:
+    def _check(self, step: int, meta: dict, leaves: list, key: Any) -> None:
         if meta.get("format") != _FORMAT:
             raise errors.checkpoint_format(
                 step, self.directory, meta.get("format"), _FORMAT
@@ -218,6 +253,10 @@ class Checkpoints:
             raise errors.checkpoint_mismatch(
                 step, self.directory, "order", ", ".join(saved), ", ".join(self.names)
             )
+        if "key" in meta and meta["key"] != describe(key):
+            raise errors.checkpoint_key_differs(
+                step, self.directory, _short(meta["key"]), _short(describe(key))
+            )
         if meta["data"] != self.data:
             raise errors.checkpoint_other_data(
                 step, self.directory, meta["data"], self.data
@@ -225,6 +264,24 @@ class Checkpoints:
 
 
 _ITEMS = ("state", "history", "meta")
+_INDEX = "scanax-calls.json"  # step -> the step its call started from
+
+
+def _read_index(directory: str) -> dict[int, int]:
+    try:
+        with open(os.path.join(directory, _INDEX)) as f:
+            return {int(k): int(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_index(directory: str, starts: dict[int, int]) -> None:
+    """Written whole, atomically (a temporary file renamed)."""
+    path = os.path.join(directory, _INDEX)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({str(k): v for k, v in sorted(starts.items())}, f)
+    os.replace(tmp, path)
 
 
 def _size(x: Any) -> int:

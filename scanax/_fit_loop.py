@@ -335,7 +335,7 @@ class Run:
         """Continue from the newest usable checkpoint in ``directory`` that lies
         between this call's start and end (see ``docs/checkpoint.md``)."""
         self.ckpt = _checkpoint.Checkpoints(
-            directory, every, self._names(), self._describe()
+            directory, every, self._names(), self._describe(), self.start
         )
         past = self.ckpt.steps_after(self.end)
         found = self.ckpt.restore(
@@ -375,6 +375,13 @@ class Run:
                 RuntimeWarning,
                 stacklevel=_caller.user_level(),
             )
+        elif self.stopped_by_rule():  # the call ended there, by its early stop
+            self.halted = True
+            warnings.warn(
+                errors.checkpoint_stopped(self.ckpt.directory, step),
+                RuntimeWarning,
+                stacklevel=_caller.user_level(),
+            )
         self.source.skip(step - self.start)  # the batches those steps used
 
     def use_key(self, key: Any) -> None:
@@ -388,7 +395,7 @@ class Run:
         found while tracing ``loss_fn``/``eval_fn`` comes here, before any file,
         sink, model or optimizer changes."""
         self.chunks = self.source.calls(self.done, self.end, self.schedule, self.mesh)
-        self.nxt = next(self.chunks, None)
+        self.nxt = None if self.halted else next(self.chunks, None)
         if self.nxt is not None:
             with self.context():
                 self._compiled(self._args(*self._at(*self.nxt)))
@@ -566,6 +573,14 @@ class Run:
         if self.logger is not None:
             self.logger.sinks.raise_pending(result)
         return result
+
+    def stopped_by_rule(self) -> bool:
+        """Whether the early-stop rule has said stop (a restored checkpoint of
+        a call that stopped early): nothing is left to train. A population's
+        members stop one by one, inside the loop."""
+        if self.extra is None or self.hp is not None:
+            return False
+        return bool(jax.device_get(self.extra.rule.stopped))
 
     @property
     def restoring(self) -> bool:

@@ -507,24 +507,35 @@ class PopRun(_fit_loop.Run):
         values = {k: [float(x) for x in np.asarray(v)] for k, v in self.hp.items()}
         return {**self.source.describe(), "hyperparameters": values}
 
+    @property
+    def shared_shuffle(self) -> bool:
+        """Shared batches of shuffled array data: their order comes from fit's
+        key, not the members' (which the checkpoint's key slot holds), so the
+        checkpoint keeps it too."""
+        return getattr(self.source, "shuffle", False) and self.source.members is None
+
     def _names(self) -> list[str]:
         names = [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
-        if self.extra is None:
-            return names
-        rule = [f"members.stop.rule.{f}" for f in self.extra.rule._fields]
-        best = [f"members.stop.best.{n}" for n in self.pop.names if self.extra.best]
-        return [*names, *rule, *best, "members.stop.total", "members.stop.count"]
+        if self.extra is not None:
+            rule = [f"members.stop.rule.{f}" for f in self.extra.rule._fields]
+            best = [f"members.stop.best.{n}" for n in self.pop.names if self.extra.best]
+            names += [*rule, *best, "members.stop.total", "members.stop.count"]
+        return [*names, "shuffle_key"] if self.shared_shuffle else names
 
     def _saved(self, leaves: list, extra: Any = None) -> list:
-        return [*leaves, self.stopped, *jtu.tree_leaves(extra)]
+        shuffle = [self.source.key] if self.shared_shuffle else []
+        return [*leaves, self.stopped, *jtu.tree_leaves(extra), *shuffle]
 
     def _load(self, saved: list) -> None:
         n = len(self.leaves)
         self.leaves, self.stopped = list(saved[:n]), saved[n]
         self.mask = _mesh.host_value(self.stopped)
+        rest = list(saved[n + 1 :])
+        if self.shared_shuffle:  # the saved shuffle (use_key: the members' keys)
+            self.source.use_key(rest.pop())
         if self.extra is not None:
             treedef = jtu.tree_structure(self.extra)
-            self.extra = jtu.tree_unflatten(treedef, saved[n + 1 :])
+            self.extra = jtu.tree_unflatten(treedef, rest)
 
     def best_steps(self) -> np.ndarray | None:
         """Per member, the step of the best state kept by ``stop=`` (``-1``:

@@ -1,4 +1,5 @@
-"""``scanax bench``: discovery, the results schema, failures recorded, errors."""
+"""``python -m benchmarks`` (``benchmarks/runner.py``): discovery, the results
+schema, failures recorded, errors; ``scanax bench`` points there."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import textwrap
 
 import pytest
 
-from scanax import _bench
+from benchmarks import runner as _bench
 from scanax.__main__ import main
 
 TINY = """
@@ -64,7 +65,7 @@ def _check_schema(result: dict, quick: bool) -> None:
 
 def test_runs_every_module_and_records_failures(bench_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["bench", "--quick", "--dir", str(bench_dir), "--out", str(out)])
+    rc = _bench.main(["--quick", "--dir", str(bench_dir), "--out", str(out)])
     assert rc == 1  # one module failed; the other still ran
     result = json.loads((out / "results.json").read_text())
     _check_schema(result, quick=True)
@@ -119,7 +120,7 @@ def test_without_a_source_checkout(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(_bench, "repo_root", lambda: tmp_path)
     assert _bench.main(["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "scanax bench: no benchmarks/ directory" in err
+    assert "python -m benchmarks: no benchmarks/ directory" in err
     assert "clone the repository" in err
 
 
@@ -144,9 +145,14 @@ def test_a_benchmark_that_kills_its_process(tmp_path):
         "import os\n\ndef run(quick=False):\n    os._exit(3)\n"
     )
     out = tmp_path / "out"
-    rc = main(["bench", "--quick", "--dir", str(d), "--out", str(out)])
+    rc = _bench.main(["--quick", "--dir", str(d), "--out", str(out)])
     assert rc == 1
     result = json.loads((out / "results.json").read_text())
     assert [e["module"] for e in result["errors"]] == ["dies"]
     assert result["errors"][0]["error"] == "the benchmark's process exited with code 3"
     assert [r["case"] for r in result["rows"]] == ["fast", "slow"]
+
+
+def test_scanax_bench_says_where_the_benchmarks_are(capsys):
+    assert main(["bench"]) == 2
+    assert "python -m benchmarks" in capsys.readouterr().err

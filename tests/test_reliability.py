@@ -109,6 +109,61 @@ def test_epoch_loop_restarted_from_the_top_logs_each_step_once(tmp_path, tensorb
         assert read_tensorboard(broken / "tb") == read_tensorboard(whole / "tb")
 
 
+def test_an_epoch_loop_longer_than_the_checkpoints_kept_restarts_from_the_top(
+    tmp_path,
+):
+    """Each call's last checkpoint is kept (besides the newest 3): a loop of 5
+    calls killed after 4 and run again from the top restores every call's end."""
+    sinks_whole = lambda: [scanax.CSV(tmp_path / "whole.csv")]  # noqa: E731
+    sinks_broken = lambda: [scanax.CSV(tmp_path / "broken.csv")]  # noqa: E731
+    reference = epoch_loop(tmp_path / "whole", sinks_whole, 5)
+    epoch_loop(tmp_path / "broken", sinks_broken, 4)
+    restarted = epoch_loop(tmp_path / "broken", sinks_broken, 5)
+    leaves_equal(nnx.state(restarted), nnx.state(reference))
+    assert read_csv(tmp_path / "broken.csv") == read_csv(tmp_path / "whole.csv")
+    steps = sorted(int(e) for e in os.listdir(tmp_path / "broken") if e.isdigit())
+    assert steps == [20, 40, 60, 80, 100]
+
+
+def test_an_epoch_loop_with_early_stops_restarts_from_the_top(tmp_path):
+    """Calls that stop early: a restarted call resumes from its own end, not
+    from a later call's checkpoint that lies within its steps."""
+    stop = scanax.EarlyStop("val_mae", patience=1, min_delta=0.05)
+
+    def loop(directory, calls):
+        model, optimizer = nnx_pair()
+        out = []
+        for _ in range(calls):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                res = fit_quiet(
+                    model,
+                    optimizer,
+                    nnx_loss,
+                    (X, Y),
+                    steps=40,
+                    batch_size=BS,
+                    key=KEY,
+                    eval_data=(X, Y),
+                    eval_every=5,
+                    stop=stop,
+                    checkpoint_dir=directory,
+                    log=scanax.CSV(directory / "m.csv"),
+                )
+            out.append((int(optimizer.step[...]), res.best_step))
+        return model, out
+
+    reference, ref_steps = loop(tmp_path / "whole", 3)
+    assert ref_steps[0][0] < 40  # the first call stopped early
+    loop(tmp_path / "broken", 2)
+    restarted, steps = loop(tmp_path / "broken", 3)
+    assert steps[-1] == ref_steps[-1]
+    leaves_equal(nnx.state(restarted), nnx.state(reference))
+    assert read_csv(tmp_path / "broken" / "m.csv") == read_csv(
+        tmp_path / "whole" / "m.csv"
+    )
+
+
 # ------------------------------------------------ 2. a checkpoint before evaluating
 
 
@@ -139,7 +194,8 @@ def test_a_checkpoint_before_the_first_evaluation_saves_and_resumes(tmp_path):
     )
     assert res.history["val_step"].tolist() == []
     assert int(first_opt.step[...]) == 5
-    assert sorted(os.listdir(directory)) == ["5"]  # no temporary folder left
+    entries = sorted(os.listdir(directory))
+    assert entries == ["5", "scanax-calls.json"]  # no temporary folder left
 
     again, again_opt = nnx_pair()  # a new process: resumes from step 5
     out = fit_quiet(
@@ -366,6 +422,69 @@ def test_a_resume_with_another_key_uses_the_saved_key_for_everything(tmp_path):
     )
     leaves_equal(nnx.state(again), nnx.state(model))
     np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
+
+
+def test_a_population_with_shared_batches_resumes_with_the_saved_shuffle(tmp_path):
+    def population():
+        return scanax.population(
+            make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 3e-2])
+        )
+
+    kwargs = dict(batch_size=BS, shared_batches=True, steps_per_call=4)
+    whole = population()
+    ref = fit_quiet(whole, None, eqx_loss, (X, Y), steps=8, key=jr.key(1), **kwargs)
+    directory = tmp_path / "ck"
+    fit_quiet(
+        population(),
+        None,
+        eqx_loss,
+        (X, Y),
+        steps=4,
+        key=jr.key(1),
+        checkpoint_dir=directory,
+        **kwargs,
+    )
+    again = population()
+    out = fit_quiet(
+        again,
+        None,
+        eqx_loss,
+        (X, Y),
+        steps=8,
+        key=jr.key(2),
+        checkpoint_dir=directory,
+        **kwargs,
+    )
+    leaves_equal(list(again.state), list(whole.state))
+    np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
+
+
+def test_a_resume_with_a_key_of_another_implementation_is_refused(tmp_path):
+    directory = tmp_path / "ck"
+    fit_quiet(
+        *nnx_pair(),
+        keyed_loss,
+        (X, Y),
+        steps=4,
+        batch_size=BS,
+        key=jr.key(1, impl="rbg"),
+        checkpoint_dir=directory,
+    )
+    before = snapshot(directory)
+    model, optimizer = nnx_pair()
+    with pytest.raises(ValueError, match=r"key<rbg>.*key<threefry2x32>"):
+        fit_quiet(
+            model,
+            optimizer,
+            keyed_loss,
+            (X, Y),
+            steps=8,
+            batch_size=BS,
+            key=jr.key(1),
+            checkpoint_dir=directory,
+        )
+    assert snapshot(directory) == before
+    assert int(optimizer.step[...]) == 0
 
 
 # ------------------------------------------------------------------ 7. keys as jax's

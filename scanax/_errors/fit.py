@@ -522,6 +522,24 @@ def checkpoint_past_end(
     )
 
 
+def checkpoint_key_differs(step: int, directory: Any, saved: str, given: str):
+    return ValueError(
+        f"{CALL}: the checkpoint at step {step} in {directory} was written with a "
+        f"key of type {saved}; this call's key is {given}, another PRNG "
+        "implementation. A resume continues the saved key (its shuffle and "
+        "per-step keys), which this call's program cannot take.\nFix: pass a key "
+        "of the saved implementation (jax.random.key(seed, impl=...)), or another "
+        "checkpoint_dir to start afresh."
+    )
+
+
+def checkpoint_stopped(directory: Any, step: int) -> str:
+    return (
+        f"{CALL}: checkpoint_dir {directory} holds this call's early stop at step "
+        f"{step}: its state was restored and there was nothing left to train."
+    )
+
+
 def checkpoint_at_end(directory: Any, end: int) -> str:
     return (
         f"{CALL}: checkpoint_dir {directory} already holds step {end}, this call's "

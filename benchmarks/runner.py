@@ -1,9 +1,10 @@
-"""``scanax bench``: run the benchmark suite and write its results.
+"""``python -m benchmarks``: run the benchmark suite and write its results.
 
-Every ``benchmarks/bench_<name>.py`` of a source checkout exposes
+It lives in the source checkout (the benchmarks are not part of the installed
+package). Every ``benchmarks/bench_<name>.py`` exposes
 ``run(quick: bool = False) -> list[dict]``, rows made by ``benchmarks/_timing.row``
 (scanax and its baseline measured side by side in one process, interleaved medians).
-``scanax bench`` runs each of them, one after the other, each in a fresh Python
+The runner runs each of them, one after the other, each in a fresh Python
 process (what one benchmark leaves behind, allocations and compiled programs, slowed
 the next by up to 10% when they shared one), and writes
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+_PROG = "python -m benchmarks"
 _REQUIRED = {
     "benchmark": str,
     "case": str,
@@ -46,15 +48,13 @@ _REQUIRED = {
 
 
 def repo_root() -> Path:
-    """The source checkout this scanax was imported from."""
-    import scanax
-
-    return Path(scanax.__file__).resolve().parents[1]
+    """The source checkout this runner lives in."""
+    return Path(__file__).resolve().parents[1]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="scanax bench",
+        prog=_PROG,
         description="Run scanax's benchmarks (scanax vs its baselines, side by side) "
         "and write results.json and results.md.",
     )
@@ -95,7 +95,10 @@ def _run_module(path: Path, bench_dir: Path, root: Path, quick: bool) -> dict:
     fresh Python process (``_worker``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        code = "import sys; from scanax._bench import _worker; _worker(*sys.argv[1:])"
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[3]); "
+            "from benchmarks.runner import _worker; _worker(*sys.argv[1:])"
+        )
         args = [str(path), str(bench_dir), str(root), "1" if quick else "0", str(out)]
         proc = subprocess.run(
             [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True
@@ -175,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     root = repo_root()
     if not (root / "benchmarks" / "_timing.py").is_file():
         print(
-            f"scanax bench: no benchmarks/ directory next to the scanax package "
+            f"{_PROG}: no benchmarks/ directory next to the scanax package "
             f"(looked in {root / 'benchmarks'}). The benchmarks ship with the source "
             "only.\nFix: clone the repository and `pip install -e .` from it, then "
-            "run `scanax bench` again.",
+            "run `python -m benchmarks` again.",
             file=sys.stderr,
         )
         return 2
@@ -194,33 +197,37 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in wanted if n not in found]
         if unknown:
             print(
-                f"scanax bench: no benchmark named {', '.join(unknown)} in "
+                f"{_PROG}: no benchmark named {', '.join(unknown)} in "
                 f"{bench_dir}; available: {', '.join(sorted(found)) or 'none'}.",
                 file=sys.stderr,
             )
             return 2
         found = {n: found[n] for n in wanted}
     if not found:
-        print(f"scanax bench: no bench_*.py files in {bench_dir}.", file=sys.stderr)
+        print(
+            f"{_PROG}: no bench_*.py files in {bench_dir}.",
+            file=sys.stderr,
+        )
         return 2
 
     load_before = _load_average()
     rows, errors, modules = [], [], []
     for name, path in sorted(found.items()):
-        print(f"scanax bench: {name} ...", file=sys.stderr, flush=True)
+        print(f"{_PROG}: {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         result = _run_module(path, bench_dir, root, args.quick)
         got = result["rows"]
         if result["error"] is not None:
             errors.append({"module": name, **result["error"]})
             print(
-                f"scanax bench: {name} FAILED: {errors[-1]['error']}", file=sys.stderr
+                f"{_PROG}: {name} FAILED: {errors[-1]['error']}",
+                file=sys.stderr,
             )
         seconds = time.perf_counter() - t0
         modules.append({"name": name, "seconds": seconds, "rows": len(got)})
         rows.extend(got)
         print(
-            f"scanax bench: {name}: {len(got)} rows in {seconds:.1f} s",
+            f"{_PROG}: {name}: {len(got)} rows in {seconds:.1f} s",
             file=sys.stderr,
         )
 
@@ -256,5 +263,5 @@ def main(argv: list[str] | None = None) -> int:
         md += ["", f"**{e['module']} failed**: `{e['error']}`"]
     (out / "results.md").write_text("\n".join(md) + "\n")
     print(table)
-    print(f"scanax bench: wrote {out / 'results.json'} and {out / 'results.md'}")
+    print(f"{_PROG}: wrote {out / 'results.json'} and {out / 'results.md'}")
     return 1 if errors else 0
