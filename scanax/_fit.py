@@ -349,12 +349,14 @@ def fit(
     )
     how = (start, start + steps, spec, mesh, ticks)
     extras = (checks, eval_arrays, logger)
-    run = _fit_loop.Run(
-        adapter, source, program, treedef, leaves, schedule, how, extras
-    )
+    kind = _fit_loop.Model(adapter, treedef)
+    run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
     if checkpoint_dir is not None:
         run.resume(checkpoint_dir, checkpoint_every)
-    return run.go()
+    result = run.go()
+    if logger is not None:
+        logger.sinks.raise_pending(result)
+    return result
 
 
 def _checks(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _caller, _checkpoint, _models, _progress, _stop
+from . import _caller, _checkpoint, _fit_hooks, _models, _stop
 from ._errors import fit as errors, population as pop_errors
 from ._fit_program import Chunk, false
 
@@ -297,27 +297,27 @@ class Schedule:
 
 
 class Run:
-    """One ``fit`` call: dispatch chunks, keep one in flight, collect history."""
+    """One ``fit`` run of one model or of one group of a population's members
+    (``kind``: ``Model``, or ``_fit_population.Group``): dispatch the compiled
+    calls, keep one in flight while the host reads the one before, and hand
+    each to the hooks (``_fit_hooks``: bar, checkpoints, logs)."""
 
-    def __init__(
-        self, adapter, source, program, treedef, leaves, schedule, how, extras=None
-    ):
-        self.adapter, self.source, self.program = adapter, source, program
-        self.treedef, self.leaves, self.schedule = treedef, leaves, schedule
+    def __init__(self, kind, source, program, schedule, leaves, how, extras):
+        self.kind, self.source, self.program = kind, source, program
+        self.schedule, self.leaves = schedule, leaves
         self.start, self.end, self.spec, self.mesh, self.ticks = how
         # evaluation/early stop (``_fit_checks.Checks``), eval data, log=
-        self.checks, self.eval_data, self.logger = extras or (None, None, None)
-        self.extra = None if self.checks is None else self.checks.init(leaves)
-        self.done = self.start  # the global step reached
-        self.fn = None  # the compiled chunk, for this call's argument signature
-        self.ckpt = None
-        self.stopped = false()
-        self.history = History()
-        self.halted = False
-        self.bar = None
-        self.good = leaves  # the last state checked to be finite
+        self.checks, self.eval_data, self.logger = extras
         self.data, self.key = source.arguments(self.mesh)
-        self.hp = None  # a population's hyperparameters
+        self.extra = None  # the early-stop carry
+        self.stopped = false()
+        kind.init(self)
+        self.done = self.start  # the global step reached
+        self.history = History(kind.members)
+        self.good = self.leaves  # the last state checked
+        self.halted = False
+        self.fn = None  # the compiled chunk, for this run's argument signature
+        self.ckpt = None
         # What the log sinks keep (rows up to this step) and the restored history
         # they are given again after it (``Logger.open``).
         self.replay: tuple[int, dict | None] = (self.start, None)
@@ -331,15 +331,19 @@ class Run:
             return contextlib.nullcontext()
         return jax.set_mesh(self.mesh)
 
+    # ------------------------------------------------------------ resume
+
     def resume(self, directory: Any, every: int | None) -> None:
         """Continue from the newest usable checkpoint in ``directory`` that lies
         between this call's start and end (see ``docs/checkpoint.md``)."""
+        names = self.kind.names(self)
+        describe = self.kind.describe(self)
         self.ckpt = _checkpoint.Checkpoints(
-            directory, every, self._names(), self._describe(), self.start
+            directory, every, names, describe, self.start
         )
         past = self.ckpt.steps_after(self.end)
         found = self.ckpt.restore(
-            self._saved(self.leaves, self.extra),
+            self.kind.saved(self, self.leaves, self.stopped, self.extra),
             self.key,
             at_most=self.end,
             start=self.start,
@@ -349,16 +353,14 @@ class Run:
                 self.ckpt.directory, past, self.start, self.end
             )
         if past and (found is None or found[0] < self.end):
-            warnings.warn(
-                errors.checkpoint_saves_dropped(self.ckpt.directory, past, self.end),
-                RuntimeWarning,
-                stacklevel=_caller.user_level(),
+            self.warn(
+                errors.checkpoint_saves_dropped(self.ckpt.directory, past, self.end)
             )
         if found is None or found[0] <= self.start:
             return
         step, saved, key, history = found
-        self._load(saved)
-        self.use_key(key)
+        self.kind.load(self, saved)
+        self.kind.use_key(self, key)
         self.ckpt.last_saved = step
         self.history.restore(history, self.start, step)
         restored = self.history.result()
@@ -369,26 +371,15 @@ class Run:
         self.replay = (int(steps[0]) - 1 if len(steps) else step, restored)
         self.done = step
         self.good = self.leaves
+        self.kind.restored(self, restored)
         if step == self.end:
-            warnings.warn(
-                errors.checkpoint_at_end(self.ckpt.directory, step),
-                RuntimeWarning,
-                stacklevel=_caller.user_level(),
-            )
-        elif self.stopped_by_rule():  # the call ended there, by its early stop
+            self.warn(errors.checkpoint_at_end(self.ckpt.directory, step))
+        elif self.kind.stopped_by_rule(self):  # the call ended there, by its rule
             self.halted = True
-            warnings.warn(
-                errors.checkpoint_stopped(self.ckpt.directory, step),
-                RuntimeWarning,
-                stacklevel=_caller.user_level(),
-            )
+            self.warn(errors.checkpoint_stopped(self.ckpt.directory, step))
         self.source.skip(step - self.start)  # the batches those steps used
 
-    def use_key(self, key: Any) -> None:
-        """Continue with ``key`` (a checkpoint's): the shuffle and the per-step
-        keys both come from it."""
-        self.key = key
-        self.source.use_key(key)
+    # ------------------------------------------------------------ run
 
     def prepare(self) -> None:
         """The first call's batches, and its program compiled: every refusal
@@ -398,189 +389,108 @@ class Run:
         self.nxt = None if self.halted else next(self.chunks, None)
         if self.nxt is not None:
             with self.context():
-                self._compiled(self._args(*self._at(*self.nxt)))
+                self.compiled(self.args(*self.nxt))
 
-    def open_logs(self) -> None:
-        """Open the log sinks after the last refusal, before the first step."""
-        if self.logger is not None:
-            self.logger.open(*self.replay)
-
-    def _at(self, start: int, end: int, xs: Any) -> tuple:
-        """``_call``'s arguments for the steps ``start`` to ``end``."""
-        count = end - start
-        return (
-            self.leaves,
-            self.stopped,
-            start,
-            count,
-            self._every(count),
-            xs,
-            self.extra,
-        )
-
-    def _describe(self) -> dict:
-        """What a checkpoint records of the run's inputs (a resume must see the
-        same): the data."""
-        return self.source.describe()
-
-    def _names(self) -> list[str]:
-        """The names of the checkpointed leaves."""
-        names = self.adapter.names()
-        if self.extra is None:
-            return names
-        rule = [f"stop.rule.{f}" for f in self.extra.rule._fields]
-        return [
-            *names,
-            *rule,
-            *(f"stop.best.{n}" for n in names),
-            "stop.total",
-            "stop.count",
-        ]
-
-    def _saved(self, leaves: list, extra: Any = None) -> list:
-        """What a checkpoint holds: the state's leaves (and, with ``stop=``, the
-        rule's state and the best state kept)."""
-        if extra is None:
-            return list(leaves)
-        return [*leaves, *jtu.tree_leaves(extra)]
-
-    def _load(self, saved: list) -> None:
-        n = len(self.leaves)
-        self.leaves = list(saved[:n])
-        if self.extra is not None:
-            treedef = jtu.tree_structure(self.extra)
-            self.extra = jtu.tree_unflatten(treedef, saved[n:])
-
-    def go(self) -> FitResult:
-        self.prepare()
-        self.open_logs()
-        shown: Any = contextlib.nullcontext()
+    def hooks(self) -> list:
+        """The host-side features of this run, in the order they are called."""
+        out: list = []
         if self.spec is not None:
-            self.bar = _progress.open_bar(
-                self.spec,
-                self.end,
-                _CALL,
-                desc=_CALL,
-                unit="step",
-                initial=self.done,
-            )
-            shown = _progress.showing(self.bar)
-        with shown:
-            result = self._go()
-            if self.bar is not None and self.bar.n != self.done:
-                self.bar.n = self.done  # e.g. a NaN stop: reported, not applied
-                self.bar.refresh()
-            return result
+            out.append(_fit_hooks.Bar(self.spec, self.kind.label))
+        if self.ckpt is not None:
+            out.append(_fit_hooks.Saver(self.ckpt))
+        if self.logger is not None:
+            out.append(_fit_hooks.Logs(self.logger))
+        return out
 
-    def _args(self, leaves, stopped, start, count, every, xs, extra=None) -> Chunk:
-        """The compiled chunk's arguments for a call."""
+    def go(self) -> Any:
+        """Train, then the kind's result (``Model``: a ``FitResult``)."""
+        hooks, started = self.hooks(), []
+        self.first = self.good
+        try:
+            self.prepare()
+            for hook in hooks:
+                hook.start(self)
+                started.append(hook)
+            self._loop(hooks)
+            for hook in hooks:
+                hook.end(self)
+        except BaseException:
+            self.kind.interrupted(self)
+            raise
+        finally:
+            for hook in reversed(started):
+                hook.close(self)
+            if self.ckpt is not None:
+                self.ckpt.close()
+        return self.kind.result(self)
+
+    def args(self, start: int, end: int, xs: Any, leaves=None, extra=None) -> Chunk:
+        """The compiled chunk's arguments for the steps ``start`` to ``end``
+        (from ``leaves``/``extra``, default the run's)."""
+        count, every = self.kind.count(self, end - start)
         aux = None
         if self.checks is not None:
-            aux = {"eval": self.eval_data, "stop": extra}
+            aux = {
+                "eval": self.eval_data,
+                "stop": self.extra if extra is None else extra,
+            }
         return Chunk(
-            leaves,
-            stopped,
+            self.leaves if leaves is None else leaves,
+            self.stopped,
             np.int32(start),
-            np.int32(count),
+            count,
             np.int32(every),
             self.data,
             self.key,
             xs,
-            self.hp,
+            self.kind.hp,
             aux,
         )
 
-    def _call(self, *args, **kwargs):
-        args = self._args(*args, **kwargs)
+    def call(self, args: Chunk) -> Any:
         with self.context():
-            return self._compiled(args)(*args)
+            return self.compiled(args)(*args)
 
-    def _compiled(self, args: tuple) -> Any:
+    def compiled(self, args: tuple) -> Any:
         """The compiled chunk, compiled for the first call's ``args``."""
         if self.fn is None:
-            self.fn = self.program.executable(args)
+            self.fn = self.kind.compile(self, args)
         return self.fn
 
-    def _go(self) -> FitResult:
+    def _loop(self, hooks: list) -> None:
         pending = None
-        first = self.leaves
-        handed = False  # the model may hold a state not yet checked
-        try:
-            chunks, nxt = self.chunks, self.nxt
-            while nxt is not None:
-                start, end, xs = nxt
-                inputs = (self.leaves, start, xs, self.extra)
-                self.leaves, self.stopped, applied, ys, self.extra = self._call(
-                    self.leaves,
-                    self.stopped,
-                    start,
-                    end - start,
-                    self._every(end - start),
-                    xs,
-                    self.extra,
-                )
-                # Compiling happens in the call above, running after it returns.
-                inputs = (*inputs, time.perf_counter())
-                if pending is not None:
-                    self._collect(*pending)
-                pending = (start, end, applied, ys, self.leaves, inputs, self.extra)
-                if self.schedule.timing:
-                    # Time the first call before sizing the next ones.
-                    self._collect(*pending)
-                    pending = None
-                if self.halted:
-                    break
-                # The next chunk (host batches: stacked and put on device) is
-                # prepared while this one trains.
-                nxt = next(chunks, None)
+        chunks, nxt = self.chunks, self.nxt
+        while nxt is not None:
+            start, end, xs = nxt
+            args = self.args(start, end, xs)
+            out = self.call(args)
+            self.leaves, self.stopped, self.extra = out.leaves, out.stopped, out.extra
+            # Compiling happens in the call above, running after it returns.
+            dispatched = time.perf_counter()
             if pending is not None:
-                # Hand the result over while the last call runs (an NNX update
-                # then overlaps it); a bad step found below replaces it.
-                # (not when the best state kept by stop= replaces it anyway)
-                handed = not self.restoring
-                if handed:
-                    model, optimizer = self._finish(self.leaves)
-                self._collect(*pending)
-            if self.ckpt is not None:
-                self.ckpt.save(
-                    self.done,
-                    self._saved(self.leaves, self.extra),
-                    self.key,
-                    self.history.result(),
-                )
-            if self.logger is not None:
-                self.logger.write(final=True)
-        except BaseException:
-            # Interrupted or failed: NNX objects keep the last checked state.
-            if handed or self.good is not first:
-                self._finish(self.good)
-            raise
-        finally:
-            if self.ckpt is not None:
-                self.ckpt.close()
-            if self.logger is not None:
-                self.logger.sinks.close()
-        best = self.best_step()
-        if best is not None:  # stop=EarlyStop(restore_best=True): the best state
-            model, optimizer = self._finish(
-                best_state(self._names(), self.extra.best, self.leaves)
-            )
-        elif not handed or self.halted:
-            model, optimizer = self._finish(self.leaves)
-        result = FitResult(
-            model, optimizer, self.history.result(), self.done - self.start, best
-        )
-        if self.logger is not None:
-            self.logger.sinks.raise_pending(result)
-        return result
+                self._collect(hooks, *pending)
+            pending = (start, end, out, args, dispatched)
+            if self.schedule.timing:
+                # Time the first call before sizing the next ones.
+                self._collect(hooks, *pending)
+                pending = None
+            if self.halted:
+                break
+            # The next chunk (host batches: stacked and put on device) is
+            # prepared while this one trains.
+            nxt = next(chunks, None)
+        if pending is not None:
+            self.kind.hand_over(self)  # (while the last call runs)
+            self._collect(hooks, *pending)
 
-    def stopped_by_rule(self) -> bool:
-        """Whether the early-stop rule has said stop (a restored checkpoint of
-        a call that stopped early): nothing is left to train. A population's
-        members stop one by one, inside the loop."""
-        if self.extra is None or self.hp is not None:
-            return False
-        return bool(jax.device_get(self.extra.rule.stopped))
+    def _collect(self, hooks, start, end, out, args, dispatched) -> None:
+        report, ys = jax.device_get((out.report, out.bufs))
+        call = self.kind.collect(self, start, end, out, args, report, ys, dispatched)
+        for hook in hooks:
+            hook.after_call(self, call)
+
+    def warn(self, message: str) -> None:
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller.user_level())
 
     @property
     def restoring(self) -> bool:
@@ -588,79 +498,7 @@ class Run:
         stop = None if self.checks is None else self.checks.stop
         return stop is not None and stop.restore_best
 
-    def best_step(self) -> int | None:
-        """The step of the best state kept by ``stop=`` (to restore), if any."""
-        if not self.restoring:
-            return None
-        step = int(jax.device_get(self.extra.rule.best_step))
-        return step if step >= 0 else None
-
-    def _finish(self, leaves: list) -> tuple[Any, Any]:
-        """The model and optimizer holding ``leaves`` (NNX: written in place)."""
-        return self.adapter.finish(jtu.tree_unflatten(self.treedef, leaves))
-
-    def _collect(
-        self,
-        start: int,
-        end: int,
-        applied: Any,
-        ys: Any,
-        leaves: list,
-        inputs: tuple,
-        extra: Any = None,
-    ) -> None:
-        report, ys = jax.device_get((applied, ys))
-        count, early = int(report.applied), bool(report.ended)
-        loss_ok, grads_ok = report.loss_ok, report.grads_ok
-        self.schedule.ran(end - start, inputs[-1])
-        steps, values, val_steps, val = self.history.add(start, ys, count, count)
-        if self.logger is not None:
-            self.logger.add(steps, values)
-            self.logger.add_val(val_steps, val)
-        self.done += count
-        # In-loop reports of the next call may have moved the bar ahead already: it
-        # never moves back (go() sets the final count).
-        if self.bar is not None and count and self.done > self.bar.n:
-            self.bar.update(self.done - self.bar.n)
-            shown = {"loss": f"{float(ys['loss'][count - 1]):.4g}"}
-            for name, values in self.history.val.items():  # the last evaluation
-                if name != "val_step" and values and len(values[-1]):
-                    shown[name] = f"{float(np.ravel(values[-1][-1])[0]):.4g}"
-            self.bar.set_postfix(shown)
-        if early and not self.halted:  # stop= said stop: a clean end
-            self.halted = True
-        elif not self.halted and start + count < end:
-            self.halted = True
-            self.leaves, self.extra = self._redo(inputs, count)
-            self._warn(start + count, ys["loss"][count], loss_ok, grads_ok)
-        self.good = self.leaves if self.halted else leaves
-        if (
-            not self.halted
-            and self.ckpt is not None
-            and self.ckpt.every
-            and start + count == end
-            and end % self.ckpt.every == 0
-        ):
-            self.ckpt.save(
-                end, self._saved(leaves, extra), self.key, self.history.result()
-            )
-        if self.logger is not None:
-            self.logger.write()
-
-    def _redo(self, inputs: tuple, count: int) -> list:
-        """The state after the ``count`` good steps of a call that hit a bad one."""
-        leaves, start, xs, extra, _ = inputs
-        out, _, applied, _, extra = self._call(
-            leaves, false(), start, count, count + 1, xs, extra
-        )  # count + 1: no reports
-        if int(applied.applied) != count:  # the same program on the same inputs
-            raise RuntimeError(
-                f"{_CALL}: internal error: replaying {count} good steps applied "
-                f"{int(applied.applied)}. Please report this with your model and data."
-            )
-        return out, extra
-
-    def _every(self, count: int) -> int:
+    def every(self, count: int) -> int:
         """Steps between in-loop reports: ``Progress.every``, or about 10 a second
         once the speed is known, else 10 a call; more than ``count`` (none)
         without in-loop reports."""
@@ -673,11 +511,157 @@ class Run:
             return max(1, count // 10)
         return max(1, math.ceil(_REPORT_SECONDS / known))
 
-    def _warn(self, t: int, loss: Any, loss_ok: Any, grads_ok: Any) -> None:
-        warnings.warn(
-            errors.nonfinite_step(
-                t, loss, bool(loss_ok), bool(grads_ok), self.done - self.start
-            ),
-            RuntimeWarning,
-            stacklevel=_caller.user_level(),
-        )
+
+class Model:
+    """What ``Run`` trains for one model: its adapter's state as flat leaves.
+    A non-finite step stops the run: the call's good steps are recomputed and
+    the run ends with the last good state (see ``_fit_program.build_chunk``)."""
+
+    members = None
+    hp = None
+    label = _CALL
+
+    def __init__(self, adapter: Any, treedef: Any):
+        self.adapter, self.treedef = adapter, treedef
+        self.handed = None  # the (model, optimizer) given the last state early
+
+    def init(self, run: Run) -> None:
+        if run.checks is not None:
+            run.extra = run.checks.init(run.leaves)
+
+    def names(self, run: Run) -> list[str]:
+        """The names of the checkpointed leaves."""
+        names = self.adapter.names()
+        if run.extra is None:
+            return names
+        rule = [f"stop.rule.{f}" for f in run.extra.rule._fields]
+        return [
+            *names,
+            *rule,
+            *(f"stop.best.{n}" for n in names),
+            "stop.total",
+            "stop.count",
+        ]
+
+    def describe(self, run: Run) -> dict:
+        """What a checkpoint records of the run's inputs (a resume must see the
+        same): the data."""
+        return run.source.describe()
+
+    def saved(self, run: Run, leaves: list, stopped: Any, extra: Any) -> list:
+        """What a checkpoint holds: the state's leaves (and, with ``stop=``, the
+        rule's state and the best state kept)."""
+        if extra is None:
+            return list(leaves)
+        return [*leaves, *jtu.tree_leaves(extra)]
+
+    def load(self, run: Run, saved: list) -> None:
+        n = len(run.leaves)
+        run.leaves = list(saved[:n])
+        if run.extra is not None:
+            treedef = jtu.tree_structure(run.extra)
+            run.extra = jtu.tree_unflatten(treedef, saved[n:])
+
+    def use_key(self, run: Run, key: Any) -> None:
+        """Continue with ``key`` (a checkpoint's): the shuffle and the per-step
+        keys both come from it."""
+        run.key = key
+        run.source.use_key(key)
+
+    def restored(self, run: Run, history: dict) -> None:
+        """(nothing to count: the history holds one model's steps)"""
+
+    def stopped_by_rule(self, run: Run) -> bool:
+        """Whether the early-stop rule has said stop (a restored checkpoint of
+        a call that stopped early): nothing is left to train."""
+        if run.extra is None:
+            return False
+        return bool(jax.device_get(run.extra.rule.stopped))
+
+    def count(self, run: Run, steps: int) -> tuple[Any, int]:
+        return np.int32(steps), run.every(steps)
+
+    def compile(self, run: Run, args: Chunk) -> Any:
+        return run.program.executable(args)
+
+    def collect(self, run, start, end, out, args, report, ys, dispatched):
+        count, early = int(report.applied), bool(report.ended)
+        run.schedule.ran(end - start, dispatched)
+        recorded = run.history.add(start, ys, count, count)
+        run.done += count  # (a call dispatched after a stop ran no step)
+        leaves, extra = out.leaves, out.extra
+        if early and not run.halted:  # stop= said stop: a clean end
+            run.halted = True
+        elif not run.halted and start + count < end:
+            run.halted = True
+            run.leaves, run.extra = leaves, extra = self._redo(run, args, count)
+            run.warn(
+                errors.nonfinite_step(
+                    start + count,
+                    ys["loss"][count],
+                    bool(report.loss_ok),
+                    bool(report.grads_ok),
+                    run.done - run.start,
+                )
+            )
+        run.good = leaves
+        postfix = {}
+        if count:
+            postfix["loss"] = f"{float(ys['loss'][count - 1]):.4g}"
+            for name, values in run.history.val.items():  # the last evaluation
+                if name != "val_step" and values and len(values[-1]):
+                    postfix[name] = f"{float(np.ravel(values[-1][-1])[0]):.4g}"
+        complete = not run.halted and start + count == end
+        state = (leaves, out.stopped, extra)
+        return _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
+
+    def _redo(self, run: Run, args: Chunk, count: int) -> tuple:
+        """The state after the ``count`` good steps of a call that hit a bad one
+        (the same program on the same inputs: bit-identical)."""
+        again = args._replace(
+            stopped=false(), count=np.int32(count), every=np.int32(count + 1)
+        )  # count + 1: no reports
+        out = run.call(again)
+        if int(out.report.applied) != count:
+            raise RuntimeError(
+                f"{_CALL}: internal error: replaying {count} good steps applied "
+                f"{int(out.report.applied)}. Please report this with your model "
+                "and data."
+            )
+        return out.leaves, out.extra
+
+    def hand_over(self, run: Run) -> None:
+        """Give the objects the state while the last call runs (an NNX update
+        then overlaps it); a bad step found after replaces it. (Not when the
+        best state kept by stop= replaces it anyway.)"""
+        self.handed = None if run.restoring else self.finish(run.leaves)
+
+    def interrupted(self, run: Run) -> None:
+        """Interrupted or failed: NNX objects keep the last checked state."""
+        if self.handed is not None or run.good is not run.first:
+            self.finish(run.good)
+
+    def best_step(self, run: Run) -> int | None:
+        """The step of the best state kept by ``stop=`` (to restore), if any."""
+        if not run.restoring:
+            return None
+        step = int(jax.device_get(run.extra.rule.best_step))
+        return step if step >= 0 else None
+
+    def result(self, run: Run) -> FitResult:
+        best = self.best_step(run)
+        if best is not None:  # stop=EarlyStop(restore_best=True): the best state
+            names = self.names(run)
+            model, optimizer = self.finish(
+                best_state(names, run.extra.best, run.leaves)
+            )
+        elif self.handed is None or run.halted:
+            model, optimizer = self.finish(run.leaves)
+        else:
+            model, optimizer = self.handed  # (already holding the last state)
+        steps = run.done - run.start
+        return FitResult(model, optimizer, run.history.result(), steps, best)
+
+    def finish(self, leaves: list) -> tuple[Any, Any]:
+        """The model and optimizer holding ``leaves`` (NNX: written in place)."""
+        return self.adapter.finish(jtu.tree_unflatten(self.treedef, leaves))

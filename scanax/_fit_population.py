@@ -9,14 +9,11 @@ its good steps, as a solo ``fit`` does) and the others train on.
 
 from __future__ import annotations
 
-import contextlib
 import functools as ft
-import itertools
 import os
-import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +26,12 @@ from . import (
     _data,
     _fingerprint,
     _fit_checks,
+    _fit_hooks,
     _fit_loop,
     _fit_program,
     _memory,
     _mesh,
     _population,
-    _progress,
 )
 from ._errors import population as errors
 
@@ -121,7 +118,7 @@ def fit_population(
 
     bar_every = spec.every if spec is not None else None
 
-    def group_run(k: int, members: list[int]) -> PopRun:
+    def group_run(k: int, members: list[int]) -> _fit_loop.Run:
         program = program_for(k)
         schedule = _fit_loop.Schedule(
             program, length, source, steps_per_call, checkpoint_every, bar_every
@@ -130,12 +127,16 @@ def fit_population(
         idx = np.asarray(members + pad)
         if per_member:
             source.for_members(keys[idx])
+        if len(idx) == pop.n and (idx == np.arange(pop.n)).all():
+            leaves = list(pop.state)  # (all at once: no copy of the state)
+        else:
+            leaves = [x[idx] for x in pop.state]
+        kind = Group(pop, idx, len(members), keys[idx])
+        run_how = (pop.step, pop.step + steps, spec, mesh, False)
         extras = (checks, eval_arrays, logger)
-        return PopRun(
-            pop, idx, len(members), keys[idx], source, program, schedule, how, extras
-        )
+        return _fit_loop.Run(kind, source, program, schedule, leaves, run_how, extras)
 
-    def run_groups(k: int, prepared: PopRun | None) -> _fit_loop.FitResult:
+    def run_groups(k: int, prepared: _fit_loop.Run | None) -> _fit_loop.FitResult:
         """Train the members ``k`` at a time; ``prepared``: the first group's
         run, already compiled (the memory check's)."""
         groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
@@ -153,7 +154,7 @@ def fit_population(
             else:
                 run = group_run(k, members)
             if len(groups) > 1:
-                run.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
+                run.kind.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
             if directory is not None:
                 run.resume(directory, checkpoint_every)
             try:
@@ -163,8 +164,8 @@ def fit_population(
                 # state of the last call checked, as a single model does (with
                 # groups, the population keeps its state from before the call:
                 # its members would stand at different steps).
-                if len(groups) == 1 and run.checked is not None:
-                    pop.update(*run.checked)
+                if len(groups) == 1 and run.kind.checked is not None:
+                    pop.update(*run.kind.checked)
                 raise
             real = len(members)
             states.append([x[:real] for x in leaves])
@@ -223,7 +224,7 @@ def _fitting_groups(
     while True:
         try:
             run = first_run(k)
-            run.check_memory()
+            check_memory(run)
             break
         except TooBig as big:
             # (numbers only: the exception's traceback holds the run's arrays)
@@ -425,221 +426,181 @@ def _where(take: Any, new: Any, old: Any) -> Any:
     return jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)
 
 
-class PopRun(_fit_loop.Run):
-    """One group of members through one ``fit`` call: every call is collected
-    before the next (a member that stops is replayed to its last good step).
-    ``extras``: ``(checks, eval arrays, logger)`` as a solo ``Run``'s, the
-    early-stop carry with a leading member axis."""
+class GroupResult(NamedTuple):
+    """What a group's run gives ``fit_population`` (``Group.result``)."""
 
-    def __init__(self, pop, idx, real, keys, source, program, schedule, how, extras):
-        steps, _, spec, mesh, _, _ = how
-        if len(idx) == pop.n and (idx == np.arange(pop.n)).all():
-            leaves = list(pop.state)  # (all at once: no copy of the state)
-        else:
-            leaves = [x[idx] for x in pop.state]
-        run_how = (pop.step, pop.step + steps, spec, mesh, False)
-        super().__init__(None, source, program, None, leaves, schedule, run_how)
-        self.checks, self.eval_data, self.logger = extras
-        self.pop, self.k, self.idx, self.real = pop, len(idx), idx, real
-        self.key = keys
+    leaves: list  # the members' state (the best kept where stop= restores it)
+    stopped: np.ndarray  # per member: stopped by a non-finite step
+    history: dict
+    applied: np.ndarray  # per member: the steps applied
+    done: int  # the steps run (the group's clock)
+    best_step: np.ndarray | None
+
+
+class Group:
+    """What ``_fit_loop.Run`` trains for a group of a population's members
+    (``idx``; the first ``real`` are members, the rest padding to the group's
+    size): their state with a member axis, their hyperparameters and keys. A
+    member whose step is not finite stops alone (the loop keeps its last good
+    state); the run ends when every member has stopped."""
+
+    def __init__(self, pop: Any, idx: np.ndarray, real: int, keys: Any):
+        self.pop, self.idx, self.real, self.keys = pop, idx, real, keys
+        self.members = len(idx)
         self.hp = {name: v[idx] for name, v in pop.hp().items()}
-        self.mask = np.asarray(pop.stopped)[idx]
-        self.stopped = jnp.asarray(self.mask)
-        if self.checks is not None and self.checks.stop is not None:
-            keep = self.checks.stop.restore_best  # (else no copy of the state)
-            init = jax.vmap(lambda x: self.checks.init(x if keep else []))
-            self.extra = init(self.leaves)
-        if mesh is not None:  # population parallelism: members split over devices
-            self.leaves, self.key, self.hp, self.stopped, self.extra = _mesh.by_member(
-                mesh, (self.leaves, self.key, self.hp, self.stopped, self.extra)
-            )
-        self.applied = np.zeros(self.k, np.int64)
-        self.checked = None  # (state, stopped, step) after the last call collected
-        self.history = _fit_loop.History(self.k)
+        self.mask = np.asarray(pop.stopped)[idx]  # stopped members, on the host
+        self.applied = np.zeros(self.members, np.int64)
+        self.checked = None  # (state, stopped, step) after the last call read
         self.label = _CALL
 
-    def check_memory(self) -> None:
-        """Compile the first call and raise ``TooBig`` if it would not fit in the
-        devices' free memory, before anything runs or is written (array data:
-        drawing its call's orders changes nothing)."""
-        first = next(self.source.calls(self.done, self.end, self.schedule, self.mesh))
-        with self.context():
-            need = _memory.call_bytes(self._compiled(self._args(*self._at(*first))))
-        if need is None:
-            return
-        if self.mesh is not None:
-            devices = list(self.mesh.devices.flat)
-        else:
-            devices = list(getattr(self.leaves[0], "devices", jax.devices)())[:1]
-        free = _memory.free_bytes(devices)
-        if free is not None and not _memory.fits(need, free):
-            raise TooBig(need, free)
+    def init(self, run: Any) -> None:
+        run.key = self.keys
+        run.stopped = jnp.asarray(self.mask)
+        if run.checks is not None and run.checks.stop is not None:
+            keep = run.checks.stop.restore_best  # (else no copy of the state)
+            run.extra = jax.vmap(lambda x: run.checks.init(x if keep else []))(
+                run.leaves
+            )
+        if run.mesh is not None:  # population parallelism: members over devices
+            run.leaves, run.key, self.hp, run.stopped, run.extra = _mesh.by_member(
+                run.mesh, (run.leaves, run.key, self.hp, run.stopped, run.extra)
+            )
 
-    def _compiled(self, args: tuple) -> Any:
-        try:
-            return super()._compiled(args)
-        except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
-            raise errors.hp_used_as_python_value(list(self.hp), err) from err
-
-    def _at(self, start: int, end: int, xs: Any) -> tuple:
-        """``_call``'s arguments for the steps ``start`` to ``end``: every member
-        takes them (the loop skips stopped members itself)."""
-        want = end - start
-        count = np.full(self.k, want, np.int32)
-        return self.leaves, self.stopped, start, count, want + 1, xs, self.extra
-
-    def resume(self, directory: Any, every: int | None) -> None:
-        super().resume(directory, every)
-        if self.done > self.start:  # restored: the steps each member had applied
-            loss = self.history.result()["loss"]
-            self.applied += np.isfinite(loss).sum(axis=1)
-
-    def use_key(self, key: Any) -> None:
-        """Continue with the members' ``key`` (a checkpoint's): their shuffles
-        too, when each member has its own data order."""
-        self.key = key
-        if getattr(self.source, "members", None) is not None:
-            self.source.for_members(key)
-
-    def _describe(self) -> dict:
-        """The data and the members' hyperparameters: a sweep re-run with other
-        values in the same directory is refused, not silently restored."""
-        values = {k: [float(x) for x in np.asarray(v)] for k, v in self.hp.items()}
-        return {**self.source.describe(), "hyperparameters": values}
-
-    @property
-    def shared_shuffle(self) -> bool:
+    def shared_shuffle(self, run: Any) -> bool:
         """Shared batches of shuffled array data: their order comes from fit's
         key, not the members' (which the checkpoint's key slot holds), so the
         checkpoint keeps it too."""
-        return getattr(self.source, "shuffle", False) and self.source.members is None
+        source = run.source
+        return getattr(source, "shuffle", False) and source.members is None
 
-    def _names(self) -> list[str]:
+    def names(self, run: Any) -> list[str]:
         names = [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
-        if self.extra is not None:
-            rule = [f"members.stop.rule.{f}" for f in self.extra.rule._fields]
-            best = [f"members.stop.best.{n}" for n in self.pop.names if self.extra.best]
+        if run.extra is not None:
+            rule = [f"members.stop.rule.{f}" for f in run.extra.rule._fields]
+            best = [f"members.stop.best.{n}" for n in self.pop.names if run.extra.best]
             names += [*rule, *best, "members.stop.total", "members.stop.count"]
-        return [*names, "shuffle_key"] if self.shared_shuffle else names
+        return [*names, "shuffle_key"] if self.shared_shuffle(run) else names
 
-    def _saved(self, leaves: list, extra: Any = None) -> list:
-        shuffle = [self.source.key] if self.shared_shuffle else []
-        return [*leaves, self.stopped, *jtu.tree_leaves(extra), *shuffle]
+    def describe(self, run: Any) -> dict:
+        """The data and the members' hyperparameters: a sweep re-run with other
+        values in the same directory is refused, not silently restored."""
+        values = {k: [float(x) for x in np.asarray(v)] for k, v in self.hp.items()}
+        return {**run.source.describe(), "hyperparameters": values}
 
-    def _load(self, saved: list) -> None:
-        n = len(self.leaves)
-        self.leaves, self.stopped = list(saved[:n]), saved[n]
-        self.mask = _mesh.host_value(self.stopped)
+    def saved(self, run: Any, leaves: list, stopped: Any, extra: Any) -> list:
+        shuffle = [run.source.key] if self.shared_shuffle(run) else []
+        return [*leaves, stopped, *jtu.tree_leaves(extra), *shuffle]
+
+    def load(self, run: Any, saved: list) -> None:
+        n = len(run.leaves)
+        run.leaves, run.stopped = list(saved[:n]), saved[n]
+        self.mask = _mesh.host_value(run.stopped)
         rest = list(saved[n + 1 :])
-        if self.shared_shuffle:  # the saved shuffle (use_key: the members' keys)
-            self.source.use_key(rest.pop())
-        if self.extra is not None:
-            treedef = jtu.tree_structure(self.extra)
-            self.extra = jtu.tree_unflatten(treedef, rest)
+        if self.shared_shuffle(run):  # the saved shuffle (use_key: the members')
+            run.source.use_key(rest.pop())
+        if run.extra is not None:
+            run.extra = jtu.tree_unflatten(jtu.tree_structure(run.extra), rest)
 
-    def best_steps(self) -> np.ndarray | None:
+    def use_key(self, run: Any, key: Any) -> None:
+        """Continue with the members' ``key`` (a checkpoint's): their shuffles
+        too, when each member has its own data order."""
+        run.key = key
+        if getattr(run.source, "members", None) is not None:
+            run.source.for_members(key)
+
+    def restored(self, run: Any, history: dict) -> None:
+        """The steps each member had applied (its finite losses)."""
+        self.applied += np.isfinite(history["loss"]).sum(axis=1)
+
+    def stopped_by_rule(self, run: Any) -> bool:
+        """(members stop one by one, inside the loop)"""
+        return False
+
+    def count(self, run: Any, steps: int) -> tuple[Any, int]:
+        """Every member takes the steps (the loop skips stopped members); no
+        in-loop reports."""
+        return np.full(self.members, steps, np.int32), steps + 1
+
+    def compile(self, run: Any, args: Any) -> Any:
+        try:
+            return run.program.executable(args)
+        except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
+            raise errors.hp_used_as_python_value(list(self.hp), err) from err
+
+    def collect(self, run, start, end, out, args, report, ys, dispatched):
+        ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]
+        counts = np.asarray(report.applied).astype(np.int64)
+        ran = int(report.ran)  # (fewer than asked: every member stopped)
+        run.schedule.ran(max(ran, 1), dispatched)
+        bad = np.asarray(report.stopped) & ~self.mask  # stopped in this call
+        if bad.any():  # (their bad step was not applied)
+            self.mask = self.mask | bad
+            rows = [m for m in np.flatnonzero(bad) if m < self.real]
+            run.warn(
+                errors.nonfinite_members(
+                    [int(self.idx[m]) for m in rows],
+                    [start + int(counts[m]) + 1 for m in rows],
+                    self.pop.n,
+                )
+            )
+        recorded = run.history.add(start, ys, counts, ran)
+        self.applied += counts
+        run.done += ran  # (a call dispatched after every member stopped ran none)
+        run.good = out.leaves
+        self.checked = (out.leaves, self.mask, run.done)  # (one assignment)
+        training = ~self.mask
+        if out.extra is not None:
+            training &= ~np.asarray(report.ended)
+        if not training.any():
+            run.halted = True
+        postfix = {}
+        last = ys["loss"][:, ran - 1][training] if ran else ys["loss"][:0, 0]
+        if last.size:
+            postfix = {
+                "best": f"{np.nanmin(last):.4g}",
+                "median": f"{np.nanmedian(last):.4g}",
+            }
+        state = (out.leaves, out.stopped, out.extra)
+        return _fit_hooks.Collected(
+            start, end, ran == end - start, state, recorded, postfix
+        )
+
+    def hand_over(self, run: Any) -> None:
+        """(the population is updated once, by ``fit_population``)"""
+
+    def interrupted(self, run: Any) -> None:
+        """(``fit_population`` keeps the last checked state, ``checked``)"""
+
+    def best_steps(self, run: Any) -> np.ndarray | None:
         """Per member, the step of the best state kept by ``stop=`` (``-1``:
         none, the member keeps its last state); None when nothing is restored."""
-        if not self.restoring:
+        if not run.restoring:
             return None
-        return _mesh.host_value(self.extra.rule.best_step).astype(np.int64)
+        return _mesh.host_value(run.extra.rule.best_step).astype(np.int64)
 
-    def go(self) -> tuple:
-        self.prepare()
-        self.open_logs()
-        bar = None
-        shown: Any = contextlib.nullcontext()
-        if self.spec is not None:
-            bar = _progress.open_bar(
-                self.spec,
-                self.end,
-                _CALL,
-                desc=self.label,
-                unit="step",
-                initial=self.done,
-            )
-            shown = _progress.showing(bar)
-        try:
-            with shown:
-                self._loop(bar)
-            if self.ckpt is not None:
-                self.ckpt.save(
-                    self.done,
-                    self._saved(self.leaves, self.extra),
-                    self.key,
-                    self.history.result(),
-                )
-            if self.logger is not None:
-                self.logger.write(final=True)
-        finally:
-            if self.ckpt is not None:
-                self.ckpt.close()
-            if self.logger is not None:
-                self.logger.sinks.close()
-        leaves, best = self.leaves, self.best_steps()
+    def result(self, run: Any) -> GroupResult:
+        leaves, best = run.leaves, self.best_steps(run)
         if best is not None:  # each member with a kept state gets it back
             names = list(self.pop.names)
             kept = jnp.asarray(best >= 0)
-            leaves = _fit_loop.best_state(names, self.extra.best, leaves, kept)
-        history = self.history.result()
-        return leaves, self.mask, history, self.applied, self.done, best
+            leaves = _fit_loop.best_state(names, run.extra.best, leaves, kept)
+        history = run.history.result()
+        return GroupResult(leaves, self.mask, history, self.applied, run.done, best)
 
-    def _loop(self, bar: Any) -> None:
-        first = [] if self.nxt is None else [self.nxt]
-        for start, end, xs in itertools.chain(first, self.chunks):
-            want = end - start
-            leaves, stopped, report, ys, extra = self._call(*self._at(start, end, xs))
-            dispatched = time.perf_counter()
-            report, ys = jax.device_get((report, ys))
-            applied, ran, now, ended = report[:4]
-            ys = jtu.tree_map(lambda v: np.moveaxis(v, 0, 1), ys)  # [members, steps]
-            counts = np.asarray(applied).astype(np.int64)
-            ran = int(ran)  # (fewer than want: every member stopped)
-            self.schedule.ran(max(ran, 1), dispatched)
-            bad = np.asarray(now) & ~self.mask  # stopped in this call
-            if bad.any():  # (their bad step was not applied)
-                self.mask = self.mask | bad
-                rows = [m for m in np.flatnonzero(bad) if m < self.real]
-                warnings.warn(
-                    errors.nonfinite_members(
-                        [int(self.idx[m]) for m in rows],
-                        [start + int(counts[m]) + 1 for m in rows],
-                        self.pop.n,
-                    ),
-                    RuntimeWarning,
-                    stacklevel=_caller.user_level(),
-                )
-            recorded = self.history.add(start, ys, counts, ran)
-            self.leaves, self.stopped, self.extra = leaves, stopped, extra
-            self.applied += counts
-            self.done = start + ran
-            self.checked = (self.leaves, self.mask, self.done)  # (one assignment)
-            if self.logger is not None:
-                self.logger.add(*recorded[:2])
-                self.logger.add_val(*recorded[2:])
-                self.logger.write()
-            training = ~self.mask
-            if extra is not None:
-                training &= ~np.asarray(ended)
-            if bar is not None:
-                bar.update(self.done - bar.n)
-                last = ys["loss"][:, ran - 1][training] if ran else ys["loss"][:0, 0]
-                if last.size:
-                    bar.set_postfix(
-                        best=f"{np.nanmin(last):.4g}",
-                        median=f"{np.nanmedian(last):.4g}",
-                    )
-            if (
-                self.ckpt is not None
-                and self.ckpt.every
-                and ran == want
-                and end % self.ckpt.every == 0
-            ):
-                self.ckpt.save(
-                    end,
-                    self._saved(self.leaves, self.extra),
-                    self.key,
-                    self.history.result(),
-                )
-            if not training.any():
-                break
+
+def check_memory(run: Any) -> None:
+    """Compile a group's first call and raise ``TooBig`` if it would not fit in
+    the devices' free memory, before anything runs or is written (array data:
+    drawing its call's orders changes nothing)."""
+    first = next(run.source.calls(run.done, run.end, run.schedule, run.mesh))
+    with run.context():
+        need = _memory.call_bytes(run.compiled(run.args(*first)))
+    if need is None:
+        return
+    if run.mesh is not None:
+        devices = list(run.mesh.devices.flat)
+    else:
+        devices = list(getattr(run.leaves[0], "devices", jax.devices)())[:1]
+    free = _memory.free_bytes(devices)
+    if free is not None and not _memory.fits(need, free):
+        raise TooBig(need, free)

@@ -757,3 +757,22 @@ def test_a_plateau_chain_continues_and_runs_inside_multisteps():
         eqx_model(), optax.MultiSteps(tx, 2), eqx_loss, (X, Y), steps=4, batch_size=BS
     )
     assert multi.history["step"].tolist() == [1, 2, 3, 4]
+
+
+def test_a_population_whose_members_all_stop_mid_call_ends_at_that_step():
+    """Every member non-finite at step 3, calls of 7 steps: the run ends there
+    (its clock counts the 3 steps run, each member applied 2), not at the end
+    of a call already dispatched (which runs no step)."""
+
+    def nan_from(model, batch):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    batches = [(X[:BS], Y[:BS])] * 14
+    batches[2] = (X[:BS], Y[:BS].at[0].set(jnp.nan))
+    pop = scanax.population(make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 2e-2]))
+    with pytest.warns(RuntimeWarning, match="member"):
+        res = fit_quiet(pop, None, nan_from, batches, steps=14, steps_per_call=7)
+    assert pop.step == 3
+    assert res.steps.tolist() == [2, 2]
+    assert res.history["step"].tolist() == [1, 2, 3]

@@ -1,0 +1,119 @@
+"""The host side of ``scanax.fit`` between compiled calls, behind one small
+protocol: the progress bar, checkpoints and log sinks are hooks that the driver
+(``_fit_loop.Run``) calls from one place, the same for a single model and a
+population's members. A new host-side feature is a new hook."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NamedTuple, Protocol
+
+from . import _progress
+from ._errors import fit as errors
+
+_CALL = errors.CALL
+
+
+class Collected(NamedTuple):
+    """One compiled call once the host has read it: what hooks are given."""
+
+    start: int  # the call's first step (0-based global step)
+    end: int  # the step it was asked to reach
+    complete: bool  # it ran every step asked and nothing stopped it
+    state: tuple  # (leaves, stopped, early-stop carry) after it (not a later call's)
+    recorded: tuple  # (steps, values, val_steps, val): what the history got
+    postfix: dict  # what the bar shows after it
+
+
+class Hook(Protocol):
+    """A host-side feature of one ``fit`` run (``run`` is ``_fit_loop.Run``)."""
+
+    def start(self, run: Any) -> None:
+        """After the last refusal, before the first step."""
+
+    def after_call(self, run: Any, call: Collected) -> None:
+        """After each call the host has read (in order)."""
+
+    def end(self, run: Any) -> None:
+        """After the last call (not after an error or an interrupt)."""
+
+    def close(self, run: Any) -> None:
+        """Always, last (also after an error)."""
+
+
+class Bar:
+    """The progress bar: steps done, and what the run's kind shows."""
+
+    def __init__(self, spec: Any, label: str):
+        self.spec, self.label = spec, label
+        self.stack = contextlib.ExitStack()
+        self.bar: Any = None
+
+    def start(self, run: Any) -> None:
+        self.bar = _progress.open_bar(
+            self.spec, run.end, _CALL, desc=self.label, unit="step", initial=run.done
+        )
+        self.stack.enter_context(_progress.showing(self.bar))
+
+    def after_call(self, run: Any, call: Collected) -> None:
+        # In-loop reports of the next call may have moved the bar ahead already:
+        # it never moves back (``end`` sets the final count).
+        if run.done > self.bar.n:
+            self.bar.update(run.done - self.bar.n)
+            if call.postfix:
+                self.bar.set_postfix(call.postfix)
+
+    def end(self, run: Any) -> None:
+        if self.bar.n != run.done:
+            self.bar.n = run.done  # e.g. a NaN stop: reported, not applied
+            self.bar.refresh()
+
+    def close(self, run: Any) -> None:
+        self.stack.close()
+
+
+class Saver:
+    """Checkpoints (``_checkpoint.Checkpoints``): at every multiple of
+    ``every`` a call reaches whole, and at the end."""
+
+    def __init__(self, ckpt: Any):
+        self.ckpt = ckpt
+
+    def start(self, run: Any) -> None:
+        """(the directory is only read until the first save)"""
+
+    def after_call(self, run: Any, call: Collected) -> None:
+        every = self.ckpt.every
+        if call.complete and every and call.end % every == 0:
+            saved = run.kind.saved(run, *call.state)
+            self.ckpt.save(call.end, saved, run.key, run.history.result())
+
+    def end(self, run: Any) -> None:
+        saved = run.kind.saved(run, run.leaves, run.stopped, run.extra)
+        self.ckpt.save(run.done, saved, run.key, run.history.result())
+
+    def close(self, run: Any) -> None:
+        self.ckpt.close()
+
+
+class Logs:
+    """``log=``: the logger (``_fit_checks.Logger``), its sinks opened at the
+    start, given each call's steps and evaluations, closed at the end."""
+
+    def __init__(self, logger: Any):
+        self.logger = logger
+
+    def start(self, run: Any) -> None:
+        self.logger.open(*run.replay)
+
+    def after_call(self, run: Any, call: Collected) -> None:
+        steps, values, val_steps, val = call.recorded
+        self.logger.add(steps, values)
+        self.logger.add_val(val_steps, val)
+        self.logger.write()
+
+    def end(self, run: Any) -> None:
+        self.logger.write(final=True)
+
+    def close(self, run: Any) -> None:
+        self.logger.sinks.close()
