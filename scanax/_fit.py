@@ -198,50 +198,23 @@ def fit(
     _data.check_key(key, pop is not None)
     takes_hp, takes_key = _loss_arguments(loss_fn, pop is not None)
     if pop is None:
-        options = (
-            ("shared_batches", shared_batches),
-            ("members_per_call", members_per_call),
-        )
-        for name, value in options:
-            if value is not None:
-                raise pop_errors.option_without_population(name)
+        _no_population_options(shared_batches, members_per_call)
         adapter = _models.adapt(model, optimizer, opt_state)
     else:
-        if optimizer is not None:
-            raise pop_errors.optimizer_with_population(optimizer)
-        if opt_state is not None:
-            raise pop_errors.opt_state_with_population()
-        if members_per_call is not None:
-            members_per_call = _data.positive_int("members_per_call", members_per_call)
-            if members_per_call > pop.n:
-                raise pop_errors.members_per_call_too_large(members_per_call, pop.n)
+        members_per_call = _population_options(
+            pop, optimizer, opt_state, members_per_call
+        )
     source = _data.make_source(data, batch_size, key)
     accumulate = _data.positive_int("accumulate", accumulate)
     if accumulate > 1:
         source.accumulate(accumulate)
     if pop is not None:
-        iterable = isinstance(source, _data.IterSource)
-        if shared_batches is False and iterable:
-            raise pop_errors.shared_batches_iterable()
-        if iterable and (members_per_call or pop.n) < pop.n:
-            raise pop_errors.members_per_call_iterable()
-        shared = iterable or bool(shared_batches)
+        shared = _shared(pop, source, shared_batches, members_per_call)
     if takes_key and key is None:
         raise errors.loss_key_without_key()
     if steps_per_call is not None:
         steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
-    length = source.length(steps, steps_per_call)
-    if checkpoint_every is not None:
-        if checkpoint_dir is None:
-            raise errors.checkpoint_every_without_dir(checkpoint_every)
-        checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
-    if checkpoint_dir is not None:
-        try:
-            path = os.fspath(checkpoint_dir)
-        except TypeError:
-            raise errors.checkpoint_dir_type(checkpoint_dir) from None
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise errors.checkpoint_dir_not_dir(path)
+    checkpoint_every = _checkpoint_options(checkpoint_dir, checkpoint_every)
     _mesh.check_shard(shard, mesh, pop is not None)
     if mesh is not None:
         if pop is None:
@@ -265,30 +238,105 @@ def fit(
     checks, eval_arrays, eval_call = _checks(
         *checks_args, batch_size, loss_fn, pop is not None
     )
-    logger = None
-    if log is not None:
-        log_every = _data.positive_int("log_every", log_every)
-        logger = _fit_checks.Logger(_log.Sinks(log), log_every, pop is not None)
-        logger.sinks.check()  # an unwritable path: refused before anything runs
-        if jax.process_index() != 0:  # a multi-process job logs once, from process 0
-            logger = None
+    logger = _logger(log, log_every, pop is not None)
     _compile_cache.enable_from_env()
-    if pop is not None:
-        args = (pop, loss_fn, source, key, (takes_hp, takes_key, accumulate), length)
-        how = (steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every)
-        if logger is not None and (members_per_call or pop.n) < pop.n:
-            raise pop_errors.log_with_groups()
-        evaluation = None
-        if checks is not None:  # eval_fn's arguments: as loss_fn's (hp, key)
-            name = "loss_fn" if eval_fn is None else "eval_fn"
-            takes = (
-                None if eval_call is None else _loss_arguments(eval_call, True, name)
-            )
-            evaluation = (checks, eval_arrays, eval_call, takes)
-        return _fit_population.fit_population(
-            *args, shared, members_per_call, how, logger, evaluation
-        )
+    setup = _fit_loop.Setup(
+        steps,
+        loss_fn,
+        takes_hp,
+        takes_key,
+        key,
+        source,
+        accumulate,
+        steps_per_call,
+        source.length(steps, steps_per_call),
+        checkpoint_dir,
+        checkpoint_every,
+        mesh,
+        shard,
+        spec,
+        checks,
+        eval_arrays,
+        eval_call,
+        logger,
+    )
+    if pop is None:
+        return _fit_model(adapter, opt_state, setup)
+    if logger is not None and (members_per_call or pop.n) < pop.n:
+        raise pop_errors.log_with_groups()
+    takes = None  # eval_fn's arguments: as loss_fn's (hp, key)
+    if eval_call is not None:
+        name = "loss_fn" if eval_fn is None else "eval_fn"
+        takes = _loss_arguments(eval_call, True, name)
+    return _fit_population.fit_population(pop, setup, shared, members_per_call, takes)
 
+
+def _no_population_options(shared_batches: Any, members_per_call: Any) -> None:
+    options = (
+        ("shared_batches", shared_batches),
+        ("members_per_call", members_per_call),
+    )
+    for name, value in options:
+        if value is not None:
+            raise pop_errors.option_without_population(name)
+
+
+def _population_options(
+    pop: Any, optimizer: Any, opt_state: Any, members_per_call: Any
+) -> int | None:
+    """``members_per_call`` checked, after the arguments a population refuses."""
+    if optimizer is not None:
+        raise pop_errors.optimizer_with_population(optimizer)
+    if opt_state is not None:
+        raise pop_errors.opt_state_with_population()
+    if members_per_call is None:
+        return None
+    members_per_call = _data.positive_int("members_per_call", members_per_call)
+    if members_per_call > pop.n:
+        raise pop_errors.members_per_call_too_large(members_per_call, pop.n)
+    return members_per_call
+
+
+def _shared(pop: Any, source: Any, shared_batches: Any, members_per_call: Any) -> bool:
+    """Whether a population's members share their batches (iterables do)."""
+    iterable = isinstance(source, _data.IterSource)
+    if shared_batches is False and iterable:
+        raise pop_errors.shared_batches_iterable()
+    if iterable and (members_per_call or pop.n) < pop.n:
+        raise pop_errors.members_per_call_iterable()
+    return iterable or bool(shared_batches)
+
+
+def _checkpoint_options(checkpoint_dir: Any, checkpoint_every: Any) -> int | None:
+    if checkpoint_every is not None:
+        if checkpoint_dir is None:
+            raise errors.checkpoint_every_without_dir(checkpoint_every)
+        checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
+    if checkpoint_dir is not None:
+        try:
+            path = os.fspath(checkpoint_dir)
+        except TypeError:
+            raise errors.checkpoint_dir_type(checkpoint_dir) from None
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise errors.checkpoint_dir_not_dir(path)
+    return checkpoint_every
+
+
+def _logger(log: Any, log_every: Any, population: bool) -> Any:
+    """``log=``'s logger (None without sinks, and outside process 0 of a
+    multi-process job: it logs once); an unwritable path is refused here,
+    before anything runs."""
+    if log is None:
+        return None
+    log_every = _data.positive_int("log_every", log_every)
+    logger = _fit_checks.Logger(_log.Sinks(log), log_every, population)
+    logger.sinks.check()
+    return logger if jax.process_index() == 0 else None
+
+
+def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
+    """One model's run: its state placed, its program built (or found), then
+    trained from its optimizer's step."""
     start = adapter.start_step()
     if start is None:
         if opt_state is not None:
@@ -296,67 +344,80 @@ def fit(
                 errors.no_step_count(), RuntimeWarning, stacklevel=_caller.user_level()
             )
         start = 0
+    mesh, source, spec = setup.mesh, setup.source, setup.spec
     leaves, treedef = jtu.tree_flatten(adapter.state)
     leaves = _fit_program.strong(leaves)
     shardings = None
     if mesh is not None:
-        shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves, shard))
+        shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves, setup.shard))
         leaves = _mesh.place(leaves, shardings)
     # In-loop bar reports only where calls are not sized to a quarter second:
     # host batches, or a steps_per_call of the user's.
     ticks = spec is not None and mesh is None
-    ticks = ticks and not source.sized_automatically(steps_per_call)
-    call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
+    ticks = ticks and not source.sized_automatically(setup.steps_per_call)
+    eval_arrays = setup.eval_arrays
     if eval_arrays is not None:
         eval_arrays = (
             jax.device_put(eval_arrays)
             if mesh is None
             else _mesh.replicate(mesh, eval_arrays)
         )
+    program = _model_program(adapter, treedef, setup, shardings, ticks)
+    bar_every = spec.every if spec is not None and not ticks else None
+    schedule = _fit_loop.Schedule(
+        program,
+        setup.length,
+        source,
+        setup.steps_per_call,
+        setup.checkpoint_every,
+        bar_every,
+    )
+    how = _fit_loop.How(start, start + setup.steps, spec, mesh, ticks)
+    extras = _fit_loop.Extras(setup.checks, eval_arrays, setup.logger)
+    kind = _fit_loop.Model(adapter, treedef)
+    run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
+    if setup.checkpoint_dir is not None:
+        run.resume(setup.checkpoint_dir, setup.checkpoint_every)
+    result = run.go()
+    if setup.logger is not None:
+        setup.logger.sinks.raise_pending(result)
+    return result
+
+
+def _model_program(
+    adapter: Any, treedef: Any, setup: Any, shardings: Any, ticks: bool
+) -> Any:
+    """One model's chunk program, from the cache when an earlier ``fit`` had
+    the same structure."""
+    loss_fn, takes_key, checks = setup.loss_fn, setup.takes_key, setup.checks
+    call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
     identity = _fit_program.identity(
         adapter.fingerprint(),
         adapter.static,
         loss_fn,
-        None if checks is None else (checks.key(), _fingerprint_or(eval_call)),
+        None if checks is None else (checks.key(), _fingerprint_or(setup.eval_call)),
         takes_key,
         treedef,
-        source.static,
-        length,
+        setup.source.static,
+        setup.length,
         shardings,
         ticks,
     )
-    sampler = source.sampler()  # what the compiled loop needs: no data, no iterator
-    program = _fit_program.program(
-        identity,
-        lambda: _fit_program.build_chunk(
-            _fit_program.Solo(
-                _solo_step(adapter, treedef, call, accumulate),
-                sampler,
-                mesh,
-                shardings,
-                takes_key,
-                _with_eval(checks, adapter, treedef, eval_call),
-                accumulate,
-            ),
+    sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
+
+    def build():
+        lanes = _fit_program.Solo(
+            _solo_step(adapter, treedef, call, setup.accumulate),
             sampler,
-            length,
-            ticks,
-        ),
-    )
-    bar_every = spec.every if spec is not None and not ticks else None
-    schedule = _fit_loop.Schedule(
-        program, length, source, steps_per_call, checkpoint_every, bar_every
-    )
-    how = (start, start + steps, spec, mesh, ticks)
-    extras = (checks, eval_arrays, logger)
-    kind = _fit_loop.Model(adapter, treedef)
-    run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
-    if checkpoint_dir is not None:
-        run.resume(checkpoint_dir, checkpoint_every)
-    result = run.go()
-    if logger is not None:
-        logger.sinks.raise_pending(result)
-    return result
+            setup.mesh,
+            shardings,
+            takes_key,
+            _with_eval(checks, adapter, treedef, setup.eval_call),
+            setup.accumulate,
+        )
+        return _fit_program.build_chunk(lanes, sampler, setup.length, ticks)
+
+    return _fit_program.program(identity, build)
 
 
 def _checks(

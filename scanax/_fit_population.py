@@ -40,39 +40,38 @@ _CALL = errors.FIT
 
 def fit_population(
     pop: _population.Population,
-    loss_fn: Callable,
-    source: Any,
-    key: Any,
-    takes: tuple[bool, bool],
-    length: int,
+    setup: _fit_loop.Setup,
     shared: bool,
     members_per_call: int | None,
-    how: tuple,
-    logger: Any = None,
-    evaluation: tuple | None = None,
+    eval_takes: tuple[bool, bool] | None,
 ) -> _fit_loop.FitResult:
-    """Train every member of ``pop`` for ``steps`` more steps; ``pop`` is updated
-    in place. Members run ``members_per_call`` at a time (all by default).
-    ``evaluation``: ``(checks, eval arrays, eval_fn, (takes_hp, takes_key))``
-    (``_fit._checks``; eval_fn None without eval_data), run per member."""
-    steps, steps_per_call, spec, mesh, checkpoint_dir, checkpoint_every = how
-    takes_hp, takes_key, accumulate = takes
+    """Train every member of ``pop`` for ``setup.steps`` more steps; ``pop`` is
+    updated in place. Members run ``members_per_call`` at a time (all by
+    default); ``shared``: every member gets the batches of a solo run.
+    ``eval_takes``: what ``setup.eval_call`` takes after ``(model, batch)``, as
+    ``loss_fn``'s (``(takes_hp, takes_key)``), when it evaluates."""
+    steps, source, mesh, spec = setup.steps, setup.source, setup.mesh, setup.spec
+    steps_per_call, length = setup.steps_per_call, setup.length
+    checkpoint_dir, checkpoint_every = setup.checkpoint_dir, setup.checkpoint_every
+    loss_fn, logger, accumulate = setup.loss_fn, setup.logger, setup.accumulate
+    takes_hp, takes_key = setup.takes_hp, setup.takes_key
     n = pop.n
     per_member = not shared and getattr(source, "shuffle", False)
+    key = setup.key
     keys = jr.split(key if key is not None else _data.unused_key(), n)
     call_for = _call_for(loss_fn, takes_hp, takes_key)
-    checks, eval_arrays, eval_key = None, None, None
-    if evaluation is not None:
-        checks, eval_arrays, eval_fn, eval_takes = evaluation
+    checks, eval_arrays, eval_key = setup.checks, None, None
+    if checks is not None:
+        eval_fn = setup.eval_call
         if eval_fn is not None:
             evaluate = pop.eval_factory(_call_for(eval_fn, *eval_takes))
             checks = _fit_checks.Checks(
                 checks.every, evaluate, checks.n, checks.batch_size, checks.stop
             )
             eval_arrays = (
-                jax.device_put(eval_arrays)
+                jax.device_put(setup.eval_arrays)
                 if mesh is None
-                else _mesh.replicate(mesh, eval_arrays)
+                else _mesh.replicate(mesh, setup.eval_arrays)
             )
         fingerprint = None if eval_fn is None else _fingerprint.of(eval_fn)
         eval_key = (
@@ -132,8 +131,8 @@ def fit_population(
         else:
             leaves = [x[idx] for x in pop.state]
         kind = Group(pop, idx, len(members), keys[idx])
-        run_how = (pop.step, pop.step + steps, spec, mesh, False)
-        extras = (checks, eval_arrays, logger)
+        run_how = _fit_loop.How(pop.step, pop.step + steps, spec, mesh, False)
+        extras = _fit_loop.Extras(checks, eval_arrays, logger)
         return _fit_loop.Run(kind, source, program, schedule, leaves, run_how, extras)
 
     def run_groups(k: int, prepared: _fit_loop.Run | None) -> _fit_loop.FitResult:

@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("fit's program", {"_fit_program"}),
-    ("fit's engine", {"_fit_checks", "_fit_hooks", "_fit_loop"}),
+    ("fit's engine", {"_fit_checks", "_fit_history", "_fit_hooks", "_fit_loop"}),
     ("fit", {"_fit_population", "_fit"}),
     ("top", {"__init__", "__main__", "_demo"}),
 ]
@@ -315,6 +315,7 @@ FIT_WING = [
     "_plot",
     "_fit_program",
     "_fit_checks",
+    "_fit_history",
     "_fit_hooks",
     "_fit_loop",
     "_fit_population",

@@ -1,0 +1,140 @@
+"""The history of one ``scanax.fit`` run: per-step values with their global
+step numbers and the evaluations at theirs, for one model or a population's
+members (a member axis first), restored from a checkpoint and read back as
+``FitResult.history``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from . import _caller
+from ._errors import fit as errors
+
+
+class History:
+    """Per-step values of one ``fit`` call, with their global step numbers.
+
+    A population's (``members=k``): ``[members, steps]`` arrays (NaN where a
+    member did not train) and ``[members, evaluations]`` evaluations (NaN
+    where a member did not evaluate); the step numbers are shared."""
+
+    def __init__(self, members: int | None = None):
+        self.members = members
+        self.axis = 0 if members is None else 1  # the steps' axis of a value
+        self.arrays: dict[str, list[np.ndarray]] = {"step": [], "loss": []}
+        self.val: dict[str, list[np.ndarray]] = {}  # "val_step" and "val_<name>"
+        self.count = 0  # steps recorded
+        self.warned = False
+
+    def _axis(self, name: str) -> int:
+        return 0 if name.endswith("step") else self.axis
+
+    def restore(self, saved: dict[str, np.ndarray], after: int, step: int) -> None:
+        """The history of a checkpoint at ``step``, from step ``after + 1`` on (a
+        checkpoint of an older format has no step numbers: they are counted back)."""
+        saved = dict(saved)
+        val = {k: saved.pop(k) for k in list(saved) if k.startswith("val_")}
+        if "val_step" in val:
+            keep_val = np.asarray(val["val_step"]) > after
+            self.val = {
+                k: [np.compress(keep_val, v, axis=self._axis(k))]
+                for k, v in val.items()
+            }
+        n = len(saved.get("loss", ()))
+        steps = saved.pop("step", np.arange(step - n + 1, step + 1, dtype=np.int64))
+        keep = np.asarray(steps) > after
+        self.arrays = {"step": [np.asarray(steps)[keep]]}
+        self.arrays.update(
+            {k: [np.compress(keep, v, axis=self.axis)] for k, v in saved.items()}
+        )
+        self.arrays.setdefault("loss", [])
+        self.count = int(keep.sum())
+
+    def add(self, first: int, ys: dict, applied: Any, ran: int) -> tuple:
+        """``ran`` steps from global step ``first`` (0-based; recorded 1-based,
+        as the optimizer's step count after each), of which ``applied`` (per
+        member) were applied: a member's others are NaN. Returns what it
+        recorded, for the logger: ``(steps, values, val_steps, val_values)``."""
+        values = {"loss": ys["loss"], **ys["metrics"]}
+        if self.members is None:
+            values = {k: np.asarray(v)[:ran] for k, v in values.items()}
+        else:
+            mask = np.arange(ran)[None, :] >= np.asarray(applied)[:, None]
+            for name, v in values.items():
+                v = np.asarray(v)[:, :ran]
+                if not np.issubdtype(v.dtype, np.floating):
+                    v = v.astype(np.float64)
+                values[name] = np.where(
+                    mask.reshape(mask.shape + (1,) * (v.ndim - 2)), np.nan, v
+                )
+        metrics = {k: v for k, v in values.items() if k != "loss"}
+        if set(metrics) != set(self.arrays) - {"loss", "step"}:
+            self._align(metrics, ran)
+        steps = np.arange(first + 1, first + ran + 1)
+        self.arrays["step"].append(steps)
+        for name, value in values.items():
+            self.arrays[name].append(value)
+        self.count += ran
+        if "val" not in ys:
+            return steps, values, steps[:0], {}
+        # evaluations: one entry each, at their steps (a population: where any
+        # member evaluated, NaN for the others)
+        evaluated = np.asarray(ys["evaluated"])
+        if self.members is None:
+            idx = np.flatnonzero(evaluated[:ran])
+            val = {k: np.asarray(v)[idx] for k, v in ys["val"].items()}
+        else:
+            evaluated = evaluated[:, :ran]
+            idx = np.flatnonzero(evaluated.any(axis=0))
+            val = {
+                k: np.where(evaluated[:, idx], np.asarray(v)[:, idx], np.nan)
+                for k, v in ys["val"].items()
+            }
+        self.val.setdefault("val_step", []).append(first + 1 + idx)
+        for name, value in val.items():
+            self.val.setdefault(name, []).append(value)
+        return steps, values, first + 1 + idx, val
+
+    def _nan(self, count: int) -> np.ndarray:
+        """NaN for ``count`` steps (and every member)."""
+        if self.members is None:
+            return np.full(count, np.nan, np.float32)
+        return np.full((self.members, count), np.nan)
+
+    def _align(self, metrics: dict, count: int) -> None:
+        """Metric names differ from those of the history so far (a checkpoint of a
+        ``loss_fn`` returning other metrics): NaN where a metric has no value, so
+        that every history array keeps one entry per step."""
+        known = set(self.arrays) - {"loss", "step"}
+        new, gone = sorted(set(metrics) - known), sorted(known - set(metrics))
+        if self.count and not self.warned:
+            self.warned = True
+            warnings.warn(
+                errors.metrics_changed(self.count, new, gone),
+                RuntimeWarning,
+                stacklevel=_caller.user_level(),
+            )
+        for name in new:  # (one model: a float32 start, as it always had)
+            first = self.count or self.members is None
+            self.arrays[name] = [self._nan(self.count)] if first else []
+        for name in gone:
+            self.arrays[name].append(self._nan(count))
+
+    def result(self) -> dict[str, np.ndarray]:
+        def empty(name: str) -> np.ndarray:
+            if name.endswith("step"):
+                return np.zeros((0,), np.int64)
+            return np.zeros((0,) if self.members is None else (self.members, 0))
+
+        out = {}
+        for name, parts in {**self.arrays, **self.val}.items():
+            if parts:
+                out[name] = np.concatenate(parts, axis=self._axis(name))
+            else:
+                out[name] = empty(name).astype(
+                    np.int64 if name.endswith("step") else np.float32
+                )
+        return out
