@@ -50,165 +50,203 @@ def fit_population(
     default); ``shared``: every member gets the batches of a solo run.
     ``eval_takes``: what ``setup.eval_call`` takes after ``(model, batch)``, as
     ``loss_fn``'s (``(takes_hp, takes_key)``), when it evaluates."""
-    steps, source, mesh, spec = setup.steps, setup.source, setup.mesh, setup.spec
-    steps_per_call, length = setup.steps_per_call, setup.length
-    checkpoint_dir, checkpoint_every = setup.checkpoint_dir, setup.checkpoint_every
-    loss_fn, logger, accumulate = setup.loss_fn, setup.logger, setup.accumulate
-    takes_hp, takes_key = setup.takes_hp, setup.takes_key
-    n = pop.n
-    per_member = not shared and getattr(source, "shuffle", False)
-    key = setup.key
-    keys = jr.split(key if key is not None else _data.unused_key(), n)
-    call_for = _call_for(loss_fn, takes_hp, takes_key)
-    checks, eval_arrays, eval_key = setup.checks, None, None
-    if checks is not None:
-        eval_fn = setup.eval_call
+    sweep = Sweep(pop, setup, shared, eval_takes)
+    # members_per_call=None: all at once if the first call fits in memory, else
+    # the largest groups that do; decided from the compiled call before anything
+    # runs or is written. Not across processes (they would have to agree on the
+    # groups) and not for iterable data (checking would take its batches).
+    k, prepared = members_per_call or pop.n, None
+    if (
+        members_per_call is None
+        and jax.process_count() == 1
+        and not isinstance(setup.source, _data.IterSource)
+    ):
+        k, prepared = _fitting_groups(
+            pop.n,
+            lambda k: sweep.run(k, list(range(k))),
+            setup.mesh,
+            setup.logger,
+            setup.checkpoint_dir,
+        )
+    result = sweep.train(k, prepared)
+    if setup.logger is not None:
+        setup.logger.sinks.raise_pending(result)
+    return result
+
+
+class Sweep:
+    """One population ``fit``: the members' keys, loss and evaluation, the
+    compiled program of each group size, and the run of each group."""
+
+    def __init__(self, pop: Any, setup: Any, shared: bool, eval_takes: Any):
+        self.pop, self.setup = pop, setup
+        source, key = setup.source, setup.key
+        self.per_member = not shared and getattr(source, "shuffle", False)
+        self.keys = jr.split(key if key is not None else _data.unused_key(), pop.n)
+        self.call_for = _call_for(setup.loss_fn, setup.takes_hp, setup.takes_key)
+        self.checks, self.eval_arrays, self.eval_key = setup.checks, None, None
+        if self.checks is not None:
+            self._evaluation(setup.eval_call, eval_takes)
+        self.programs: dict[int, Any] = {}  # (fingerprints take milliseconds)
+
+    def _evaluation(self, eval_fn: Any, eval_takes: Any) -> None:
+        """Each member's evaluation (``eval_fn`` None: early stop on a
+        training metric only)."""
+        checks, mesh = self.checks, self.setup.mesh
         if eval_fn is not None:
-            evaluate = pop.eval_factory(_call_for(eval_fn, *eval_takes))
-            checks = _fit_checks.Checks(
+            evaluate = self.pop.eval_factory(_call_for(eval_fn, *eval_takes))
+            self.checks = _fit_checks.Checks(
                 checks.every, evaluate, checks.n, checks.batch_size, checks.stop
             )
-            eval_arrays = (
-                jax.device_put(setup.eval_arrays)
+            arrays = self.setup.eval_arrays
+            self.eval_arrays = (
+                jax.device_put(arrays)
                 if mesh is None
-                else _mesh.replicate(mesh, setup.eval_arrays)
+                else _mesh.replicate(mesh, arrays)
             )
         fingerprint = None if eval_fn is None else _fingerprint.of(eval_fn)
-        eval_key = (
+        self.eval_key = (
             checks.key(),
             eval_fn if fingerprint is None else fingerprint,
             eval_takes,
         )
 
-    sampler = source.sampler()
-    xs_axis = 0 if per_member else None
-
-    @ft.cache  # (one per group size: fingerprints take milliseconds)
-    def program_for(k: int) -> _fit_program.Program:
+    def program(self, k: int) -> _fit_program.Program:
+        """The compiled loop of a group of ``k`` members (one per size)."""
+        found = self.programs.get(k)
+        if found is not None:
+            return found
+        pop, setup, mesh = self.pop, self.setup, self.setup.mesh
         identity = _fit_program.identity(
             pop.fingerprint(),
             pop.make,
-            loss_fn,
+            setup.loss_fn,
             "population",
-            takes_hp,
-            takes_key,
-            source.static,
-            length,
-            per_member,
+            setup.takes_hp,
+            setup.takes_key,
+            setup.source.static,
+            setup.length,
+            self.per_member,
             k,
             None if mesh is None else (mesh.shape_tuple, mesh.device_ids.tobytes()),
-            eval_key,
+            self.eval_key,
         )
+        sampler = setup.source.sampler()
 
         def build():
             lanes = Members(
-                pop.step_factory(call_for, accumulate),
+                pop.step_factory(self.call_for, setup.accumulate),
                 sampler,
                 mesh,
-                takes_key,
-                accumulate,
-                xs_axis,
+                setup.takes_key,
+                setup.accumulate,
+                0 if self.per_member else None,
                 None if mesh is None else _mesh.MEMBERS,
-                checks,
+                self.checks,
             )
-            return _fit_program.build_chunk(lanes, sampler, length, False)
+            return _fit_program.build_chunk(lanes, sampler, setup.length, False)
 
-        return _fit_program.program(identity, build)
+        found = self.programs[k] = _fit_program.program(identity, build)
+        return found
 
-    bar_every = spec.every if spec is not None else None
-
-    def group_run(k: int, members: list[int]) -> _fit_loop.Run:
-        program = program_for(k)
+    def run(self, k: int, members: list[int]) -> _fit_loop.Run:
+        """The run of ``members`` in a group of ``k`` (padded with repeats)."""
+        pop, setup = self.pop, self.setup
+        program = self.program(k)
+        spec = setup.spec
         schedule = _fit_loop.Schedule(
-            program, length, source, steps_per_call, checkpoint_every, bar_every
+            program,
+            setup.length,
+            setup.source,
+            setup.steps_per_call,
+            setup.checkpoint_every,
+            spec.every if spec is not None else None,
         )
         pad = [members[j % len(members)] for j in range(k - len(members))]
         idx = np.asarray(members + pad)
-        if per_member:
-            source.for_members(keys[idx])
+        if self.per_member:
+            setup.source.for_members(self.keys[idx])
         if len(idx) == pop.n and (idx == np.arange(pop.n)).all():
             leaves = list(pop.state)  # (all at once: no copy of the state)
         else:
             leaves = [x[idx] for x in pop.state]
-        kind = Group(pop, idx, len(members), keys[idx])
-        run_how = _fit_loop.How(pop.step, pop.step + steps, spec, mesh, False)
-        extras = _fit_loop.Extras(checks, eval_arrays, logger)
-        return _fit_loop.Run(kind, source, program, schedule, leaves, run_how, extras)
+        kind = Group(pop, idx, len(members), self.keys[idx])
+        how = _fit_loop.How(pop.step, pop.step + setup.steps, spec, setup.mesh, False)
+        extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.logger)
+        return _fit_loop.Run(kind, setup.source, program, schedule, leaves, how, extras)
 
-    def run_groups(k: int, prepared: _fit_loop.Run | None) -> _fit_loop.FitResult:
+    def train(self, k: int, prepared: _fit_loop.Run | None) -> _fit_loop.FitResult:
         """Train the members ``k`` at a time; ``prepared``: the first group's
         run, already compiled (the memory check's)."""
+        n, directory = self.pop.n, self.setup.checkpoint_dir
         groups = [list(range(g, min(g + k, n))) for g in range(0, n, k)]
-        if checkpoint_dir is not None:
-            _check_layout(checkpoint_dir, groups, n)
-        states, stopped, histories, applied, best, clock = [], [], [], [], [], []
+        if directory is not None:
+            _check_layout(directory, groups, n)
+        results = []
         for members in groups:
-            directory = checkpoint_dir
-            if directory is not None and len(groups) > 1:
-                directory = os.path.join(
-                    os.fspath(checkpoint_dir), f"members_{members[0]}-{members[-1]}"
-                )
             if prepared is not None and members[0] == 0:
                 run = prepared  # (its source was last given these members)
             else:
-                run = group_run(k, members)
-            if len(groups) > 1:
-                run.kind.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
+                run = self.run(k, members)
+            results.append(self._group(run, members, len(groups)))
+        return self._merge(results)
+
+    def _group(self, run: _fit_loop.Run, members: list[int], groups: int) -> Any:
+        """One group's result, its padding removed."""
+        directory = self.setup.checkpoint_dir
+        if groups > 1:
+            name = f"members_{members[0]}-{members[-1]}"
+            run.kind.label = f"{_CALL} [members {members[0]}-{members[-1]}]"
             if directory is not None:
-                run.resume(directory, checkpoint_every)
-            try:
-                leaves, stop, history, count, done, best_step = run.go()
-            except BaseException:
-                # Interrupted (Ctrl-C) or failed: all members at once keep the
-                # state of the last call checked, as a single model does (with
-                # groups, the population keeps its state from before the call:
-                # its members would stand at different steps).
-                if len(groups) == 1 and run.kind.checked is not None:
-                    pop.update(*run.kind.checked)
-                raise
-            real = len(members)
-            states.append([x[:real] for x in leaves])
-            stopped.append(stop[:real])
-            histories.append(
-                {name: v if v.ndim == 1 else v[:real] for name, v in history.items()}
-            )
-            applied.append(count[:real])
-            best.append(None if best_step is None else best_step[:real])
-            clock.append(done)
-        state = (
-            [jnp.concatenate(parts) for parts in zip(*states)]
-            if len(groups) > 1
-            else states[0]
+                directory = os.path.join(os.fspath(directory), name)
+        if directory is not None:
+            run.resume(directory, self.setup.checkpoint_every)
+        try:
+            out = run.go()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: all members at once keep the
+            # state of the last call checked, as a single model does (with
+            # groups, the population keeps its state from before the call: its
+            # members would stand at different steps).
+            if groups == 1 and run.kind.checked is not None:
+                self.pop.update(*run.kind.checked)
+            raise
+        real = len(members)
+        history = {k: v if v.ndim == 1 else v[:real] for k, v in out.history.items()}
+        best = None if out.best_step is None else out.best_step[:real]
+        return GroupResult(
+            [x[:real] for x in out.leaves],
+            out.stopped[:real],
+            history,
+            out.applied[:real],
+            out.done,
+            best,
         )
+
+    def _merge(self, results: list) -> _fit_loop.FitResult:
+        """The population updated with every group's result, and fit's result."""
+        pop = self.pop
+        if len(results) > 1:
+            state = [
+                jnp.concatenate(parts) for parts in zip(*(r.leaves for r in results))
+            ]
+            history = merge_groups([r.history for r in results])
+        else:
+            state, history = results[0].leaves, results[0].history
         # The clock: the steps run (an iterable may end early; every member may
         # have stopped), by the group that ran longest.
-        pop.update(state, np.concatenate(stopped), max(clock))
-        history = histories[0] if len(groups) == 1 else merge_groups(histories)
+        stopped = np.concatenate([r.stopped for r in results])
+        pop.update(state, stopped, max(r.done for r in results))
+        best = None
+        if results[0].best_step is not None:
+            best = np.concatenate([r.best_step for r in results])
         return _fit_loop.FitResult(
             _population.Members(pop, 0),
             _population.Members(pop, 1),
             history,
-            np.concatenate(applied),
-            None if best[0] is None else np.concatenate(best),
+            np.concatenate([r.applied for r in results]),
+            best,
         )
-
-    # members_per_call=None: all at once if the first call fits in memory, else
-    # the largest groups that do; decided from the compiled call before anything
-    # runs or is written. Not across processes (they would have to agree on the
-    # groups) and not for iterable data (checking would take its batches).
-    k, prepared = members_per_call or n, None
-    if (
-        members_per_call is None
-        and jax.process_count() == 1
-        and not isinstance(source, _data.IterSource)
-    ):
-        k, prepared = _fitting_groups(
-            n, lambda k: group_run(k, list(range(k))), mesh, logger, checkpoint_dir
-        )
-    result = run_groups(k, prepared)
-    if logger is not None:
-        logger.sinks.raise_pending(result)
-    return result
 
 
 def _fitting_groups(
