@@ -22,7 +22,7 @@ import jax.random as jr
 import numpy as np
 
 from . import _caller
-from ._errors import fit as errors
+from ._errors import checkpoint as errors
 
 _FORMAT = 1
 KEEP = 3

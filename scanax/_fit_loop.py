@@ -17,7 +17,11 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _caller, _checkpoint, _fit_hooks, _models, _stop
-from ._errors import fit as errors, population as pop_errors
+from ._errors import (
+    checkpoint as ckpt_errors,
+    fit as errors,
+    population as pop_errors,
+)
 from ._fit_history import History
 from ._fit_program import Chunk, false
 
@@ -263,12 +267,14 @@ class Run:
             start=self.start,
         )
         if past and found is None:  # nothing to resume but a longer run
-            raise errors.checkpoint_past_end(
+            raise ckpt_errors.checkpoint_past_end(
                 self.ckpt.directory, past, self.start, self.end
             )
         if past and (found is None or found[0] < self.end):
             self.warn(
-                errors.checkpoint_saves_dropped(self.ckpt.directory, past, self.end)
+                ckpt_errors.checkpoint_saves_dropped(
+                    self.ckpt.directory, past, self.end
+                )
             )
         if found is None or found[0] <= self.start:
             return
@@ -287,10 +293,10 @@ class Run:
         self.good = self.leaves
         self.kind.restored(self, restored)
         if step == self.end:
-            self.warn(errors.checkpoint_at_end(self.ckpt.directory, step))
+            self.warn(ckpt_errors.checkpoint_at_end(self.ckpt.directory, step))
         elif self.kind.stopped_by_rule(self):  # the call ended there, by its rule
             self.halted = True
-            self.warn(errors.checkpoint_stopped(self.ckpt.directory, step))
+            self.warn(ckpt_errors.checkpoint_stopped(self.ckpt.directory, step))
         self.source.skip(step - self.start)  # the batches those steps used
 
     # ------------------------------------------------------------ run

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "errors",
         {
             "_errors",
+            "_errors.checkpoint",
             "_errors.fit",
             "_errors.long",
             "_errors.rnn",

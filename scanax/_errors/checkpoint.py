@@ -1,0 +1,142 @@
+"""Messages of ``scanax.fit``'s checkpoints: reading, resuming and refusing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import short_type
+from .fit import CALL
+
+_CHECKPOINT_FIX = (
+    "Fix: pass the model (and optimizer, data layout) that wrote it, or another "
+    "checkpoint_dir (or delete this one to start over)."
+)
+
+
+def no_orbax() -> ImportError:
+    return ImportError(
+        f"{CALL}: checkpoint_dir needs orbax-checkpoint, which is not "
+        "installed.\nFix: `pip install orbax-checkpoint` (or "
+        "`scanax[checkpoint]`), or pass checkpoint_dir=None."
+    )
+
+
+def _checkpoint_at(step: int, directory: Any) -> str:
+    return f"{CALL}: the checkpoint at step {step} in {directory}"
+
+
+def checkpoint_format(
+    step: int, directory: Any, found: Any, expected: int
+) -> ValueError:
+    return ValueError(
+        f"{_checkpoint_at(step, directory)} has format {found!r}, expected "
+        f"{expected}.\n{_CHECKPOINT_FIX}"
+    )
+
+
+def checkpoint_mismatch(
+    step: int, directory: Any, name: str, found: str, expected: str
+) -> ValueError:
+    return ValueError(
+        f"{_checkpoint_at(step, directory)} does not fit this training state; "
+        f"first mismatching leaf {name}:\n  checkpoint  {found}\n  expected    "
+        f"{expected}\n{_CHECKPOINT_FIX}"
+    )
+
+
+def checkpoint_leaves_differ(
+    step: int, directory: Any, only_saved: list[str], only_here: list[str]
+) -> ValueError:
+    def shown(names):
+        return (
+            ", ".join(names[:5])
+            + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            if names
+            else "none"
+        )
+
+    return ValueError(
+        f"{_checkpoint_at(step, directory)} does not fit this training state: it "
+        f"holds other arrays.\n  only in the checkpoint  {shown(only_saved)}\n  "
+        f"only in this run        {shown(only_here)}\n{_CHECKPOINT_FIX}"
+    )
+
+
+def checkpoint_other_data(
+    step: int, directory: Any, found: Any, data: Any
+) -> ValueError:
+    return ValueError(
+        f"{_checkpoint_at(step, directory)} was written for other data: "
+        f"{short_type(found)} {found}, now {data}; a resumed run would not repeat "
+        f"the same batches.\n{_CHECKPOINT_FIX}"
+    )
+
+
+def restored_type(step: int, name: str, restored: Any, expected: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: checkpoint step {step} gave back {name} as {short_type(restored)}, "
+        f"expected {short_type(expected)}.\nFix: resume with the model and optimizer "
+        "that wrote the checkpoint, or use a new checkpoint_dir."
+    )
+
+
+def checkpoint_unreadable(
+    step: int, directory: Any, err: Exception, last: bool = False, start: int = 0
+) -> str:
+    then = (
+        f"no readable checkpoint is left in it, so training starts from step "
+        f"{start}, the model as given (nothing is resumed)."
+        if last
+        else "falling back to an older one."
+    )
+    return (
+        f"{CALL}: checkpoint {step} in {directory} could not be read "
+        f"({type(err).__name__}: {str(err)[:200]}); {then}"
+    )
+
+
+def checkpoint_past_end(
+    directory: Any, found: list[int], start: int, end: int
+) -> ValueError:
+    return ValueError(
+        f"{CALL}: checkpoint_dir {directory} holds step(s) "
+        f"{', '.join(map(str, found))}, past this call's end: the model is at "
+        f"step {start} and steps={end - start} ends at step {end}. The directory "
+        "was written by a longer run, so nothing here can be resumed.\nFix: ask "
+        f"for steps={found[0] - start} (or more) to continue from step {found[0]}, "
+        "or pass another checkpoint_dir to start afresh."
+    )
+
+
+def checkpoint_key_differs(step: int, directory: Any, saved: str, given: str):
+    return ValueError(
+        f"{CALL}: the checkpoint at step {step} in {directory} was written with a "
+        f"key of type {saved}; this call's key is {given}, another PRNG "
+        "implementation. A resume continues the saved key (its shuffle and "
+        "per-step keys), which this call's program cannot take.\nFix: pass a key "
+        "of the saved implementation (jax.random.key(seed, impl=...)), or another "
+        "checkpoint_dir to start afresh."
+    )
+
+
+def checkpoint_stopped(directory: Any, step: int) -> str:
+    return (
+        f"{CALL}: checkpoint_dir {directory} holds this call's early stop at step "
+        f"{step}: its state was restored and there was nothing left to train."
+    )
+
+
+def checkpoint_at_end(directory: Any, end: int) -> str:
+    return (
+        f"{CALL}: checkpoint_dir {directory} already holds step {end}, this call's "
+        "end: its state was restored and there was nothing left to train."
+    )
+
+
+def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
+    return (
+        f"{CALL}: checkpoint_dir {directory} also holds later step(s) "
+        f"{', '.join(map(str, later))} of a longer run; orbax keeps steps in "
+        f"order, so this call's checkpoints (up to step {end}) are not written "
+        "(the later ones are kept). Use another checkpoint_dir to keep both."
+    )
