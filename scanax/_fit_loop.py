@@ -97,8 +97,9 @@ class FitResult:
         finite = np.isfinite(values)
         last = np.full(values.shape[0], np.nan)
         has = finite.any(axis=1)
-        where = values.shape[1] - 1 - np.argmax(finite[:, ::-1], axis=1)
-        last[has] = values[has, where[has]]
+        if has.any():  # (an empty history has no last value: all rank last)
+            where = values.shape[1] - 1 - np.argmax(finite[:, ::-1], axis=1)
+            last[has] = values[has, where[has]]
         sign = 1.0 if mode == "min" else -1.0
         return int(np.argmin(np.where(has, sign * last, np.inf)))
 

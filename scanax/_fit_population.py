@@ -578,6 +578,7 @@ class Group:
                     [int(self.idx[m]) for m in rows],
                     [start + int(counts[m]) + 1 for m in rows],
                     self.pop.n,
+                    int((~self.mask[: self.real]).sum()),
                 )
             )
         recorded = run.history.add(start, ys, counts, ran)

@@ -776,3 +776,19 @@ def test_a_population_whose_members_all_stop_mid_call_ends_at_that_step():
     assert pop.step == 3
     assert res.steps.tolist() == [2, 2]
     assert res.history["step"].tolist() == [1, 2, 3]
+
+
+def test_best_of_a_population_with_an_empty_history_and_the_warning_when_none_trains():
+    """Every member non-finite at its first step: the warning says that none is
+    left training; a later call's empty history still ranks (all last: 0)."""
+
+    def nan_loss(model, batch):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2) * jnp.float32(jnp.nan)
+
+    pop = scanax.population(make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 2e-2]))
+    with pytest.warns(RuntimeWarning, match="no member is left training"):
+        fit_quiet(pop, None, nan_loss, (X, Y), steps=3, batch_size=BS)
+    again = fit_quiet(pop, None, nan_loss, (X, Y), steps=3, batch_size=BS)
+    assert again.history["loss"].shape == (2, 0)
+    assert again.best("loss") == 0

@@ -121,14 +121,20 @@ def shared_batches_iterable() -> TypeError:
     )
 
 
-def nonfinite_members(members: list[int], steps: list[int], n: int) -> str:
+def nonfinite_members(
+    members: list[int], steps: list[int], n: int, training: int | None = None
+) -> str:
     shown = ", ".join(f"{m} (step {s})" for m, s in list(zip(members, steps))[:10])
     more = f" and {len(members) - 10} more" if len(members) > 10 else ""
+    others = (
+        "no member is left training, so the call ends here"
+        if training == 0
+        else "the other members train on"
+    )
     return (
         f"{FIT}: {len(members)} of {n} members stopped at a non-finite loss or "
         f"gradient: member {shown}{more}. Each keeps its last good state (its "
-        "history is NaN from there); the other members train on. See "
-        "`pop.stopped`."
+        f"history is NaN from there); {others}. See `pop.stopped`."
     )
 
 
