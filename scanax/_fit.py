@@ -20,6 +20,7 @@ from . import (
     _fit_loop,
     _fit_population,
     _fit_program,
+    _fit_schedule,
     _log,
     _mesh,
     _models,
@@ -364,7 +365,7 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         )
     program = _model_program(adapter, treedef, setup, shardings, ticks)
     bar_every = spec.every if spec is not None and not ticks else None
-    schedule = _fit_loop.Schedule(
+    schedule = _fit_schedule.Schedule(
         program,
         setup.length,
         source,

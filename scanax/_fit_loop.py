@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +26,6 @@ from ._fit_history import History
 from ._fit_program import Chunk, false
 
 _CALL = errors.CALL
-# The wall time that the automatic schedule aims each call at (array data: calls
-# grow from 8 steps to this, up to the source's compiled length).
-_SECONDS_PER_CALL = 0.25
 _REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 
 
@@ -125,54 +122,6 @@ def best_state(names: list[str], best: list, last: list, where: Any = None) -> l
 # ---------------------------------------------------------------------------- driver
 
 
-class Schedule:
-    """How many steps each call runs: ``steps_per_call`` if given, else sized from
-    the speed of the last call to take about ``_SECONDS_PER_CALL`` (8 steps first,
-    to time them, when nothing is known yet); calls also end on checkpoint steps
-    and on multiples of the progress bar's ``every``."""
-
-    def __init__(
-        self, program, length, source, steps_per_call, checkpoint_every, bar_every
-    ):
-        self.program, self.length = program, length
-        self.auto = auto = source.sized_automatically(steps_per_call)
-        self.stops = [e for e in (checkpoint_every, bar_every) if e]
-        known = program.seconds_per_step
-        if not auto:
-            self.per_call = min(length, steps_per_call or length)
-        elif known is None:
-            self.per_call = min(length, 8)
-        else:
-            self.per_call = self._size(known)
-        self.last = None
-
-    def want(self, start: int, end: int) -> int:
-        want = min(self.per_call, end - start)
-        for every in self.stops:
-            want = min(want, every - start % every)
-        return want
-
-    @property
-    def timing(self) -> bool:
-        """Whether the next call must be timed before more are dispatched."""
-        return self.auto and self.program.seconds_per_step is None
-
-    def ran(self, steps: int, dispatched: float) -> None:
-        """Size the next calls from the time the last one ran: from when it was
-        dispatched (after compiling) or the previous one finished, to now."""
-        if not self.auto:
-            return
-        now = time.perf_counter()
-        began = max(dispatched, self.last or dispatched)
-        per_step = max(now - began, 1e-9) / steps
-        self.program.seconds_per_step = per_step
-        self.per_call = self._size(per_step)
-        self.last = now
-
-    def _size(self, seconds_per_step: float) -> int:
-        return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
-
-
 class Setup(NamedTuple):
     """What ``fit``'s arguments come to, checked (``_fit.fit``): the inputs of
     one model's run or of a population's."""
@@ -215,13 +164,67 @@ class Extras(NamedTuple):
     logger: Any  # ``_fit_checks.Logger``, or None
 
 
+class Kind(Protocol):
+    """What a ``Run`` trains, and what that changes on the host: one model
+    (``Model``) or a group of a population's members (``_fit_population.Group``).
+    ``members``: the group's size (None: one model); ``hp``: the members'
+    hyperparameters (None); ``label``: the bar's description."""
+
+    members: int | None
+    hp: Any
+    label: str
+
+    def init(self, run: Run) -> None:
+        """Set the run's early-stop carry and stopped flag (and placements)."""
+
+    def names(self, run: Run) -> list[str]:
+        """The names of the checkpointed leaves."""
+
+    def describe(self, run: Run) -> dict:
+        """What a checkpoint records of the run's inputs (a resume must match)."""
+
+    def saved(self, run: Run, leaves: list, stopped: Any, extra: Any) -> list:
+        """What a checkpoint holds of that state."""
+
+    def load(self, run: Run, saved: list) -> None:
+        """Set the run's state from a checkpoint's ``saved``."""
+
+    def use_key(self, run: Run, key: Any) -> None:
+        """Continue with a checkpoint's key (the shuffle too)."""
+
+    def restored(self, run: Run, history: dict) -> None:
+        """Count what a restored history holds."""
+
+    def stopped_by_rule(self, run: Run) -> bool:
+        """Whether a restored early stop leaves nothing to train."""
+
+    def count(self, run: Run, steps: int) -> tuple[Any, int]:
+        """A call's ``count`` and ``every`` arguments for ``steps`` steps."""
+
+    def compile(self, run: Run, args: Chunk) -> Any:
+        """The executable for ``args`` (errors named for this kind)."""
+
+    def collect(self, run, start, end, out, args, report, ys, dispatched) -> Any:
+        """Read one call: the run's step count, history, stop and last good
+        state updated; the ``_fit_hooks.Collected`` call for the hooks."""
+
+    def hand_over(self, run: Run) -> None:
+        """Before the last call is read (while it runs)."""
+
+    def interrupted(self, run: Run) -> None:
+        """After an error or an interrupt."""
+
+    def result(self, run: Run) -> Any:
+        """What the run gives back."""
+
+
 class Run:
     """One ``fit`` run of one model or of one group of a population's members
     (``kind``: ``Model``, or ``_fit_population.Group``): dispatch the compiled
     calls, keep one in flight while the host reads the one before, and hand
     each to the hooks (``_fit_hooks``: bar, checkpoints, logs)."""
 
-    def __init__(self, kind, source, program, schedule, leaves, how, extras):
+    def __init__(self, kind: Kind, source, program, schedule, leaves, how, extras):
         self.kind, self.source, self.program = kind, source, program
         self.schedule, self.leaves = schedule, leaves
         self.start, self.end, self.spec, self.mesh, self.ticks = how
@@ -345,18 +348,14 @@ class Run:
                 self.ckpt.close()
         return self.kind.result(self)
 
-    def args(self, start: int, end: int, xs: Any, leaves=None, extra=None) -> Chunk:
-        """The compiled chunk's arguments for the steps ``start`` to ``end``
-        (from ``leaves``/``extra``, default the run's)."""
+    def args(self, start: int, end: int, xs: Any) -> Chunk:
+        """The compiled chunk's arguments for the steps ``start`` to ``end``."""
         count, every = self.kind.count(self, end - start)
         aux = None
         if self.checks is not None:
-            aux = {
-                "eval": self.eval_data,
-                "stop": self.extra if extra is None else extra,
-            }
+            aux = {"eval": self.eval_data, "stop": self.extra}
         return Chunk(
-            self.leaves if leaves is None else leaves,
+            self.leaves,
             self.stopped,
             np.int32(start),
             count,

@@ -29,6 +29,7 @@ from . import (
     _fit_hooks,
     _fit_loop,
     _fit_program,
+    _fit_schedule,
     _memory,
     _mesh,
     _population,
@@ -154,7 +155,7 @@ class Sweep:
         pop, setup = self.pop, self.setup
         program = self.program(k)
         spec = setup.spec
-        schedule = _fit_loop.Schedule(
+        schedule = _fit_schedule.Schedule(
             program,
             setup.length,
             setup.source,

@@ -60,7 +60,10 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("fit's program", {"_fit_program"}),
-    ("fit's engine", {"_fit_checks", "_fit_history", "_fit_hooks", "_fit_loop"}),
+    (
+        "fit's engine",
+        {"_fit_checks", "_fit_history", "_fit_hooks", "_fit_loop", "_fit_schedule"},
+    ),
     ("fit", {"_fit_population", "_fit"}),
     ("top", {"__init__", "__main__", "_demo"}),
 ]
@@ -319,6 +322,7 @@ FIT_WING = [
     "_fit_history",
     "_fit_hooks",
     "_fit_loop",
+    "_fit_schedule",
     "_fit_population",
     "_fit",
 ]
