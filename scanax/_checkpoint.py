@@ -151,7 +151,9 @@ class Checkpoints:
             _write_index(self.directory, self.starts)
 
     def close(self) -> None:
-        for manager in (self.manager, self.reader):
+        """Wait for the last save and close; a second call does nothing."""
+        managers, self.manager, self.reader = (self.manager, self.reader), None, None
+        for manager in managers:
             if manager is not None:
                 manager.wait_until_finished()
                 manager.close()

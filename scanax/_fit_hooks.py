@@ -93,7 +93,8 @@ class Saver:
         self.ckpt.save(run.done, saved, run.key, run.history.result())
 
     def close(self, run: Any) -> None:
-        self.ckpt.close()
+        """(the run closes its checkpoints: also when it was refused before
+        its hooks started)"""
 
 
 class Logs:

@@ -525,8 +525,8 @@ class Model:
                 )
             )
         run.good = leaves
-        postfix = {}
-        if count:
+        postfix = {}  # (only what a bar shows)
+        if count and run.spec is not None:
             postfix["loss"] = f"{float(ys['loss'][count - 1]):.4g}"
             for name, values in run.history.val.items():  # the last evaluation
                 if name != "val_step" and values and len(values[-1]):

@@ -592,9 +592,9 @@ class Group:
             training &= ~np.asarray(report.ended)
         if not training.any():
             run.halted = True
-        postfix = {}
+        postfix = {}  # (only what a bar shows)
         last = ys["loss"][:, ran - 1][training] if ran else ys["loss"][:0, 0]
-        if last.size:
+        if last.size and run.spec is not None:
             postfix = {
                 "best": f"{np.nanmin(last):.4g}",
                 "median": f"{np.nanmedian(last):.4g}",

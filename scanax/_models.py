@@ -492,32 +492,32 @@ _CYCLING_STATES = ("ApplyEvery", "MultiStepsState")
 _OTHER_COUNTS = ("ReduceLROnPlateauState",)
 
 
-def _step_count(opt_state: Any) -> int | None:
-    """The step count an optax state keeps, or None when it keeps none (plain
-    SGD), when its counts disagree, or when one cycles or counts something
-    else than steps (``optax.apply_every``, ``optax.MultiSteps``)."""
-    counts: set[int] = set()
+def _step_counts(opt_state: Any) -> list | None:
+    """The step counts an optax state keeps (scalar ``count`` fields; read
+    by structure alone, so the state may be traced), or None when one of its
+    states cycles (``optax.apply_every``, ``optax.MultiSteps``). The plateau
+    rule's ``count`` (the losses of its window) is no step count."""
+    counts = []
     for node in _state_nodes(opt_state):
-        if type(node).__name__ in _CYCLING_STATES:
+        name = type(node).__name__
+        if name in _CYCLING_STATES:
             return None
         count = getattr(node, "count", None)
-        if getattr(count, "shape", None) == () and not _other_count(node):
-            counts.add(int(count))
-    return counts.pop() if len(counts) == 1 else None
+        if getattr(count, "shape", None) == () and name not in _OTHER_COUNTS:
+            counts.append(count)
+    return counts
+
+
+def _step_count(opt_state: Any) -> int | None:
+    """The step count an optax state keeps, or None when it keeps none (plain
+    SGD), when its counts disagree, or when one cycles."""
+    values = {int(c) for c in _step_counts(opt_state) or ()}
+    return values.pop() if len(values) == 1 else None
 
 
 def _keeps_count(opt_state: Any) -> bool:
-    """Whether an optax state keeps a step count (by its structure alone: no
-    value is read, the state may be traced)."""
-    nodes = _state_nodes(opt_state)
-    return not any(type(n).__name__ in _CYCLING_STATES for n in nodes) and any(
-        getattr(getattr(n, "count", None), "shape", None) == () and not _other_count(n)
-        for n in nodes
-    )
-
-
-def _other_count(node: Any) -> bool:
-    return type(node).__name__ in _OTHER_COUNTS
+    """Whether an optax state keeps a step count (no value is read)."""
+    return bool(_step_counts(opt_state))
 
 
 def _counter() -> Any:

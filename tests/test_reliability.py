@@ -584,6 +584,20 @@ def test_the_counted_state_continues_with_the_documented_chain():
     want = chained.init(eqx_filter_params(res.model))
     assert jax.tree.structure(res.optimizer) == jax.tree.structure(want)
     assert int(res.optimizer[1].count) == 3
+    # One more step by hand with that chain equals fit's fourth step (data in
+    # order without a key: step 3 takes rows 24-31).
+    import equinox as eqx
+
+    params, static = eqx.partition(res.model, eqx.is_inexact_array)
+    batch = (X[3 * BS : 4 * BS], Y[3 * BS : 4 * BS])
+    grads = jax.grad(lambda p: eqx_loss(eqx.combine(p, static), batch))(params)
+    updates, state = chained.update(grads, res.optimizer, params)
+    by_hand = eqx.combine(optax.apply_updates(params, updates), static)
+    four = fit_quiet(eqx_model(), tx, eqx_loss, (X, Y), steps=4, batch_size=BS)
+    close_leaves = eqx_filter_params(by_hand), eqx_filter_params(four.model)
+    for a, b in zip(*(jax.tree.leaves(t) for t in close_leaves)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(state[1].count) == int(four.optimizer[1].count) == 4
 
 
 def eqx_filter_params(model):
