@@ -7,6 +7,13 @@
 * ``remat="sqrt"`` against the plain scan under ``jax.grad``: compiled temp memory
   (``memory_analysis().temp_size_in_bytes``, target ≤ 0.3 at T = 1000) and time,
   at T ∈ {1000, 10000}.
+* ``scanax.scan_until``'s gradient (issue 27): an ODE event (a damped pendulum,
+  RK4, dt = 1e-3, until theta < 0, at most 10,000 steps), the gradient of
+  |y(t_stop)|² with respect to y0 and the damping, against a masked ``lax.scan``
+  of the steps taken (target ≤ 2), the masked ``lax.scan`` of all 10,000 steps,
+  and ``diffrax.diffeqsolve`` with an ``Event`` (when installed); compiled temp
+  memory against the masked full scan (target ≤ 1); float32 and float64, with and
+  without ``remat="sqrt"``.
 
 Timings are interleaved medians under ``jax.jit``. Bars draw to stderr.
 Run alone with ``python -m benchmarks.bench_long``.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 
 import scanax
 
@@ -167,10 +175,160 @@ def _remat(quick: bool, repeats: int) -> list[dict]:
     return rows
 
 
+_DT, _T = 1e-3, 10_000
+
+
+def _pendulum(y, damping):
+    theta, omega = y[0], y[1]
+    return jnp.stack([omega, -9.81 * jnp.sin(theta) - damping * omega])
+
+
+def _rk4(y, damping):
+    dt = jnp.asarray(_DT, y.dtype)
+    k1 = _pendulum(y, damping)
+    k2 = _pendulum(y + dt / 2 * k1, damping)
+    k3 = _pendulum(y + dt / 2 * k2, damping)
+    k4 = _pendulum(y + dt * k3, damping)
+    return y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+
+
+def _event_losses(dtype):
+    """The event's loss by scan_until, masked lax.scans (all steps, the steps
+    taken) and diffrax (or None); the steps taken."""
+
+    def until_loss(y0, damping, remat=False):
+        y, _, _ = scanax.scan_until(
+            lambda y, _: (_rk4(y, damping), None),
+            y0,
+            length=_T,
+            until=lambda y: y[0] < 0,
+            remat=remat,
+        )
+        return jnp.sum(y**2)
+
+    def masked_loss(y0, damping, length):
+        def body(state, _):
+            y, done = state
+            new = _rk4(y, damping)
+            y = jnp.where(done, y, new)
+            return (y, done | (y[0] < 0)), None
+
+        (y, _), _ = jax.lax.scan(body, (y0, jnp.zeros((), bool)), length=length)
+        return jnp.sum(y**2)
+
+    def plain_loss(y0, damping, length):
+        y, _ = jax.lax.scan(lambda y, _: (_rk4(y, damping), None), y0, length=length)
+        return jnp.sum(y**2)
+
+    y0 = jnp.array([1.0, 0.0], dtype)
+    damping = jnp.asarray(0.3, dtype)
+    steps = int(
+        scanax.scan_until(
+            lambda y, _: (_rk4(y, damping), None),
+            y0,
+            length=_T,
+            until=lambda y: y[0] < 0,
+        )[2]
+    )
+    losses = {
+        "scan_until": until_loss,
+        'scan_until, remat="sqrt"': lambda y, d: until_loss(y, d, "sqrt"),
+        "masked lax.scan, steps taken": lambda y, d: masked_loss(y, d, steps),
+        "lax.scan, steps taken (no mask)": lambda y, d: plain_loss(y, d, steps),
+        f"masked lax.scan, {_T} steps": lambda y, d: masked_loss(y, d, _T),
+    }
+    try:
+        import diffrax
+    except ImportError:
+        diffrax = None
+    if diffrax is not None:
+
+        class RK4(diffrax.AbstractERK):  # the classical tableau (diffrax has none)
+            tableau = diffrax.ButcherTableau(
+                a_lower=(np.array([0.5]), np.array([0.0, 0.5]), np.array([0, 0, 1.0])),
+                b_sol=np.array([1 / 6, 1 / 3, 1 / 3, 1 / 6]),
+                b_error=np.zeros(4),
+                c=np.array([0.5, 0.5, 1.0]),
+            )
+            interpolation_cls = diffrax.ThirdOrderHermitePolynomialInterpolation.from_k
+
+            def order(self, terms):
+                return 4
+
+        def diffrax_loss(y0, damping):
+            sol = diffrax.diffeqsolve(
+                diffrax.ODETerm(lambda t, y, d: _pendulum(y, d)),
+                RK4(),
+                t0=0.0,
+                t1=_T * _DT,
+                dt0=_DT,
+                y0=y0,
+                args=damping,
+                event=diffrax.Event(lambda t, y, args, **kw: y[0] < 0),
+                max_steps=_T,
+            )
+            return jnp.sum(sol.ys[-1] ** 2)
+
+        losses["diffrax.Event"] = diffrax_loss
+    return losses, (y0, damping), steps
+
+
+def _event(quick: bool, repeats: int) -> list[dict]:
+    rows = []
+    for dtype in ("float32",) if quick else ("float32", "float64"):
+        with jax.enable_x64(dtype == "float64"):
+            losses, args, steps = _event_losses(getattr(jnp, dtype))
+            grads = {k: jax.grad(fn, argnums=(0, 1)) for k, fn in losses.items()}
+            t = _time_all(grads, args, repeats)
+            mem = {
+                k: jax.jit(g).lower(*args).compile().memory_analysis()
+                for k, g in grads.items()
+            }
+        case = f"pendulum event, RK4, {dtype}, stops at step {steps} of {_T}"
+        for ours in ("scan_until", 'scan_until, remat="sqrt"'):
+            label = f"{case}, {ours}"
+            for base, target in (
+                ("masked lax.scan, steps taken", 2.0),
+                ("lax.scan, steps taken (no mask)", None),
+                (f"masked lax.scan, {_T} steps", None),
+                ("diffrax.Event", None),
+            ):
+                if base in t:
+                    rows.append(
+                        _timing.row(
+                            "long: scan_until gradient time",
+                            label,
+                            t[ours],
+                            base,
+                            t[base],
+                            target=target,
+                        )
+                    )
+            full = f"masked lax.scan, {_T} steps"
+            rows.append(
+                _timing.row(
+                    "long: scan_until gradient memory",
+                    label,
+                    mem[ours].temp_size_in_bytes / 2**10,
+                    full,
+                    mem[full].temp_size_in_bytes / 2**10,
+                    target=1.0,
+                    unit="KiB",
+                    notes="compiled temp_size_in_bytes of jit(grad)",
+                )
+            )
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
     repeats = 5 if quick else 15
-    return _progress(quick, repeats) + _remat(quick, repeats)
+    return _progress(quick, repeats) + _remat(quick, repeats) + _event(quick, repeats)
 
 
 if __name__ == "__main__":
-    print(_timing.markdown(run()))
+    import sys
+
+    if "--event" in sys.argv:  # only the scan_until rows
+        print(_timing.markdown(_event("--quick" in sys.argv, 15)))
+    else:
+        print(_timing.markdown(run()))

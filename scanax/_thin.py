@@ -108,7 +108,7 @@ def run_thinned(
     def outer_body(state, start):
         carry, acc, started = state
         carry, y = chunk(carry, start)
-        acc, out = _fold(keep, acc, y, started)
+        acc, out = fold(keep, acc, y, started)
         return (carry, acc, jnp.ones((), bool)), out
 
     count = None
@@ -125,7 +125,7 @@ def run_thinned(
         acc0 = y_shape = None
         if keep != "all":
             y_shape = _kept_shape(chunk, loop.init, starts)
-            acc0 = _acc_init(keep, y_shape)
+            acc0 = acc_init(keep, y_shape)
         carry = loop.init
         if reverse:
             carry, count = skip_tail(carry, count)
@@ -153,7 +153,9 @@ def run_thinned(
         if keep == "mean":
             acc = jtu.tree_map(lambda a: a / outer, acc)
         if keep in ("sum", "mean"):  # back from the wider accumulator
-            acc = jtu.tree_map(lambda a, s: a.astype(_reduced(keep, s)), acc, y_shape)
+            acc = jtu.tree_map(
+                lambda a, s: a.astype(reduced_dtype(keep, s)), acc, y_shape
+            )
         return carry, acc
 
 
@@ -163,7 +165,9 @@ def _none_kept(loop: Loop, keep: Any, skip_tail: Callable) -> tuple[Any, Any]:
     if keep == "all":
         out = jtu.tree_map(lambda s: jnp.zeros((0, *s.shape), s.dtype), y_shape)
     else:  # "sum" (the others need a kept output: checked before)
-        out = jtu.tree_map(lambda s: jnp.zeros(s.shape, _reduced(keep, s)), y_shape)
+        out = jtu.tree_map(
+            lambda s: jnp.zeros(s.shape, reduced_dtype(keep, s)), y_shape
+        )
     return skip_tail(loop.init), out
 
 
@@ -172,7 +176,7 @@ def _kept_shape(chunk: Callable, init: Any, starts: Any) -> Any:
     return jax.eval_shape(chunk, init, x0)[1]
 
 
-def _acc_init(keep: Any, y_shape: Any) -> Any:
+def acc_init(keep: Any, y_shape: Any) -> Any:
     """The accumulator's start. Sums run in ``jnp.sum``'s dtype, widened to float32
     for 16-bit floats (a bfloat16 running sum of ones stops at 256); the result is
     cast back to ``jnp.sum``'s (``jnp.mean``'s) dtype at the end."""
@@ -181,7 +185,7 @@ def _acc_init(keep: Any, y_shape: Any) -> Any:
     if keep in ("sum", "mean"):
 
         def zero(s):
-            dtype = _reduced("sum", s)
+            dtype = reduced_dtype("sum", s)
             if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
                 dtype = jnp.float32
             return jnp.zeros(s.shape, dtype)
@@ -190,13 +194,13 @@ def _acc_init(keep: Any, y_shape: Any) -> Any:
     return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
 
 
-def _reduced(keep: str, s: Any) -> Any:
+def reduced_dtype(keep: str, s: Any) -> Any:
     """The dtype of ``jnp.sum`` (``jnp.mean``) of outputs like ``s``."""
     reduce = jnp.mean if keep == "mean" else jnp.sum
     return jax.eval_shape(reduce, jax.ShapeDtypeStruct((1,), s.dtype)).dtype
 
 
-def _fold(keep: Any, acc: Any, y: Any, started: jax.Array) -> tuple[Any, Any]:
+def fold(keep: Any, acc: Any, y: Any, started: jax.Array) -> tuple[Any, Any]:
     if keep == "all":
         return acc, y
     if keep == "last":

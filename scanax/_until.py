@@ -1,23 +1,36 @@
-"""``scanax.scan_until``: a scan that stops early, and stays reverse-differentiable.
+"""``scanax.scan_until``: a scan that stops early, differentiable at the cost of the
+steps it takes.
 
-Two lowerings of the same loop, chosen by JAX's own differentiation machinery:
+The loop runs as a ``lax.while_loop`` that stops at the stop step, wrapped in a
+``jax.custom_jvp`` (on the closure-converted body: values it closes over are
+explicit, differentiable inputs). The JVP rule runs the same while loop, storing
+the carry entering each step (with ``remat="sqrt"``: every ``c``-th, ``c = √T``) in
+a preallocated buffer, and returns its tangents as a linear map of the input
+tangents with a hand-written transpose:
 
-* the primal is a ``lax.while_loop``: without gradients, the steps after the stop
-  are never run;
-* it is wrapped in a ``jax.custom_jvp`` whose rule is the JVP of a ``lax.scan`` over
-  all ``T`` steps, where a ``lax.cond`` on a ``done`` flag skips (freezes the carry,
-  outputs zeros) every step after the stop. JAX linearizes and transposes that
-  scan for reverse mode, so ``jax.grad`` works, also from outside a ``jax.jit``.
-  When a ``vmap`` inside the differentiation batches the loop, a ``jnp.where``
-  replaces the ``cond`` (see ``_any_batched``).
+* forward (``_until_grad.tangents``, for ``jax.jvp``): a while loop over the
+  steps taken that pushes tangents through each step (``jax.jvp`` of the step);
+* transpose (``_until_grad.cotangents``, for ``jax.grad``): a while loop from the
+  stop step down to 0 that pulls cotangents back through each step, ``jax.vjp`` of
+  the step at its stored carry (with ``"sqrt"``: one segment of ``c`` carries
+  recomputed at a time), accumulating the cotangents of the carry, of the
+  broadcast/closed-over values, and of ``xs`` (written at each step's index).
 
-The body is closure-converted first (``jax.closure_convert``), so values it closes
-over are explicit, differentiable inputs of the custom JVP.
+The pair is bound as a ``lax.custom_linear_solve`` whose ``solve`` is the forward
+map and ``transpose_solve`` its transpose: JAX then transposes (``grad``), batches
+(``vmap``, in either order: a batched loop runs until every example stopped, each
+frozen at its own stop by ``while_loop``'s batching rule) and evaluates (``jvp``)
+it, and never differentiates a loop over all ``T`` steps. The map is square, as a
+solve needs: ``(t_in, 0) -> (0, t_out)``.
+
+Those loops and derivatives live in ``_until_grad``; here are the public face,
+the options and the bar. ``keep_every``/``keep`` and ``progress`` transform the
+step (an accumulator in the carry, a ``keep_every``-th output slot) and the loop
+(a tick per chunk of ``every`` steps, the last report at the stop).
 """
 
 from __future__ import annotations
 
-import functools as ft
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _eager, _remat
+from . import _eager, _long, _progress, _remat, _thin, _until_grad
 from ._errors import long as errors
-from ._loop import Loop, call_lowering, move_out_axes, prepare
+from ._loop import call_lowering, move_out_axes, prepare
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -47,7 +60,10 @@ def scan_until(
     until: Callable[[Carry], Any],
     in_axes: Any = 0,
     out_axes: Any = 0,
+    progress: Any = False,
     remat: Any = False,
+    keep_every: int = 1,
+    keep: Any = "all",
 ) -> tuple[Carry, Y, jax.Array]:
     """``scanax.scan`` that ends after the first step whose new carry satisfies
     ``until``.
@@ -68,24 +84,33 @@ def scan_until(
     ``xs``), so ``ys`` always has the full length: the outputs of the steps not
     run are zeros (with ``reverse=True`` the zeros are at the front).
 
-    Without gradients, the loop is a ``lax.while_loop``: the steps after the stop
-    cost nothing. Under ``jax.grad``/``jax.jvp`` (with respect to ``init``, ``xs``,
-    broadcast inputs or values ``f`` closes over) it differentiates a ``lax.scan``
-    over all ``length`` steps in which the steps after the stop are skipped by a
-    ``lax.cond``: reverse mode then stores residuals for every step (as
-    ``lax.scan`` would), and skipped steps cost only the loop's overhead.
+    The loop is a ``lax.while_loop``: the steps after the stop never run, with or
+    without gradients. Reverse mode (``jax.grad``, with respect to ``init``,
+    ``xs``, broadcast inputs or values ``f`` closes over) stores the carry entering
+    each step taken and runs back from the stop, recomputing each step's VJP:
+    about one more forward pass than a ``lax.scan`` of the steps taken, in memory
+    ``length`` carries (``remat="sqrt"``: about ``2√length``). Forward mode
+    (``jax.jvp``) runs the steps taken once more with their tangents. Derivatives
+    are first order only (``jax.hessian`` through it raises).
 
     ``scanax.scan`` has no ``until=``, so that it always returns the pair
     ``(carry, ys)`` of ``jax.lax.scan``.
 
     Arguments:
-        f, init, xs, length, reverse, unroll, in_axes, out_axes: as in
-            ``scanax.scan`` (``unroll`` applies to the differentiated scan).
-        remat: as in ``scanax.scan``, for the differentiated scan: ``True`` or a
-            ``jax.checkpoint_policies`` policy checkpoints each step; ``"sqrt"``
-            nests it in √T checkpointed chunks (O(√T) carries stored).
+        f, init, xs, length, reverse, in_axes, out_axes: as in ``scanax.scan``.
+        unroll: accepted as in ``scanax.scan``; the loops are while loops, which
+            do not unroll.
         until: ``until(carry) -> bool``: a function of the carry returning a scalar
             boolean (a Python bool or a ``bool[]`` array).
+        progress: as in ``scanax.scan``: the bar's total is ``length`` and it ends
+            (and closes) at the stop step. Under ``vmap``, one bar for the batch.
+        remat: as in ``scanax.scan``: ``"sqrt"`` stores every ``⌈√length⌉``-th
+            carry and recomputes one segment at a time under ``grad``; ``True`` or a
+            policy changes nothing, as the gradient already stores only carries.
+        keep_every, keep: as in ``scanax.scan``, over the steps run: with
+            ``keep="all"`` the kept outputs of steps not run are zeros; the
+            reductions (``"last"``, ``"sum"``, ``"mean"``, a function) see only the
+            kept outputs of steps run, and are zeros if none ran.
 
     Returns:
         ``(final_carry, ys, steps)``: ``steps`` is an ``int32[]`` array, the number
@@ -105,7 +130,9 @@ def scan_until(
         >>> float(x), int(steps), ys.tolist()
         (16.0, 4, [1.0, 2.0, 4.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     """
-    if _eager.active():  # un-jitted: compile once per distinct program
+    # Un-jitted: compile once per distinct program; not with a bar (each call has
+    # its own bar for the program to report to), as in scanax.scan.
+    if progress is False and _eager.active():
         return _eager.call(
             scan_until,
             f,
@@ -118,11 +145,27 @@ def scan_until(
             in_axes=in_axes,
             out_axes=out_axes,
             remat=remat,
+            keep_every=keep_every,
+            keep=keep,
         )
-    loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
-    remat = _remat.resolve(_CALL, remat)
+    options = _long.resolve(
+        _CALL,
+        progress=progress,
+        remat=remat,
+        keep_every=keep_every,
+        keep=keep,
+        out_axes=out_axes,
+    )
     if not callable(until):
         raise errors.until_not_callable(until)
+    loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
+    spec, remat, keep_every, keep = (
+        (options.progress, options.remat, options.keep_every, options.keep)
+        if options is not None
+        else (None, None, 1, "all")
+    )
+    if keep_every != 1 or keep != "all":
+        _thin.check_length(_CALL, loop.length, keep_every, keep)
 
     def stop(dynamic):
         return until(codec.decode(dynamic))
@@ -134,22 +177,23 @@ def scan_until(
         new, y = loop.body(dynamic, x)
         return new, y, jnp.asarray(stop(new))
 
-    if remat is not None and remat != "sqrt":
-        step = _remat.checkpoint(step, remat)
+    n = loop.length
+    stride = _remat.chunk_size(n) if remat == "sqrt" else 1
+    ticker = _Ticker(spec, n) if spec is not None and n > 0 else None
 
     def lowering():
         with jax.named_scope("scanax.until"):
-            return run_until(
-                step,
-                init_arrays,
-                loop.xs,
-                loop.length,
-                reverse,
-                unroll,
-                sqrt=remat == "sqrt",
+            if keep in ("all",):
+                return run_until(
+                    step, init_arrays, loop.xs, n, reverse, stride, keep_every, ticker
+                )
+            return _run_reduced(
+                step, init_arrays, loop.xs, n, reverse, stride, keep_every, keep, ticker
             )
 
     dynamic, ys, steps = call_lowering(codec, f, lowering)
+    if keep != "all":
+        return codec.finish(dynamic), ys, steps
     return codec.finish(dynamic), move_out_axes(_CALL, ys, out_axes), steps
 
 
@@ -180,111 +224,90 @@ def run_until(
     xs: Any,
     length: int,
     reverse: bool,
-    unroll: Any,
-    sqrt: bool = False,
+    stride: int = 1,
+    keep_every: int = 1,
+    ticker: Any = None,
 ) -> tuple[Any, Any, jax.Array]:
-    """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``.
-    With ``sqrt``, the differentiated scan is √T-checkpointed."""
+    """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``."""
     converted, consts = jax.closure_convert(step, init, _x_example(xs))
     y_shape = jax.eval_shape(converted, init, _x_example(xs), *consts)[1]
     if length == 0:
-        ys = jtu.tree_map(lambda s: jnp.zeros((0, *s.shape), s.dtype), y_shape)
+        ys = _until_grad.stacked(0, y_shape)
         return init, ys, jnp.zeros((), jnp.int32)
-    fn = _early_exit(converted, y_shape, length, reverse, unroll, sqrt)
-    return fn(init, xs, tuple(consts))
-
-
-def _zeros(shapes: Any) -> Any:
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def _early_exit(step, y_shape, length, reverse, unroll, sqrt):
-    @jax.custom_jvp
-    def fn(init, xs, consts):
-        return _while(step, y_shape, length, reverse, init, xs, consts)
-
-    @fn.defjvp
-    def fn_jvp(primals, tangents):
-        select = _any_batched(primals)
-        scan = ft.partial(
-            _masked_scan, step, y_shape, length, reverse, unroll, select, sqrt
-        )
-        return jax.jvp(scan, primals, tangents)
-
-    return fn
-
-
-def _while(step, y_shape, length, reverse, init, xs, consts):
-    """The primal: stops running steps at the stop."""
-
-    def cond(state):
-        i, done, _, _ = state
-        return (i < length) & ~done
-
-    def body(state):
-        i, _, carry, ys = state
-        t = length - 1 - i if reverse else i
-        x = jtu.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, t, 0, False), xs)
-        carry, y, stop = step(carry, x, *consts)
-        ys = jtu.tree_map(
-            lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, t, 0), ys, y
-        )
-        return i + 1, stop, carry, ys
-
-    ys0 = jtu.tree_map(lambda s: jnp.zeros((length, *s.shape), s.dtype), y_shape)
-    state = (jnp.zeros((), jnp.int32), jnp.zeros((), bool), init, ys0)
-    steps, _, carry, ys = jax.lax.while_loop(cond, body, state)
-    return carry, ys, steps
-
-
-def _any_batched(tree: Any) -> bool:
-    """Whether a ``vmap`` inside the differentiation batches these values.
-
-    A ``lax.cond`` with a batched predicate becomes a select whose operands go
-    through ``stop_gradient``; inside this JVP rule those operands include
-    tangents, and JAX cannot transpose ``stop_gradient`` (``grad(vmap(...))``
-    fails). Batched, both branches run anyway, so a select costs the same.
-    """
-    try:
-        from jax._src.interpreters.batching import BatchTracer
-    except ImportError:  # pragma: no cover - a JAX without it: always select
-        return True
-    return any(isinstance(x, BatchTracer) for x in jtu.tree_leaves(tree))
-
-
-def _masked_scan(
-    step, y_shape, length, reverse, unroll, select, sqrt, init, xs, consts
-):
-    """The differentiable twin: all steps, those after the stop skipped by a cond
-    (or, when batched, run and discarded by a select)."""
-
-    def run(carry, x):
-        return step(carry, x, *consts)
-
-    def skip(carry, x):
-        return carry, _zeros(y_shape), jnp.ones((), bool)
-
-    def masked(done, carry, x):
-        new, y, stop = run(carry, x)
-        keep = ft.partial(jnp.where, done)
-        carry = jtu.tree_map(keep, carry, new)
-        y = jtu.tree_map(lambda v: keep(jnp.zeros_like(v), v), y)
-        return carry, y, stop
-
-    def body(state, x):
-        carry, done, steps = state
-        if select:
-            carry, y, stop = masked(done, carry, x)
-        else:
-            carry, y, stop = jax.lax.cond(done, skip, run, carry, x)
-        return (carry, done | stop, steps + (~done).astype(jnp.int32)), y
-
-    state = (init, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
-    if sqrt:
-        loop = Loop(body, state, xs, length)
-        (carry, _, steps), ys, _ = _remat.run_sqrt(loop, reverse, unroll)
-        return carry, ys, steps
-    (carry, _, steps), ys = jax.lax.scan(
-        body, state, xs, length=length, reverse=reverse, unroll=unroll
+    plan = _until_grad.Plan(
+        converted, y_shape, length, reverse, stride, keep_every, ticker
     )
-    return carry, ys, steps
+    return _until_grad.early_exit(plan)(init, xs, tuple(consts))
+
+
+# ------------------------------------------------------------------ keep= reductions
+
+
+def _run_reduced(step, init, xs, length, reverse, stride, keep_every, keep, ticker):
+    """``keep`` a reduction: an accumulator (and a count of kept outputs) carried
+    next to the carry, folded with each kept output of a step run."""
+    x0 = _x_example(xs)
+    y_shape = jax.eval_shape(step, init, x0)[1]
+    acc0 = _thin.acc_init(keep, y_shape)
+    k = keep_every
+
+    def reduced(state, x_t):
+        (carry, acc, count), (x, t) = state, x_t
+        carry, y, stop = step(carry, x)
+        new, _ = _thin.fold(keep, acc, y, count > 0)
+        kept = (t + 1) % k == 0
+        acc = jtu.tree_map(lambda a, b: jnp.where(kept, b, a), acc, new)
+        return (carry, acc, count + kept.astype(jnp.int32)), None, stop
+
+    state0 = (init, acc0, jnp.zeros((), jnp.int32))
+    with_t = (xs, jnp.arange(length, dtype=jnp.int32))
+    (carry, acc, count), _, steps = run_until(
+        reduced, state0, with_t, length, reverse, stride, 1, ticker
+    )
+    if keep == "mean":
+        denom = jnp.maximum(count, 1)
+        acc = jtu.tree_map(lambda a: a / denom.astype(a.dtype), acc)
+    if keep in ("sum", "mean"):  # back from the wider accumulator
+        acc = jtu.tree_map(
+            lambda a, s: a.astype(_thin.reduced_dtype(keep, s)), acc, y_shape
+        )
+    return carry, acc, steps
+
+
+# ------------------------------------------------------------------ progress=
+
+
+class _Ticker:
+    """One call's bar: in the loop, a report before each chunk of ``every`` steps
+    and one at the stop (``tick``, ``end``); on the host (``report``), opened by a
+    run's first report (0 steps done), moved to the largest count seen, closed at
+    the stop step.
+
+    Under ``vmap`` every example reports (``jax.debug.callback`` runs once per
+    example): the first report of the stop closes the bar (at that example's stop,
+    or further), the others are late reports of a finished run, dropped until the
+    next run starts.
+    """
+
+    def __init__(self, spec: _progress.Progress, total: int):
+        self.spec, self.total, self.bar = spec, total, None
+        self.every = spec.every or _progress.default_every(total)
+
+    def tick(self, done: jax.Array, last: bool = False) -> None:
+        with jax.named_scope("scanax.progress"):
+            jax.debug.callback(lambda d: self.report(d, last), done)
+
+    def end(self, steps: jax.Array) -> None:
+        self.tick(steps, last=True)
+
+    def report(self, done: Any, last: bool) -> None:
+        done = int(done)
+        if self.bar is None:
+            if last or done != 0:
+                return  # a late report of a finished run
+            self.bar = _progress.open_bar(self.spec, self.total, _CALL)
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+        if last:
+            self.bar.close()
+            self.bar = None

@@ -283,3 +283,355 @@ def test_gradients_with_vmap(order):
         "vmap(grad(jit))": jax.vmap(jax.grad(jax.jit(run))),
     }
     np.testing.assert_allclose(fns[order](ps), [reference(p) for p in ps], rtol=1e-5)
+
+
+# ---------------------------------------------------------------- issue 27: the
+# gradient at the cost of the steps taken, against a masked lax.scan
+
+
+def masked_scan(init, xs, reverse=False, f=step, stop=until):
+    """The reference: a lax.scan over every step, each step after the stop
+    computed and discarded by a jnp.where (its outputs zeros)."""
+
+    def body(state, x):
+        carry, done, steps = state
+        new, y = f(carry, x)
+        carry = jax.tree.map(lambda a, b: jnp.where(done, a, b), carry, new)
+        y = jax.tree.map(lambda v: jnp.where(done, jnp.zeros_like(v), v), y)
+        return (carry, done | stop(carry), steps + (~done).astype(jnp.int32)), y
+
+    a, w = xs
+    state = (init, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+    (carry, _, steps), ys = jax.lax.scan(
+        lambda s, a_: body(s, (a_, w)), state, a, reverse=reverse
+    )
+    return carry, ys, steps
+
+
+def loss_of(fn):
+    def value(init, a, w):
+        carry, ys, _ = fn(init, (a, w))
+        return jnp.sum(carry[0] ** 2) + carry[1] + jnp.sum(ys[0]) + jnp.sum(ys[1] ** 2)
+
+    return value
+
+
+exact = ft.partial(helpers.close, rtol=1e-6, atol=1e-6, structure=False)
+
+
+@pytest.mark.parametrize(
+    "x64, remat, reverse",
+    [
+        (False, False, False),
+        (False, "sqrt", True),
+        (True, False, True),
+        (True, "sqrt", False),
+    ],
+)
+def test_gradients_equal_the_masked_scan(x64, remat, reverse):
+    """Values and gradients (init, xs, a broadcast input) equal the masked
+    lax.scan's, under jit, in float32 and float64, with and without remat."""
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+        (h, s), (a, w) = inputs(30)
+        init = (h.astype(dtype), s.astype(dtype))
+        a, w = a.astype(dtype), w.astype(dtype)
+        fn = ft.partial(ours, reverse=reverse, remat=remat)
+        got = jax.jit(jax.value_and_grad(loss_of(fn), argnums=(0, 1, 2)))(init, a, w)
+        ref = ft.partial(masked_scan, reverse=reverse)
+        want = jax.value_and_grad(loss_of(ref), argnums=(0, 1, 2))(init, a, w)
+        exact(got, want)
+        assert jax.tree.leaves(got)[0].dtype == dtype
+        steps = int(ours(init, (a, w), reverse)[2])
+        assert 1 < steps < 30
+        # the rows of xs after the stop get no gradient, those before one
+        d_a = got[1][1]
+        taken = slice(30 - steps, 30) if reverse else slice(0, steps)
+        assert jnp.all(jnp.delete(d_a, jnp.arange(30)[taken], axis=0) == 0)
+        assert jnp.all(jnp.abs(d_a[taken]).sum(axis=1) > 0)
+
+
+@pytest.mark.parametrize(
+    "order, remat",
+    [("vmap(grad)", False), ("grad(vmap)", "sqrt"), ("vmap(jit(grad))", False)],
+)
+def test_gradients_under_vmap_with_different_stops(remat, order):
+    """A batch whose examples stop at different steps: each gradient is its own
+    masked scan's."""
+    (h, s), (a, w) = inputs(30)
+    scale = jnp.array([0.5, 2.0, 3.0])
+    fn = ft.partial(ours, remat=remat)
+    one = lambda k, init, a: loss_of(fn)(init, a * k, w)
+    grad = jax.grad(one, argnums=(1, 2))
+    init = (h, s)
+    fns = {
+        "vmap(grad)": jax.vmap(grad, in_axes=(0, None, None)),
+        "grad(vmap)": lambda k, i, a: jax.grad(
+            lambda i, a: jax.vmap(one, in_axes=(0, None, None))(k, i, a).sum(),
+            argnums=(0, 1),
+        )(i, a),
+        "vmap(jit(grad))": jax.vmap(jax.jit(grad), in_axes=(0, None, None)),
+    }
+    got = fns[order](scale, init, a)
+    steps = [int(ours(init, (a * k, w))[2]) for k in scale]
+    assert len(set(steps)) > 1
+    ref_grad = jax.jit(
+        jax.grad(lambda i, a, k: loss_of(masked_scan)(i, a * k, w), argnums=(0, 1))
+    )
+    ref = [ref_grad(init, a, k) for k in scale]
+    if order == "grad(vmap)":
+        ref = jax.tree.map(lambda *r: sum(r), *ref)
+    else:
+        ref = jax.tree.map(lambda *r: jnp.stack(r), *ref)
+    exact(got, ref)
+
+
+def test_forward_mode_equals_the_masked_scan():
+    (h, s), (a, w) = inputs(30)
+    init = (h, s)
+    tangents = ((jnp.ones(2), jnp.float32(0.5)), jnp.sin(a), jnp.float32(1.0))
+    got = jax.jit(lambda *p: jax.jvp(loss_of(ours), p, tangents))(init, a, w)
+    want = jax.jvp(loss_of(masked_scan), (init, a, w), tangents)
+    exact(got, want)
+
+
+@pytest.mark.parametrize("remat, passes", [(False, 2), ("sqrt", 3)])
+def test_gradient_runs_only_the_steps_taken(remat, passes):
+    """The body runs once per step taken forward, and once more per step taken
+    backward (twice with remat="sqrt": the segment's recomputation, then its
+    VJP), never for the steps after the stop."""
+    (h, s), (a, w) = inputs(30)
+    calls = []
+
+    def counted(c, x):
+        jax.debug.callback(lambda: calls.append(1))
+        return step(c, x)
+
+    def value(init):
+        carry, ys, steps = scanax.scan_until(
+            counted, init, (a, w), until=until, in_axes=(0, None), remat=remat
+        )
+        return jnp.sum(carry[0]) + jnp.sum(ys[1])
+
+    steps = int(ours((h, s), (a, w))[2])
+    g = jax.jit(jax.grad(value))((h, s))
+    jax.block_until_ready(g)
+    assert steps < 30 and len(calls) == passes * steps
+
+
+def test_gradient_memory_is_below_the_masked_full_scan():
+    """Compiled temp memory of the gradient: the stored carries, below the masked
+    lax.scan's residuals of all steps."""
+    h0, xs = jnp.zeros((8, 64)), jnp.ones((1000, 64)) * 1e-3
+    w = jnp.eye(64) * 0.5
+
+    def body(h, x):
+        return jnp.tanh(h @ w + x), None
+
+    def ours_(h0, xs):
+        return scanax.scan_until(body, h0, xs, until=lambda h: jnp.mean(h) > 10.0)
+
+    def ref(h0, xs):
+        f = lambda c, x: body(c, x[0])
+        return masked_scan(h0, (xs, None), f=f, stop=lambda h: jnp.mean(h) > 10.0)
+
+    def temp(fn):
+        grad = jax.jit(jax.grad(lambda h, x: jnp.sum(fn(h, x)[0]), argnums=(0, 1)))
+        return grad.lower(h0, xs).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(ours_) <= temp(ref)
+
+
+# ---------------------------------------------------------------- keep_every, keep
+
+
+@pytest.mark.parametrize("keep_every, reverse", [(2, False), (4, True)])
+def test_keep_every(keep_every, reverse):
+    """ys[k - 1::k] of the full outputs (zeros after the stop), gradients too."""
+    init, xs = inputs(30)
+
+    def thinned(init, a, w):
+        full = ours(init, (a, w), reverse)
+        return full[0], jax.tree.map(lambda y: y[keep_every - 1 :: keep_every], full[1])
+
+    def kept(init, a, w):
+        return ours(init, (a, w), reverse, keep_every=keep_every)[:2]
+
+    def value(fn):
+        return lambda i, a, w: jnp.sum(fn(i, a, w)[1][1] ** 2) + fn(i, a, w)[0][1]
+
+    exact(kept(init, *xs), thinned(init, *xs))
+    exact(
+        jax.jit(jax.grad(value(kept), argnums=(0, 1)))(init, *xs),
+        jax.grad(value(thinned), argnums=(0, 1))(init, *xs),
+    )
+
+
+@pytest.mark.parametrize("keep", ["last", "sum", "mean", jnp.maximum])
+@pytest.mark.parametrize("keep_every, remat", [(1, False), (3, "sqrt")])
+def test_keep_reductions_equal_scan_of_the_steps_taken(keep, keep_every, remat):
+    """A reduction over the steps run equals scanax.scan's over those steps:
+    values and gradients."""
+    init, (a, w) = inputs(30)
+    steps = int(ours(init, (a, w))[2])
+
+    def got(init, a):
+        out = ours(init, (a, w), keep_every=keep_every, keep=keep, remat=remat)
+        return out[0], out[1]
+
+    def want(init, a):
+        return scanax.scan(
+            step,
+            init,
+            (a[:steps], w),
+            in_axes=(0, None),
+            keep_every=keep_every,
+            keep=keep,
+        )
+
+    exact(jax.jit(got)(init, a), want(init, a))
+
+    def value(fn):
+        return lambda i, a: jnp.sum(fn(i, a)[1][1] ** 2) + jnp.sum(fn(i, a)[1][0])
+
+    exact(
+        jax.jit(jax.grad(value(got), argnums=(0, 1)))(init, a),
+        jax.jit(jax.grad(value(want), argnums=(0, 1)))(init, a),
+    )
+
+
+def test_keep_reduction_before_any_kept_step_is_zeros():
+    out = scanax.scan_until(
+        lambda c, x: (c + x, c),
+        0.0,
+        jnp.ones(10),
+        until=lambda c: c > 1.5,
+        keep_every=5,
+        keep="mean",
+    )
+    assert int(out[2]) == 2 and float(out[1]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"keep_every": 0}, ValueError, r"^scanax\.scan_until: `keep_every` must be"),
+        ({"keep_every": 1.5}, TypeError, r"^scanax\.scan_until: `keep_every` must"),
+        ({"keep": "max"}, ValueError, r"^scanax\.scan_until: `keep` must be"),
+        ({"keep": "mean", "out_axes": 1}, ValueError, r"`out_axes` places the step"),
+        ({"keep_every": 40, "keep": "last"}, ValueError, r"needs at least one kept"),
+        ({"progress": "yes"}, TypeError, r"^scanax\.scan_until: `progress` must be"),
+        ({"progress": 0}, ValueError, r"the progress bar's `every` must be"),
+    ],
+)
+def test_bad_options(kw, err, match):
+    with pytest.raises(err, match=match):
+        ours(*inputs(30), **kw)
+
+
+# ---------------------------------------------------------------- progress
+
+
+class FakeBar:
+    def __init__(self, total):
+        self.total, self.n, self.closed = total, 0, False
+
+    def update(self, k):
+        self.n += k
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    from scanax import _progress
+
+    made = []
+
+    def open_bar(spec, total, call, **kw):
+        made.append(FakeBar(total))
+        return made[-1]
+
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(_progress, "open_bar", open_bar)
+    return made
+
+
+@pytest.mark.parametrize(
+    "how, every",
+    [("plain", None), ("plain", 1), ("plain", 4)]
+    + [(how, 4) for how in ["jit", "grad", "reverse", "remat", "keep", "vmap"]],
+)
+def test_progress_ends_at_the_stop(bars, every, how):
+    init, xs = inputs(30)
+    steps = int(ours(init, xs)[2])
+    progress = scanax.Progress(every=every)
+    run = ft.partial(ours, progress=progress)
+    calls = {
+        "plain": lambda: run(init, xs),
+        "jit": lambda: jax.jit(run)(init, xs),
+        "grad": lambda: jax.grad(lambda i: run(i, xs)[0][1])(init),
+        "reverse": lambda: run(init, xs, reverse=True),
+        "remat": lambda: jax.grad(lambda i: run(i, xs, remat="sqrt")[0][1])(init),
+        "keep": lambda: run(init, xs, keep="mean"),
+        "vmap": lambda: jax.vmap(lambda k: run(init, (xs[0] * k, xs[1])))(
+            jnp.array([1.0, 1.0])
+        ),
+    }
+    out = calls[how]()
+    jax.block_until_ready(out)
+    want = int(ours(init, xs, reverse=True)[2]) if how == "reverse" else steps
+    assert len(bars) == 1 and bars[0].total == 30
+    assert bars[0].n == want and bars[0].closed
+    if how == "plain":
+        helpers.close(out, ours(init, xs), rtol=0, atol=0)
+
+
+def test_integer_leaves_in_carry_and_xs():
+    """Integer leaves (a counter in the carry, indices in xs) have no tangents;
+    the float leaves' gradients equal the masked scan's, forward and reverse."""
+
+    def f(c, x):
+        h, n = c
+        i, a = x
+        h = h * 0.9 + a * i.astype(h.dtype)
+        return (h, n + i), h
+
+    stop = lambda c: c[1] > 10
+    xs = (jnp.arange(12, dtype=jnp.int32), jnp.linspace(0.1, 1.0, 12))
+    init = (jnp.float32(0.5), jnp.int32(0))
+
+    def value(fn):
+        def v(h0, a):
+            (h, _), ys, _ = fn((h0, init[1]), (xs[0], a))
+            return h + jnp.sum(ys**2)
+
+        return v
+
+    ours_ = lambda i, x: scanax.scan_until(f, i, x, until=stop)
+
+    def ref(i, x):
+        return masked_scan(i, (x, None), f=lambda c, x_: f(c, x_[0]), stop=stop)
+
+    got = jax.jit(jax.value_and_grad(value(ours_), argnums=(0, 1)))(init[0], xs[1])
+    want = jax.value_and_grad(value(ref), argnums=(0, 1))(init[0], xs[1])
+    exact(got, want)
+    tangents = (jnp.float32(1.0), jnp.ones(12))
+    exact(
+        jax.jvp(value(ours_), (init[0], xs[1]), tangents),
+        jax.jvp(value(ref), (init[0], xs[1]), tangents),
+    )
+
+
+def test_length_zero_with_options(bars):
+    out = scanax.scan_until(
+        lambda c, x: (c + 1.0, c),
+        0.0,
+        length=0,
+        until=lambda c: c > 1,
+        keep="sum",
+        progress=True,
+    )
+    assert float(out[0]) == 0.0 and float(out[1]) == 0.0 and int(out[2]) == 0
+    assert bars == []

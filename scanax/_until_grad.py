@@ -1,0 +1,371 @@
+"""The loops of ``scanax.scan_until`` (``_until``) and its derivatives.
+
+The primal is a ``lax.while_loop`` that stops at the stop step (``forward``),
+wrapped in a ``jax.custom_jvp`` (``early_exit``). Its rule runs the same loop,
+storing the carry entering each step (every ``stride``-th with
+``remat="sqrt"``), and gives the tangents as a linear map over the steps taken
+only: forward mode pushes tangents through each step (``tangents``), reverse
+mode walks back from the stop step running each step's ``jax.vjp`` at its
+stored carry (``cotangents``, ``Back``). The map and its transpose are bound as
+a ``lax.custom_linear_solve`` (``linear``), JAX's one public primitive that is
+transposable, batchable and evaluable at once, so ``jax.jvp``, ``jax.grad`` and
+``vmap`` in any order all work; derivatives are first order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+# ------------------------------------------------------------------ the loop plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the loops of one call share.
+
+    ``step(carry, x, *consts) -> (carry, y, stop)``; step ``i`` reads ``xs[t]``
+    (``t = i``, or ``length - 1 - i`` with ``reverse``); its output goes to row
+    ``t // keep_every`` of ``ys`` if ``(t + 1) % keep_every == 0``, else to a
+    scratch row past the end. ``stride``: the carry entering step ``i`` is stored
+    (for the gradient) when ``i % stride == 0``.
+    """
+
+    step: Callable
+    y_shape: Any
+    length: int
+    reverse: bool
+    stride: int
+    keep_every: int
+    ticker: Any = None
+
+    @property
+    def rows(self) -> int:  # kept outputs, plus the scratch row when thinned
+        kept = self.length // self.keep_every
+        return kept + (self.keep_every > 1)
+
+    @property
+    def slots(self) -> int:  # stored carries, plus a scratch slot when strided
+        return -(-self.length // self.stride) + (self.stride > 1)
+
+    def index(self, i: jax.Array) -> jax.Array:
+        return self.length - 1 - i if self.reverse else i
+
+    def row(self, t: jax.Array) -> jax.Array:
+        k = self.keep_every
+        if k == 1:
+            return t
+        return jnp.where((t + 1) % k == 0, t // k, self.rows - 1)
+
+    def slot(self, i: jax.Array) -> jax.Array:
+        k = self.stride
+        if k == 1:
+            return i
+        return jnp.where(i % k == 0, i // k, self.slots - 1)
+
+    def trim(self, ys: Any) -> Any:
+        if self.keep_every == 1:
+            return ys
+        return jtu.tree_map(lambda a: a[: self.rows - 1], ys)
+
+
+def take(tree: Any, i: jax.Array) -> Any:
+    return jtu.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), tree)
+
+
+def put(tree: Any, value: Any, i: jax.Array) -> Any:
+    return jtu.tree_map(
+        lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value
+    )
+
+
+def stacked(rows: int, tree: Any) -> Any:
+    return jtu.tree_map(lambda s: jnp.zeros((rows, *s.shape), s.dtype), tree)
+
+
+def is_float(a: Any) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.inexact)
+
+
+def float_mask(tree: Any) -> list[bool]:
+    return [is_float(a) for a in jtu.tree_leaves(tree)]
+
+
+def floats(tree: Any, mask: list[bool] | None = None) -> list[Any]:
+    """The leaves of ``tree`` that ``mask`` marks (default: the inexact ones)."""
+    leaves = jtu.tree_leaves(tree)
+    mask = float_mask(tree) if mask is None else mask
+    return [a for a, m in zip(leaves, mask) if m]
+
+
+def merged(tree: Any, floats: list[Any], mask: list[bool] | None = None) -> Any:
+    """``tree`` with the leaves ``mask`` marks replaced by ``floats``, in order."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    mask = float_mask(tree) if mask is None else mask
+    it = iter(floats)
+    return jtu.tree_unflatten(
+        treedef, [next(it) if m else a for a, m in zip(leaves, mask)]
+    )
+
+
+def tangent_tree(tree: Any, floats: list[Any]) -> Any:
+    """Tangents of ``tree``: ``floats`` for its inexact leaves, float0 zeros for
+    the others."""
+    zeros = jtu.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+    return merged(zeros, floats, float_mask(tree))
+
+
+class Active(NamedTuple):
+    """Which leaves of ``(init, xs, consts)`` have tangents (not symbolic zeros,
+    inexact): the linear map's inputs."""
+
+    init: list[bool]
+    xs: list[bool]
+    consts: list[bool]
+
+    @staticmethod
+    def of(primals: Any, tangents: Any) -> Active:
+        def one(p, t):
+            return [
+                is_float(a) and not isinstance(b, SymbolicZero)
+                for a, b in zip(jtu.tree_leaves(p), jtu.tree_leaves(t))
+            ]
+
+        return Active(*(one(p, t) for p, t in zip(primals, tangents)))
+
+    def tangents(self, tangents: Any) -> list[Any]:
+        """The tangents of the active leaves, in order."""
+        return [
+            t
+            for tree, mask in zip(tangents, self)
+            for t, m in zip(jtu.tree_leaves(tree), mask)
+            if m
+        ]
+
+    def split(self, flat: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+        a, b = sum(self.init), sum(self.init) + sum(self.xs)
+        return list(flat[:a]), list(flat[a:b]), list(flat[b:])
+
+
+# ------------------------------------------------------------------ the forward loop
+
+
+class State(NamedTuple):
+    i: jax.Array  # steps run
+    done: jax.Array
+    carry: Any
+    ys: Any
+    stored: Any  # the carries stored for the gradient (None: not stored)
+
+
+def loop(plan: Plan, body: Callable, state: Any, ticker: Any = None) -> Any:
+    """``while i < length and not done: state = body(state)``; with a ``ticker``,
+    in chunks of its ``every`` steps, reporting before each and at the stop."""
+    n = plan.length
+
+    def steps_to(limit):
+        return lambda s: (s.i < limit) & ~s.done
+
+    if ticker is None:
+        return jax.lax.while_loop(steps_to(n), body, state)
+
+    def chunk(s):
+        ticker.tick(s.i)
+        limit = jnp.minimum(s.i + ticker.every, n)
+        return jax.lax.while_loop(steps_to(limit), body, s)
+
+    state = jax.lax.while_loop(steps_to(n), chunk, state)
+    ticker.end(state.i)
+    return state
+
+
+def forward(plan: Plan, init: Any, xs: Any, consts: Any, store: bool) -> State:
+    """Run until the stop; with ``store``, keep the carries for the gradient."""
+
+    def body(s):
+        t = plan.index(s.i)
+        stored = s.stored
+        if store:
+            stored = put(stored, s.carry, plan.slot(s.i))
+        carry, y, stop = plan.step(s.carry, take(xs, t), *consts)
+        return State(s.i + 1, stop, carry, put(s.ys, y, plan.row(t)), stored)
+
+    stored = stacked(plan.slots, init) if store else None
+    zero = jnp.zeros((), jnp.int32)
+    state = State(
+        zero, jnp.zeros((), bool), init, stacked(plan.rows, plan.y_shape), stored
+    )
+    return loop(plan, body, state, plan.ticker)
+
+
+def early_exit(plan: Plan) -> Callable:
+    @jax.custom_jvp
+    def fn(init, xs, consts):
+        s = forward(plan, init, xs, consts, store=False)
+        return s.carry, plan.trim(s.ys), s.i
+
+    @ft.partial(fn.defjvp, symbolic_zeros=True)
+    def fn_jvp(primals, tangents):
+        s = forward(plan, *primals, store=True)
+        out = (s.carry, plan.trim(s.ys))
+        active = Active.of(primals, tangents)
+        res = Residuals(*primals, s.stored, s.i, active)
+        t_in = active.tangents(tangents)
+        t_out = [jnp.zeros_like(a) for a in floats(out)]
+        if t_in:
+            with jax.named_scope("scanax.until_grad"):
+                t_out = linear(plan, res, t_in, t_out)
+        t_carry, t_ys = tangent_tree(out, t_out)
+        return (*out, s.i), (t_carry, t_ys, np.zeros((), jax.dtypes.float0))
+
+    return fn
+
+
+def linear(plan: Plan, res: Any, t_in: list[Any], like_out: list[Any]) -> Any:
+    """``tangents(t_in)``, transposed by ``cotangents``: a square linear map
+    ``(t_in, 0) -> (0, t_out)`` bound as a ``custom_linear_solve``."""
+    # Its transpose needs all of the right side linear in the tangents: the zeros
+    # are made from the first one.
+    anchor = jnp.sum(t_in[0]) * 0
+    zeros_out = [jnp.broadcast_to(anchor.astype(a.dtype), a.shape) for a in like_out]
+
+    def solve(_, b):
+        return [jnp.zeros_like(a) for a in b[0]], tangents(plan, res, b[0])
+
+    def transpose_solve(_, ct):
+        return cotangents(plan, res, ct[1]), [jnp.zeros_like(a) for a in ct[1]]
+
+    return jax.lax.custom_linear_solve(
+        lambda v: v, (t_in, zeros_out), solve, transpose_solve
+    )[1]
+
+
+class Residuals(NamedTuple):
+    init: Any
+    xs: Any
+    consts: Any
+    stored: Any
+    steps: jax.Array
+    active: Active
+
+
+# ------------------------------------------------------------------ the derivatives
+
+
+def tangents(plan: Plan, res: Residuals, t_in: list[Any]) -> list[Any]:
+    """Forward mode: the tangents of the float leaves of ``(carry, ys)``."""
+    act = res.active
+    t_init, t_xs, t_k = act.split(t_in)
+    # Every float leaf of the carry has a tangent (zero where init's has none).
+    full = [jnp.zeros_like(a) for a in floats(res.init)]
+    t_carry0 = floats(merged(merged(res.init, full), t_init, act.init))
+
+    def body(s):
+        i, carry, t_carry, t_ys = s
+        t = plan.index(i)
+        fn, primals = float_step(plan, res, carry, take(res.xs, t))
+        tangents = (t_carry, take(t_xs, t), t_k)
+        _, (t_new, t_y), new = jax.jvp(fn, primals, tangents, has_aux=True)
+        return i + 1, new, t_new, put(t_ys, t_y, plan.row(t))
+
+    t_ys = [jnp.zeros((plan.rows, *a.shape), a.dtype) for a in floats(plan.y_shape)]
+    zero = jnp.zeros((), jnp.int32)
+    state = (zero, res.init, t_carry0, t_ys)
+    _, _, t_carry, t_ys = jax.lax.while_loop(lambda s: s[0] < res.steps, body, state)
+    return [*t_carry, *plan.trim(t_ys)]
+
+
+def float_step(plan: Plan, res: Residuals, carry: Any, x: Any) -> tuple:
+    """The step as a function of the inexact leaves of its carry and the active
+    leaves of ``x`` and the consts (returning the inexact leaves of its new carry
+    and output, and the new carry), and those arguments."""
+    act = res.active
+
+    def fn(c, x_, k):
+        new, y, _ = plan.step(
+            merged(carry, c), merged(x, x_, act.xs), *merged(res.consts, k, act.consts)
+        )
+        return (floats(new), floats(y)), new
+
+    return fn, (floats(carry), floats(x, act.xs), floats(res.consts, act.consts))
+
+
+def cotangents(plan: Plan, res: Residuals, ct_out: list[Any]) -> list[Any]:
+    """Reverse mode: the cotangents of the active leaves of ``(init, xs, consts)``,
+    from those of ``(carry, ys)``: back from the stop step, one step at a time."""
+    act = res.active
+    n_carry = len(floats(res.init))
+    g, ct_ys = list(ct_out[:n_carry]), list(ct_out[n_carry:])
+    if plan.keep_every > 1:  # the scratch row reads as a zero cotangent
+        ct_ys = [jnp.concatenate([a, jnp.zeros_like(a[:1])]) for a in ct_ys]
+    g_xs = [jnp.zeros_like(a) for a in floats(res.xs, act.xs)]
+    g_k = [jnp.zeros_like(a) for a in floats(res.consts, act.consts)]
+    back = Back(plan, res, ct_ys)
+    if plan.stride == 1:
+        g, g_xs, g_k = back.steps(res.stored, 0, 0, res.steps, (g, g_xs, g_k))
+    else:
+        g, g_xs, g_k = back.segments((g, g_xs, g_k))
+    g_init = floats(merged(res.init, g), act.init)
+    return [*g_init, *g_xs, *g_k]
+
+
+@dataclasses.dataclass(frozen=True)
+class Back:
+    """The backward loops: over stored carries (``steps``), or over segments of
+    ``stride`` steps, each recomputed from its stored first carry (``segments``)."""
+
+    plan: Plan
+    res: Residuals
+    ct_ys: list[Any]
+
+    def steps(self, carries, offset, lo, hi, acc):
+        """Steps ``hi - 1`` down to ``lo``; the carry entering step ``j`` is
+        ``carries[j - offset]``."""
+        plan, res = self.plan, self.res
+
+        def body(s):
+            j, (g, g_xs, g_k) = s
+            t = plan.index(j)
+            carry, x = take(carries, j - offset), take(res.xs, t)
+            fn, primals = float_step(plan, res, carry, x)
+            _, vjp, _ = jax.vjp(fn, *primals, has_aux=True)
+            g, g_x, g_kj = vjp((g, take(self.ct_ys, plan.row(t))))
+            g_xs = put(g_xs, g_x, t)
+            g_k = [a + b for a, b in zip(g_k, g_kj)]
+            return j - 1, (g, g_xs, g_k)
+
+        _, acc = jax.lax.while_loop(lambda s: s[0] >= lo, body, (hi - 1, acc))
+        return acc
+
+    def segments(self, acc):
+        plan, res, k = self.plan, self.res, self.plan.stride
+        seg0 = stacked(k, res.init)
+
+        def recompute(start, end):
+            def body(s):
+                j, carry, seg = s
+                seg = put(seg, carry, j - start)
+                x = take(res.xs, plan.index(j))
+                return j + 1, plan.step(carry, x, *res.consts)[0], seg
+
+            first = take(res.stored, start // k)
+            state = (start, first, seg0)
+            return jax.lax.while_loop(lambda s: s[0] < end, body, state)[2]
+
+        def body(s):
+            segment, acc = s
+            start = segment * k
+            end = jnp.minimum(start + k, res.steps)
+            acc = self.steps(recompute(start, end), start, start, end, acc)
+            return segment - 1, acc
+
+        last = (res.steps - 1) // k
+        return jax.lax.while_loop(lambda s: s[0] >= 0, body, (last, acc))[1]
