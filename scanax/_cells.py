@@ -14,6 +14,11 @@ matched, without annotation, to one protocol, which gives a uniform
 - ``state``: any other callable with ``cell(h, x) -> h`` (the output is the new state).
 - ``pair``: any other callable with ``cell(carry, x) -> (carry, y)``.
 
+A ``flax`` or ``pair`` cell that also has a ``run_sequence`` method (``SequenceCell``:
+``scanax.LRU``, ``scanax.MinGRU``) runs a whole layer's sequence in one call instead
+of one step per time (a linear recurrence over all steps at once); its ``__call__``
+stays the one-step definition, used when it shares a loop with other layers.
+
 Nothing here imports a framework: Flax NNX is reached through ``_nnx`` and Equinox
 looked up in ``sys.modules`` (if the user has such a cell, its framework is already
 imported).
@@ -24,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +66,26 @@ def _eqx_kind(cell: Any) -> str | None:
     return None
 
 
+SEQUENCE_METHOD = "run_sequence"
+
+
+class SequenceCell(Protocol):
+    """A ``cell(carry, x) -> (carry, y)`` that also runs a whole sequence at once.
+
+    ``run_sequence(carry, xs, reverse=, seq_lengths=)`` takes time-major ``xs``
+    (``[T, *batch, D]``) and returns ``(final carry, ys)``: the same as calling the
+    cell at every step (from the last with ``reverse``), with, for each sequence,
+    the carry at its own length (steps ``t >= length`` not applied) as the final
+    carry; ``ys`` past a sequence's length are not read.
+    """
+
+    def __call__(self, carry: Any, x: Any) -> tuple[Any, Any]: ...
+
+    def run_sequence(
+        self, carry: Any, xs: Any, *, reverse: bool = False, seq_lengths: Any = None
+    ) -> tuple[Any, Any]: ...
+
+
 @dataclasses.dataclass
 class Cell:
     """How to run one cell: its protocol, widths and batch handling."""
@@ -69,10 +94,16 @@ class Cell:
     in_width: int | None
     out_width: int | None
     n_batch: int = 0  # batch axes to vmap over (unbatched Equinox cells only)
+    sequence: bool = False  # has a `run_sequence` method (a SequenceCell)
 
     @property
     def unbatched(self) -> bool:
         return self.kind in ("eqx_gru", "eqx_lstm")
+
+    @property
+    def whole(self) -> bool:
+        """Runs a whole sequence in one call (``SequenceCell.run_sequence``)."""
+        return self.sequence and self.kind in ("flax", "pair")
 
     def default_state(
         self, cell: Any, batch: tuple[int, ...], width: int, dtype: Any
@@ -100,6 +131,13 @@ class Cell:
             fn = jax.vmap(fn, in_axes=(None, 0, 0))
         return fn(cell, state, x)
 
+    def run_sequence(
+        self, cell: Any, state: Any, xs: Any, reverse: bool, seq_lengths: Any
+    ) -> tuple[Any, Any]:
+        """A whole layer in one call (``whole`` cells): ``(final state, ys)``."""
+        run = getattr(cell, SEQUENCE_METHOD)
+        return run(state, xs, reverse=reverse, seq_lengths=seq_lengths)
+
     def _eqx_step(self, cell: Any, state: Any, x: Any) -> tuple[Any, Any]:
         new = cell(x, state)
         return new, (new if self.kind == "eqx_gru" else new[0])
@@ -111,18 +149,22 @@ def detect(cell: Any) -> Cell | None:
     Returns None for objects that are not callable. Generic callables get kind
     ``"?"``: :func:`probe_kind` settles between ``state`` and ``pair``.
     """
+    sequence = callable(getattr(cell, SEQUENCE_METHOD, None))
     if _is_nnx_cell(cell):
         return Cell(
             "flax",
             getattr(cell, "in_features", None),
             getattr(cell, "hidden_features", None),
+            sequence=sequence,
         )
     kind = _eqx_kind(cell)
     if kind is not None:
         return Cell(kind, cell.input_size, cell.hidden_size)
     if not callable(cell):
         return None
-    return Cell("?", _attr_int(cell, IN_ATTRS), _attr_int(cell, OUT_ATTRS))
+    return Cell(
+        "?", _attr_int(cell, IN_ATTRS), _attr_int(cell, OUT_ATTRS), sequence=sequence
+    )
 
 
 def dtype_only_change(state: Any, out: Any) -> Any:

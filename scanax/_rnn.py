@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -164,6 +165,36 @@ def _over_time(step, init, cells, xs, steps, reverse, unroll):
 
 
 def _time_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
+    """One scan over time for each run of stepwise layers (layers unrolled in its
+    step); a layer that runs whole sequences (``SequenceCell``) runs on its own."""
+    finals = []
+    for whole, group in itertools.groupby(range(len(specs)), lambda i: specs[i].whole):
+        run = list(group)
+        if whole:
+            for i in run:
+                final, xs = _whole(
+                    specs[i], cells[i], states[i], xs, seq_lengths, reverse
+                )
+                finals.append(final)
+            continue
+        run = slice(run[0], run[-1] + 1)
+        new, xs = _time_scan(
+            specs[run], cells[run], states[run], xs, seq_lengths, reverse, unroll
+        )
+        finals.extend(new)
+    return tuple(finals), xs
+
+
+def _whole(spec, cell, state, xs, seq_lengths, reverse):
+    """A ``SequenceCell`` layer: all steps in one call; zero outputs past lengths."""
+    final, ys = spec.run_sequence(cell, state, xs, reverse, seq_lengths)
+    if seq_lengths is not None:
+        valid = jnp.arange(xs.shape[0]).reshape((-1,) + (1,) * seq_lengths.ndim)
+        ys = _mask_y(valid < seq_lengths, ys)
+    return final, ys
+
+
+def _time_scan(specs, cells, states, xs, seq_lengths, reverse, unroll):
     """One scan over time; every layer runs inside the step (layers unrolled)."""
     steps = _steps(xs, seq_lengths)
 
@@ -187,6 +218,10 @@ def _layer_outer(specs, cells, states, xs, seq_lengths, reverse, unroll):
     steps = _steps(xs, seq_lengths)
     finals = []
     for spec, cell, state in zip(specs, cells, states, strict=True):
+        if spec.whole:
+            final, xs = _whole(spec, cell, state, xs, seq_lengths, reverse)
+            finals.append(final)
+            continue
 
         def step(carry, inp, spec=spec):
             cell_, x, t = inp
@@ -265,12 +300,13 @@ def rnn(
             time-major ``[T, B, D]``, 1 for batch-major ``[B, T, D]`` (as
             ``nnx.RNN``).
         order: ``"time"``: one scan over time with all layers unrolled in its
-            step. ``"layer"``: one scan over time per layer (layer ``i``'s whole
-            output sequence feeds layer ``i + 1``). ``"auto"`` (default): ``"layer"``
-            on CPU, the faster there (``benchmarks/bench_rnn.py``); ``"time"`` on
-            other backends (not measured), as it runs ``len(cells)`` times fewer
-            loop iterations, each with a fixed cost on GPU. All give the same
-            results.
+            step (a ``SequenceCell`` layer runs on its own, between such
+            scans). ``"layer"``: one scan over time per layer (layer ``i``'s
+            whole output sequence feeds layer ``i + 1``). ``"auto"`` (default):
+            ``"layer"`` on CPU, the faster there (``benchmarks/bench_rnn.py``);
+            ``"time"`` on other backends (not measured), as it runs ``len(cells)``
+            times fewer loop iterations, each with a fixed cost on GPU. All give
+            the same results.
         unroll: as in ``jax.lax.scan``.
 
     Returns:
