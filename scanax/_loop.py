@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _nnx
+from . import _conv_layout, _errors, _nnx
 from ._axes import first_difference, match_prefix, normalize_axis
 from ._tree import is_array, is_arraylike, same_static, splice
 
@@ -390,7 +390,12 @@ def move_out_axes(call: str, ys: Any, out_axes: Any) -> Any:
 
 
 def call_lowering(codec: CarryCodec, f: Callable, lowering: Callable[[], Any]) -> Any:
-    """Run a lowering, turning NNX's closure-mutation error into scanax's."""
+    """Run a lowering, turning NNX's closure-mutation error into scanax's.
+
+    Its convolutions are made canonical where the backend needs it (the loop as
+    traced is replayed, so ``f`` is traced once; without convolutions the same
+    program), see ``_conv_layout``."""
+    lowering = _conv_layout.wrap(lowering)
     if not _nnx.loaded():
         return lowering()
     try:
