@@ -2,19 +2,39 @@
 fused training loops for JAX, Flax NNX, Equinox and plain pytrees."""
 
 from importlib.metadata import PackageNotFoundError, version as _version
+from typing import TYPE_CHECKING
 
 from . import _stack_adapters  # noqa: F401 (registers Stack's NNX and Equinox adapters)
+from ._checkpoint import load_best as load_best
 from ._compile_cache import compile_cache as compile_cache
 from ._errors.log import SinkError as SinkError
+from ._evaluate import evaluate as evaluate, predict as predict
 from ._fit import FitResult as FitResult, fit as fit
+from ._fit_checks import Ratio as Ratio
+from ._linear_scan import linear_scan as linear_scan
 from ._log import CSV as CSV, TensorBoard as TensorBoard
 from ._population import Population as Population, population as population
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
+from ._rollout import Rollout as Rollout
 from ._scan import scan as scan
 from ._stack import Stack as Stack, StackWarning as StackWarning
 from ._stop import EarlyStop as EarlyStop
 from ._until import scan_until as scan_until
+
+if TYPE_CHECKING:
+    from ._cells_linear import LRU as LRU, MinGRU as MinGRU
+
+
+def __getattr__(name: str):  # LRU, MinGRU are NNX modules: flax only when asked
+    if name in ("LRU", "MinGRU"):
+        from . import _cells_linear
+
+        return getattr(_cells_linear, name)
+    from ._errors import no_attribute
+
+    raise no_attribute(name)
+
 
 try:
     __version__ = _version("scanax")

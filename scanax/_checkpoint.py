@@ -61,9 +61,16 @@ class Checkpoints:
     refused before its first step leaves the directory as it was)."""
 
     def __init__(
-        self, directory: Any, every: int, names: list[str], data: dict, start: int
+        self,
+        directory: Any,
+        every: int,
+        names: list[str],
+        data: dict,
+        start: int,
+        keep: int | None = None,
     ):
         ocp = _ocp()
+        self.keep = keep  # keep only the newest ``keep`` (a best-only store: 1)
         self.ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
@@ -80,6 +87,7 @@ class Checkpoints:
             )
         self.manager = None  # the writer, made by the first save
         self.last_saved = None
+        self.data_state: Any = None  # the data iterator's, of the checkpoint restored
         self.starts = _read_index(self.directory)  # step -> its call's start
 
     # ------------------------------------------------------------------ save
@@ -97,7 +105,11 @@ class Checkpoints:
             )
         return self.manager
 
-    def save(self, step: int, leaves: list, key: Any, history: dict) -> None:
+    def save(
+        self, step: int, leaves: list, key: Any, history: dict, data: Any = None
+    ) -> None:
+        """Save checkpoint ``step``; ``data``: the data iterator's state then
+        (``IterSource.state_at``), if it keeps one."""
         if step == self.last_saved or step == 0:
             return
         saved = [jr.key_data(x) if _is_key(x) else x for x in leaves]
@@ -114,6 +126,8 @@ class Checkpoints:
             "key": describe(key),
             "call_start": int(self.start),
         }
+        if data is not None:
+            meta["data_state"] = data
         ocp = self.ocp
         manager = self._writer()
         self._prune(manager, int(step))
@@ -136,6 +150,12 @@ class Checkpoints:
         the top finds every call's end), and record ``step`` in the index."""
         self.starts[step] = self.start
         steps = sorted({*manager.all_steps(), step})
+        if self.keep is not None:  # (the new one replaces the old, once written)
+            manager.wait_until_finished()
+            for s in steps[: -self.keep]:
+                if s != step:
+                    manager.delete(s)
+            return
         keep = set(steps[-KEEP:])
         newest: dict[int, int] = {}
         for s in steps:
@@ -195,6 +215,7 @@ class Checkpoints:
             except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
                 self._skip(step, err, i == len(steps) - 1, start)
                 continue
+            self.data_state = meta.get("data_state")
             return int(meta["step"]), restored, new_key, history
         return None
 
@@ -322,3 +343,67 @@ def _check_restored(step: int, restored: list, leaves: list, names: list) -> Non
     for name, r, t in zip(names, restored, leaves):
         if r.shape != t.shape or r.dtype != t.dtype:
             raise errors.restored_type(step, name, r, t)
+
+
+def strong(leaves: list) -> list:
+    """The state as the loop carries it: JAX arrays in JAX's default dtypes (a
+    float64 NumPy array is float32 unless x64 is on; a Python int is int32), with
+    weak types dropped (a carry must keep its type; restored checkpoints lose them).
+    Checkpoints are written and checked in these types."""
+    out = []
+    for x in leaves:
+        a = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        out.append(jnp.asarray(a, a.dtype) if getattr(a, "weak_type", False) else a)
+    return out
+
+
+# ------------------------------------------------------------------ best-only
+
+BEST = {"kind": "best"}  # what a best-only store records as its data
+
+
+def best_key() -> Any:
+    """The key a best-only store saves (the key is the run's business)."""
+    return jax.random.PRNGKey(0)
+
+
+def load_best(directory: Any, model: Any, optimizer: Any = None) -> tuple[Any, Any]:
+    """The best state that ``fit(..., best_dir=directory)`` saved, in a model of
+    the same structure: ``(model, optimizer)`` as ``fit`` takes them (NNX: the
+    objects passed in, updated in place; an optax pair: the model and its optax
+    state; a ``TrainState`` and None).
+
+    Arguments:
+        directory: the ``best_dir`` of a ``fit``.
+        model, optimizer: a pair of the structure trained (new objects: only
+            their structure is read, every array is replaced).
+
+    Returns:
+        ``(model, optimizer)`` holding the best state, and the step it is from
+        in ``load_best.step`` of the store (see ``best_step``).
+
+    Raises:
+        FileNotFoundError: no best state in ``directory``.
+        TypeError: a model of another structure (the leaves that differ named).
+    """
+    from . import _models
+
+    adapter = _models.adapt(model, optimizer)
+    leaves, treedef = jax.tree_util.tree_flatten(adapter.state)
+    leaves = strong(leaves)
+    path = os.path.abspath(os.fspath(directory))
+    store = Checkpoints(path, None, adapter.names(), BEST, 0, keep=1)
+    found = None if store.reader is None else store.restore(leaves, best_key(), 1 << 62)
+    store.close()
+    if found is None:
+        raise errors.no_best_state(path)
+    return adapter.finish(jax.tree_util.tree_unflatten(treedef, found[1]))
+
+
+def best_step(directory: Any) -> int | None:
+    """The step of the best state saved in ``directory`` (None: none)."""
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        return None
+    steps = [int(n) for n in os.listdir(path) if n.isdigit()]
+    return max(steps) if steps else None

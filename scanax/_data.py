@@ -14,9 +14,11 @@ a time and moved to the device while the previous chunk trains.
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import itertools
+import json
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -27,8 +29,8 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _mesh
-from ._errors import fit as errors, short_type
+from . import _mesh, _rollout
+from ._errors import fit as errors, rollout as rollout_errors, short_type
 from ._tree import is_array
 
 
@@ -104,6 +106,19 @@ class ArraySource:
         self.micro = k
         self.static = (*self.static[:4], k)
 
+    def steps_for(self, epochs: int) -> int:
+        """The optimizer steps of ``epochs`` passes over the data."""
+        batches = epochs * self.per_epoch
+        if batches % self.micro:
+            raise errors.epochs_accumulate(epochs, self.per_epoch, self.micro)
+        return batches // self.micro
+
+    def epoch_of(self, steps: np.ndarray) -> np.ndarray:
+        """The epoch (from 1) each global step (1-based) took its batches from
+        (with ``accumulate``: its first micro-batch's)."""
+        steps = np.asarray(steps, np.int64)
+        return (steps - 1) * self.micro // self.per_epoch + 1
+
     def describe(self) -> dict:
         """What a checkpoint records of the data (a resume must see the same)."""
         out = {
@@ -116,8 +131,14 @@ class ArraySource:
             out["accumulate"] = self.micro
         return out
 
-    def skip(self, count: int) -> None:
+    def skip(self, count: int, state: Any = None) -> None:
         """Nothing to skip: step ``t``'s batch is a function of ``t``."""
+
+    def keep_states(self) -> None:
+        """(nothing to keep: step ``t``'s batch is a function of ``t``)"""
+
+    def state_at(self, steps: int) -> None:
+        """(nothing to save)"""
 
     def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
         """``(start, end, xs)`` of each call (``schedule.want(start, end)`` steps):
@@ -263,6 +284,11 @@ class IterSource:
         self.impls: list[Any] = []  # per leaf: the PRNG impl of a key leaf, or None
         self.static = ("iter",)
         self.micro = 1
+        # A resumable iterator (Grain's get_state/set_state, or a loader's
+        # state_dict/load_state_dict): its state before each chunk was taken,
+        # by the batches taken by then (the last few).
+        self.resumable = _resumable(self.iterator) or _resumable(data)
+        self.states: dict[int, Any] | None = None  # kept with checkpoints only
 
     def length(self, steps: int, steps_per_call: int | None) -> int:
         """Host batches are stacked per call, so the buffers are as long as a
@@ -324,16 +350,41 @@ class IterSource:
         """The in-loop part: batch ``i`` of the call's stacked batches."""
         return _HOST_BATCHES
 
-    def skip(self, count: int) -> int:
-        """Drop the batches of ``count`` steps (to resume); returns how many
-        batches there were."""
+    def skip(self, count: int, state: Any = None) -> int:
+        """Move past the batches of ``count`` steps (to resume): a resumable
+        iterator is set to ``state`` (a checkpoint's ``state_at``), any other
+        has them drawn and dropped; returns how many batches that was."""
+        if state is not None and self.resumable is not None:
+            self.resumable[1](decode_state(state))
+            self.consumed += count * self.micro
+            return count * self.micro
         skipped = sum(1 for _ in itertools.islice(self.iterator, count * self.micro))
         self.consumed += skipped
         return skipped
 
+    def keep_states(self) -> None:
+        """Keep the iterator's states for checkpoints (a resumable one's)."""
+        if self.resumable is not None:
+            self.states = {}
+
+    def state_at(self, steps: int) -> Any:
+        """For a checkpoint: the iterator's state after the batches of this
+        call's first ``steps`` steps (batches taken ahead of the device not
+        counted), encoded for the checkpoint's meta; None when it keeps none."""
+        if self.resumable is None or self.states is None:
+            return None
+        taken = steps * self.micro
+        if taken == self.consumed:
+            return encode_state(self.resumable[0]())
+        return self.states.get(taken)
+
     def take(self, count: int, length: int) -> tuple[Any, int] | None:
         """Up to ``count`` batches stacked on a new leading axis (host arrays),
         padded to ``length`` with zeros, and how many are real; None when done."""
+        if self.states is not None:  # (before drawing: a checkpoint may need it)
+            self.states[self.consumed] = encode_state(self.resumable[0]())
+            for old in sorted(self.states)[:-3]:
+                del self.states[old]
         batches = list(itertools.islice(self.iterator, count))
         if not batches:
             return None
@@ -394,6 +445,35 @@ class IterSource:
         if rows:
             raise errors.batch_shape_changed(index, rows, self.from_list)
         return leaves
+
+
+def _resumable(obj: Any) -> tuple[Any, Any] | None:
+    """``(get_state, set_state)`` of an iterator or loader that has them
+    (Grain's names, or PyTorch's ``state_dict``/``load_state_dict``)."""
+    for get, put in (("get_state", "set_state"), ("state_dict", "load_state_dict")):
+        if callable(getattr(obj, get, None)) and callable(getattr(obj, put, None)):
+            return getattr(obj, get), getattr(obj, put)
+    return None
+
+
+def encode_state(state: Any) -> dict:
+    """An iterator's state as the checkpoint's meta (JSON) holds it: bytes, or
+    anything ``json`` writes and reads back equal."""
+    if isinstance(state, (bytes, bytearray)):
+        return {"bytes": base64.b64encode(bytes(state)).decode()}
+    try:
+        text = json.dumps(state)
+    except (TypeError, ValueError) as err:
+        raise errors.iterator_state_type(state) from err
+    if json.loads(text) != state:
+        raise errors.iterator_state_type(state)
+    return {"json": state}
+
+
+def decode_state(saved: dict) -> Any:
+    if "bytes" in saved:
+        return base64.b64decode(saved["bytes"])
+    return saved["json"]
 
 
 def _is_key(x: Any) -> bool:
@@ -462,9 +542,13 @@ def positive_int(name: str, value: Any) -> int:
     raise errors.not_int(name, value)
 
 
-def make_source(data: Any, batch_size: Any, key: Any) -> ArraySource | IterSource:
+def make_source(data: Any, batch_size: Any, key: Any) -> Any:
     """Array data: a pytree of arrays that is not a list (lists, iterators and
-    other iterables are sequences of batches)."""
+    other iterables are sequences of batches); a ``scanax.Rollout``."""
+    if isinstance(data, _rollout.Rollout):
+        if batch_size is not None:
+            raise rollout_errors.batch_size_given(batch_size)
+        return _rollout.RolloutSource(data, key)
     if isinstance(data, (dict, tuple)) and not is_array_data(data):
         # Arrays next to something else: meant as array data, not as an iterable
         # (iterating a dict would give its keys).

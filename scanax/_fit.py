@@ -13,10 +13,13 @@ import jax.tree_util as jtu
 
 from . import (
     _caller,
+    _checkpoint,
     _compile_cache,
     _data,
+    _ema,
     _fingerprint,
     _fit_checks,
+    _fit_hooks,
     _fit_loop,
     _fit_population,
     _fit_program,
@@ -25,10 +28,12 @@ from . import (
     _mesh,
     _models,
     _population,
+    _precision,
     _progress,
+    _rollout,
     _stop,
 )
-from ._errors import fit as errors, population as pop_errors
+from ._errors import fit as errors, population as pop_errors, rollout as rollout_errors
 
 _CALL = errors.CALL
 
@@ -42,7 +47,8 @@ def fit(
     loss_fn: Callable[[Any, Any], Any],
     data: Any,
     *,
-    steps: int,
+    steps: int | None = None,
+    epochs: int | None = None,
     batch_size: int | None = None,
     key: Any = None,
     steps_per_call: int | None = None,
@@ -62,6 +68,11 @@ def fit(
     log: Any = None,
     log_every: int = 10,
     accumulate: int = 1,
+    ema: float | None = None,
+    ema_eval: bool = False,
+    ema_state: Any = None,
+    precision: str | None = None,
+    best_dir: Any = None,
 ) -> FitResult:
     """Train ``model`` for ``steps`` more optimizer steps, fused into compiled
     loops (one ``lax.while_loop`` per call of ``steps_per_call`` steps).
@@ -112,6 +123,11 @@ def fit(
             order; training ends early, cleanly, when it runs out. Typed PRNG key
             arrays may be leaves of either.
         steps: the number of optimizer steps to add (at most, for an iterable).
+        epochs: instead of ``steps``, for array data: ``epochs`` passes over
+            the data, exactly ``epochs * (n // batch_size)`` steps (divided by
+            ``accumulate``); ``history["epoch"]`` then gives each step's epoch
+            (from 1, counted from the optimizer's step 0: a later call
+            continues the count).
         batch_size: examples per step, for array data.
         key: a ``jax.random`` key: shuffles array data and, for a three-argument
             ``loss_fn``, gives the per-step keys.
@@ -130,6 +146,11 @@ def fit(
             where it stopped. Default: ``tx.init`` of the model's parameters.
         checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
             ``docs/checkpoint.md``.
+        best_dir: keep the best model by ``stop=``'s monitor on disk (atomic,
+            the newest best only), saved after each call that improved on it;
+            ``scanax.load_best(best_dir, model, optimizer)`` loads it back into
+            a pair of the same structure. Needs ``stop=scanax.EarlyStop(...)``
+            (``patience=None``: never stop, only keep the best). One model.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
             over; see ``docs/multi_device.md``. A population: a ``"members"``
             axis to split the members over (and optionally ``"data"``).
@@ -156,6 +177,20 @@ def fit(
             at the end of each compiled call. See ``docs/training_features.md``.
         accumulate: micro-batches per optimizer step, their gradients averaged
             (as ``optax.MultiSteps``).
+        ema, ema_eval, ema_state: keep an exponential moving average of the
+            trained parameters in the loop: ``e = p`` before the call's first
+            step, then ``e = ema * e + (1 - ema) * p`` after each step applied
+            (a non-finite step is not); ``result.ema`` is a model of the same
+            kind holding it (a population's: ``result.ema[i]``, per member).
+            ``ema_eval=True``: evaluations (and ``stop=`` on them) use the
+            average. ``ema_state=result.ema`` continues an earlier call's
+            average (checkpoints hold it too).
+        precision: ``"bfloat16"``: compute the loss (and evaluations) in
+            bfloat16, on a copy of the model whose floating parameters and on
+            batches whose floating leaves are cast; the gradient, the update,
+            the parameters and the optimizer state stay float32; loss and
+            metrics are float32. Default None: as given. (``"float16"``, which
+            needs loss scaling, is refused.)
         shared_batches, members_per_call: populations only
             (``fit(scanax.population(...), None, ...)``, see
             ``docs/populations.md``): every member gets the batches of a solo
@@ -192,12 +227,17 @@ def fit(
         >>> round(float(result.model["w"]), 3), result.steps
         (2.0, 200)
     """
-    steps = _data.positive_int("steps", steps)
+    if epochs is None:
+        if steps is None:
+            raise errors.steps_missing()
+        steps = _data.positive_int("steps", steps)
+    elif steps is not None:
+        raise errors.steps_and_epochs(steps, epochs)
     if not callable(loss_fn):
         raise errors.loss_fn_not_callable(loss_fn)
     pop = model if _population.is_population(model) else None
     _data.check_key(key, pop is not None)
-    takes_hp, takes_key = _loss_arguments(loss_fn, pop is not None)
+    takes_hp, takes_key = loss_arguments(loss_fn, pop is not None)
     if pop is None:
         _no_population_options(shared_batches, members_per_call)
         adapter = _models.adapt(model, optimizer, opt_state)
@@ -209,13 +249,31 @@ def fit(
     accumulate = _data.positive_int("accumulate", accumulate)
     if accumulate > 1:
         source.accumulate(accumulate)
+    if epochs is not None:
+        epochs = _data.positive_int("epochs", epochs)
+        if isinstance(source, _rollout.RolloutSource):
+            raise rollout_errors.epochs_with_rollout(epochs)
+        if not isinstance(source, _data.ArraySource):
+            raise errors.epochs_need_arrays(epochs)
+        steps = source.steps_for(epochs)
     if pop is not None:
         shared = _shared(pop, source, shared_batches, members_per_call)
     if takes_key and key is None:
         raise errors.loss_key_without_key()
+    low = _precision.check(precision)
+    ema = _ema.check_decay(ema)
+    if ema is None and (ema_eval or ema_state is not None):
+        raise errors.ema_option_without_ema("ema_eval" if ema_eval else "ema_state")
+
     if steps_per_call is not None:
         steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
     checkpoint_every = _checkpoint_options(checkpoint_dir, checkpoint_every)
+    if best_dir is not None:
+        if pop is not None:
+            raise errors.best_dir_population()
+        if stop is None:
+            raise errors.best_dir_without_stop()
+        _checkpoint_options(best_dir, None)
     _mesh.check_shard(shard, mesh, pop is not None)
     if mesh is not None:
         if pop is None:
@@ -260,16 +318,25 @@ def fit(
         eval_arrays,
         eval_call,
         logger,
+        low,
+        None if ema is None else (ema, bool(ema_eval), ema_state),
+        best_dir,
     )
     if pop is None:
-        return _fit_model(adapter, opt_state, setup)
-    if logger is not None and (members_per_call or pop.n) < pop.n:
-        raise pop_errors.log_with_groups()
-    takes = None  # eval_fn's arguments: as loss_fn's (hp, key)
-    if eval_call is not None:
-        name = "loss_fn" if eval_fn is None else "eval_fn"
-        takes = _loss_arguments(eval_call, True, name)
-    return _fit_population.fit_population(pop, setup, shared, members_per_call, takes)
+        result = _fit_model(adapter, opt_state, setup)
+    else:
+        if logger is not None and (members_per_call or pop.n) < pop.n:
+            raise pop_errors.log_with_groups()
+        takes = None  # eval_fn's arguments: as loss_fn's (hp, key)
+        if eval_call is not None:
+            name = "loss_fn" if eval_fn is None else "eval_fn"
+            takes = loss_arguments(eval_call, True, name)
+        result = _fit_population.fit_population(
+            pop, setup, shared, members_per_call, takes
+        )
+    if epochs is not None:
+        result.history["epoch"] = source.epoch_of(result.history["step"])
+    return result
 
 
 def _no_population_options(shared_batches: Any, members_per_call: Any) -> None:
@@ -301,6 +368,8 @@ def _population_options(
 def _shared(pop: Any, source: Any, shared_batches: Any, members_per_call: Any) -> bool:
     """Whether a population's members share their batches (iterables do)."""
     iterable = isinstance(source, _data.IterSource)
+    if shared_batches and isinstance(source, _rollout.RolloutSource):
+        raise pop_errors.shared_batches_rollout()
     if shared_batches is False and iterable:
         raise pop_errors.shared_batches_iterable()
     if iterable and (members_per_call or pop.n) < pop.n:
@@ -346,8 +415,13 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
             )
         start = 0
     mesh, source, spec = setup.mesh, setup.source, setup.spec
+    averaged = None
+    if setup.ema is not None:  # the average joins the state
+        adapter = averaged = _ema.EmaAdapter(adapter, *setup.ema)
+    if isinstance(source, _rollout.RolloutSource):  # the feed too
+        adapter = _rollout.FedAdapter(adapter, source, start)
     leaves, treedef = jtu.tree_flatten(adapter.state)
-    leaves = _fit_program.strong(leaves)
+    leaves = _checkpoint.strong(leaves)
     shardings = None
     if mesh is not None:
         shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves, setup.shard))
@@ -374,12 +448,30 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         bar_every,
     )
     how = _fit_loop.How(start, start + setup.steps, spec, mesh, ticks)
-    extras = _fit_loop.Extras(setup.checks, eval_arrays, setup.logger)
+    best = None
+    if setup.best_dir is not None:  # the model's own leaves, first in the state
+        n = jtu.tree_structure(getattr(adapter, "base", adapter).state).num_leaves
+        names = adapter.names()[:n]
+        store = _checkpoint.Checkpoints(
+            setup.best_dir, None, names, _checkpoint.BEST, start, keep=1
+        )
+        best = _fit_hooks.BestSaver(store, n)
+    extras = _fit_loop.Extras(setup.checks, eval_arrays, setup.logger, best)
     kind = _fit_loop.Model(adapter, treedef)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
     if setup.checkpoint_dir is not None:
         run.resume(setup.checkpoint_dir, setup.checkpoint_every)
-    result = run.go()
+    fed = adapter if isinstance(adapter, _rollout.FedAdapter) else None
+    try:
+        result = run.go()
+    except BaseException:
+        if fed is not None and fed.pending is not None:
+            fed.commit(handed_back=False)
+        raise
+    if fed is not None:
+        fed.commit(handed_back=True)
+    if averaged is not None:
+        result.ema = averaged.ema
     if setup.logger is not None:
         setup.logger.sinks.raise_pending(result)
     return result
@@ -392,6 +484,8 @@ def _model_program(
     the same structure."""
     loss_fn, takes_key, checks = setup.loss_fn, setup.takes_key, setup.checks
     call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
+    if setup.precision is not None:
+        call = _precision.wrap(call, adapter.kind, setup.precision)
     identity = _fit_program.identity(
         adapter.fingerprint(),
         adapter.static,
@@ -403,6 +497,7 @@ def _model_program(
         setup.length,
         shardings,
         ticks,
+        setup.precision,
     )
     sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
 
@@ -413,7 +508,7 @@ def _model_program(
             setup.mesh,
             shardings,
             takes_key,
-            _with_eval(checks, adapter, treedef, setup.eval_call),
+            _with_eval(checks, adapter, treedef, setup.precision),
             setup.accumulate,
         )
         return _fit_program.build_chunk(lanes, sampler, setup.length, ticks)
@@ -467,7 +562,7 @@ def _checks(
         call = fn
     else:
         name = "loss_fn" if eval_fn is None else "eval_fn"
-        takes_key = _takes_key(fn, 3, name)
+        takes_key = wants_key(fn, 3, name)
         call = fn if takes_key else (lambda model, batch, key: fn(model, batch))
     checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), stop)
     return checks, eval_data, fn
@@ -480,11 +575,15 @@ def _fingerprint_or(fn: Any) -> Any:
     return fn if found is None else found
 
 
-def _with_eval(checks: Any, adapter: Any, treedef: Any, call: Any) -> Any:
-    """``checks`` with its evaluation on flat leaves (in eval mode)."""
+def _with_eval(checks: Any, adapter: Any, treedef: Any, precision: Any) -> Any:
+    """``checks`` with its evaluation on flat leaves (in eval mode, in the
+    ``precision`` computed in)."""
     if checks is None or checks.evaluate is None:
         return checks
-    evaluate = adapter.make_eval(checks.evaluate)
+    call = checks.evaluate
+    if precision is not None:
+        call = _precision.wrap(call, adapter.kind, precision)
+    evaluate = adapter.make_eval(call)
 
     def flat(leaves, batch, key, hp):
         return evaluate(jtu.tree_unflatten(treedef, leaves), batch, key)
@@ -511,14 +610,14 @@ def _solo_step(
     return flat_step
 
 
-def _loss_arguments(
+def loss_arguments(
     loss_fn: Callable, population: bool, name: str = "loss_fn"
 ) -> tuple[bool, bool]:
     """``(takes_hp, takes_key)``: what ``loss_fn`` gets after ``(model, batch)``.
     One model: a third argument is the per-step key. A population: a third is the
     member's hyperparameters (a dict), unless it is named ``key``/``rng``, and a
     fourth is the key."""
-    takes_key = _takes_key(loss_fn, 4 if population else 3, name)
+    takes_key = wants_key(loss_fn, 4 if population else 3, name)
     if not population or not takes_key:
         return False, takes_key
     try:
@@ -539,7 +638,7 @@ def _loss_arguments(
     return True, takes_key
 
 
-def _takes_key(loss_fn: Callable, most: int = 3, name: str = "loss_fn") -> bool:
+def wants_key(loss_fn: Callable, most: int = 3, name: str = "loss_fn") -> bool:
     """Whether ``loss_fn`` takes more than ``(model, batch)``: a third positional
     parameter without a default, or named ``key``/``rng`` (``key=None``), or
     ``*args``; more than ``most`` required, or a required keyword-only one, is an

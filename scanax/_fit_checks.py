@@ -1,6 +1,8 @@
 """What ``scanax.fit``'s compiled loop does every ``eval_every`` steps: evaluate
 the model over the whole ``eval_data`` (in eval mode) and update the early-stop
-rule, keeping the best state on device.
+rule, keeping the best state on device. The evaluation's reduction over a
+dataset (``over_dataset``: batch means weighted by their sizes, a ``Ratio``'s
+sums kept apart) is shared with ``scanax.evaluate``.
 
 Everything here runs inside the loop body, behind one ``lax.cond`` per step: no
 host round trip, no recompile, and the same code under a population's ``vmap``.
@@ -93,10 +95,23 @@ class Checks:
         if self.stop is None:
             return val, due, carry, jnp.array(False)
         total, count = carry.total, carry.count
-        names = ["loss", *out["metrics"], *val]
+        rollout = {f"rollout_{k}": v for k, v in out.get("rollout", {}).items()}
+        names = ["loss", *out["metrics"], *val, *rollout]
         self.stop.check_monitor(names)  # (while tracing: before compiling)
-        if self.train_monitor:
+        check_due = due
+        if self.stop.monitor in rollout:
+            # A rollout's metric: the mean of the collections since the last
+            # check (none since: no check, the rule waits for one).
+            got = out["collected"]
+            value = jnp.where(got, rollout[self.stop.monitor], 0.0)
+            total = total + value.astype(jnp.float32)
+            count = count + got.astype(count.dtype)
+            value = total / jnp.maximum(count, 1).astype(total.dtype)
+            check_due = due & (count > 0)
+        elif self.train_monitor:
             value = out["metrics"].get(self.stop.monitor, out["loss"])
+            if isinstance(value, Ratio):  # (a step's value: its num / den)
+                value = value.value
             total = total + jnp.asarray(value, jnp.float32)
             count = count + 1
             value = total / jnp.maximum(count, 1).astype(total.dtype)
@@ -113,39 +128,175 @@ class Checks:
         def wait():
             return StopCarry(carry.rule, carry.best, total, count), jnp.array(False)
 
-        carry, stop = jax.lax.cond(due, check, wait)
+        carry, stop = jax.lax.cond(check_due, check, wait)
         return val, due, carry, stop
 
     def _evaluate(self, leaves: list, data: Any, key: Any, hp: Any) -> dict:
-        """Metrics averaged over every example of ``data`` (full batches in a
-        scan, then the remainder), prefixed ``val_``."""
-        b = self.batch_size
-        full, rest = divmod(self.n, b)
+        """Metrics over every example of ``data`` (``over_dataset``), prefixed
+        ``val_``."""
 
-        def at(start, size):
-            return jtu.tree_map(
-                lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), data
-            )
+        def batch_metrics(batch, batch_key):
+            return self.evaluate(leaves, batch, batch_key, hp)
 
-        def metrics(batch, j):  # batch j gets its own key
-            batch_key = None if key is None else jr.fold_in(key, j)
-            loss, extra = self.evaluate(leaves, batch, batch_key, hp)
-            values = {"loss": loss, **extra}
-            return {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
+        found = over_dataset(batch_metrics, data, self.n, self.batch_size, key)
+        return {f"val_{k}": v for k, v in found.items()}
 
+
+@jtu.register_pytree_node_class
+class Ratio:
+    """A metric that is a ratio of sums over the whole dataset: ``sum(num) /
+    sum(den)``, not a mean of per-batch ratios.
+
+    Return it among the metrics of an ``eval_fn`` (or as its loss) for
+    ``scanax.evaluate`` and ``scanax.fit``'s in-loop evaluation: across
+    batches, ``num`` and ``den`` are summed separately and the metric is their
+    quotient, so precision, recall, F1 or a per-token loss are the dataset's
+    own values however the data is batched. Sum over the batch's examples
+    yourself; an array ``num``/``den`` (per class, say) gives an array metric.
+
+    Conceptually equivalent to::
+
+        value = sum(r.num for r in batch_ratios) / sum(r.den for r in batch_ratios)
+
+    Wherever else it is read as an array (a training metric of ``loss_fn``
+    in ``fit``'s history, ``jnp.asarray``, ``np.asarray``), a Ratio is its
+    value ``num / den``.
+
+    Arguments:
+        num, den: arrays (or numbers) of the same shape, e.g. counts.
+
+    Example:
+        >>> import jax.numpy as jnp, scanax
+        >>> tp, fp, fn = jnp.array(3), jnp.array(1), jnp.array(2)
+        >>> precision = scanax.Ratio(tp, tp + fp)
+        >>> float(precision.value), precision.shape
+        (0.75, ())
+    """
+
+    __slots__ = ("num", "den")
+
+    def __init__(self, num: Any, den: Any):
+        self.num, self.den = num, den
+
+    def tree_flatten(self) -> tuple[tuple, None]:
+        return (self.num, self.den), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: tuple) -> Ratio:
+        return cls(*children)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(jnp.broadcast_shapes(jnp.shape(self.num), jnp.shape(self.den)))
+
+    @property
+    def dtype(self) -> Any:
+        """The value's dtype: floating (counts give the default float)."""
+        types = [jnp.result_type(x) for x in (self.num, self.den)]
+        floats = [t for t in types if jnp.issubdtype(t, jnp.inexact)]
+        if not floats:
+            return jnp.result_type(float)
+        return max(floats, key=lambda t: jnp.dtype(t).itemsize)
+
+    @property
+    def value(self) -> Any:
+        """``num / den`` (a JAX array)."""
+        dtype = self.dtype
+        return jnp.asarray(self.num, dtype) / jnp.asarray(self.den, dtype)
+
+    def __jax_array__(self) -> Any:
+        return self.value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        own = np.dtype(self.dtype)
+        with np.errstate(divide="ignore", invalid="ignore"):  # (0 / 0: NaN)
+            value = np.asarray(self.num, own) / np.asarray(self.den, own)
+        return np.asarray(value, dtype or own)
+
+    def __repr__(self) -> str:
+        return f"scanax.Ratio(num={self.num!r}, den={self.den!r})"
+
+
+def over_dataset(
+    metrics: Callable,
+    data: Any,
+    n: int,
+    batch_size: int,
+    key: Any = None,
+    place: Callable | None = None,
+) -> dict:
+    """``{"loss": ..., **metrics}`` over every example of ``data`` (``n`` of them,
+    a leading axis on every leaf), in batches of ``batch_size``: full batches in
+    a scan, then the remainder. ``metrics(batch, batch_key) -> (loss, metrics)``
+    gives a batch's means (batch ``j``'s key: ``fold_in(key, j)``, None without
+    ``key``); each is weighted by its batch's size, so that the result is the
+    mean over the examples, and a :class:`Ratio`'s ``num`` and ``den`` are
+    summed separately. ``place``: applied to each batch (a sharding constraint).
+
+    Conceptually equivalent to::
+
+        total = {}
+        for j, start in enumerate(range(0, n, batch_size)):
+            batch = data[start:start + batch_size]
+            loss, extra = metrics(batch, fold_in(key, j))
+            for name, v in {"loss": loss, **extra}.items():
+                total[name] += (v.num, v.den) if ratio else v * len(batch)
+        return {name: num / den if ratio else v / n for name, v in total.items()}
+    """
+    b = batch_size
+    full, rest = divmod(n, b)
+
+    def at(start, size):
+        batch = jtu.tree_map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), data
+        )
+        return batch if place is None else place(batch)
+
+    def sums(batch, j, size):
+        batch_key = None if key is None else jr.fold_in(key, j)
+        loss, extra = metrics(batch, batch_key)
+        values = {"loss": loss, **extra}
+        return {k: _weighted(v, size) for k, v in values.items()}
+
+    def add(a, b):
+        return jtu.tree_map(jnp.add, a, b)
+
+    with jax.named_scope("scanax.evaluate"):
         total = None
         if full:
+            # (traced once: the carry's shapes, and the scan's batch)
+            one, shapes = trace_once(lambda i: sums(at(i * b, b), i, b), jnp.int32(0))
+            zero = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
             def body(acc, i):
-                m = jtu.tree_map(lambda v: v * b, metrics(at(i * b, b), i))
-                return jtu.tree_map(jnp.add, acc, m), None
+                return add(acc, one(i)), None
 
-            first = jtu.tree_map(lambda v: v * b, metrics(at(0, b), 0))
-            total, _ = jax.lax.scan(body, first, jnp.arange(1, full))
+            total, _ = jax.lax.scan(body, zero, jnp.arange(full, dtype=jnp.int32))
         if rest:
-            m = jtu.tree_map(lambda v: v * rest, metrics(at(full * b, rest), full))
-            total = m if total is None else jtu.tree_map(jnp.add, total, m)
-        return {f"val_{k}": v / self.n for k, v in total.items()}
+            last = sums(at(full * b, rest), full, rest)
+            total = last if total is None else add(total, last)
+        return {k: _mean(v, n) for k, v in total.items()}
+
+
+def _weighted(value: Any, size: int) -> Any:
+    """A batch's part of a dataset total: a mean times the batch's size, or a
+    Ratio's parts as they are (counts summed exactly as int32)."""
+    if isinstance(value, Ratio):
+        return Ratio(_summand(value.num), _summand(value.den))
+    return jnp.asarray(value, jnp.float32) * size
+
+
+def _summand(x: Any) -> Any:
+    dtype = jnp.result_type(x)
+    exact = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
+    return jnp.asarray(x, jnp.int32 if exact else jnp.float32)
+
+
+def _mean(total: Any, n: int) -> Any:
+    if isinstance(total, Ratio):
+        num, den = (jnp.asarray(x, jnp.float32) for x in (total.num, total.den))
+        return num / den
+    return total / n
 
 
 class Logger:
@@ -180,18 +331,22 @@ class Logger:
         axis = 1 if self.members else 0
         steps = np.asarray(history["step"])
         keep = steps > cut
-        names = [k for k in history if k != "step" and not k.startswith("val_")]
+        sparse = ("val_", "rollout_")  # (entries at their own steps)
+        names = [k for k in history if k != "step" and not k.startswith(sparse)]
         self.add(
             steps[keep], {k: np.compress(keep, history[k], axis=axis) for k in names}
         )
-        if "val_step" in history:
-            vsteps = np.asarray(history["val_step"])
-            vkeep = vsteps > cut
-            vnames = [k for k in history if k.startswith("val_") and k != "val_step"]
-            self.add_val(
-                vsteps[vkeep],
-                {k: np.compress(vkeep, history[k], axis=axis) for k in vnames},
-            )
+        for prefix in sparse:
+            if prefix + "step" in history:
+                vsteps = np.asarray(history[prefix + "step"])
+                vkeep = vsteps > cut
+                vnames = [
+                    k for k in history if k.startswith(prefix) and k != prefix + "step"
+                ]
+                self.add_val(
+                    vsteps[vkeep],
+                    {k: np.compress(vkeep, history[k], axis=axis) for k in vnames},
+                )
 
     def add(self, steps: np.ndarray, values: dict) -> None:
         """Per-step values (``[steps, ...]``; a population's ``[members, steps,
@@ -232,19 +387,19 @@ class Logger:
                 if rest.any()
                 else []
             )
-        if self.val:
-            vsteps = np.concatenate([s for s, _ in self.val])
-            vnames = list(self.val[0][1])
-            vvalues = {k: np.concatenate([v[k] for _, v in self.val]) for k in vnames}
+        pending = []
+        for names in dict.fromkeys(tuple(v) for _, v in self.val):
+            # (each kind of entry apart: evaluations, a rollout's collections)
+            group = [(s, v) for s, v in self.val if tuple(v) == names]
+            vsteps = np.concatenate([s for s, _ in group])
+            vvalues = {k: np.concatenate([v[k] for _, v in group]) for k in names}
             done = vsteps <= cut
             if done.any():
                 parts.append((vsteps[done], {k: v[done] for k, v in vvalues.items()}))
             rest = ~done
-            self.val = (
-                [(vsteps[rest], {k: v[rest] for k, v in vvalues.items()})]
-                if rest.any()
-                else []
-            )
+            if rest.any():
+                pending.append((vsteps[rest], {k: v[rest] for k, v in vvalues.items()}))
+        self.val = pending
         if parts:
             self.sinks.write(*_log.merge(*parts))
         self.sinks.flush()

@@ -13,6 +13,12 @@ import numpy as np
 from . import _caller
 from ._errors import fit as errors
 
+# Entries recorded at some steps only, as (buffer, its flag, history prefix):
+# evaluations after step t (0-based) and a rollout's collections before it, both
+# at step number t + 1 (``val_step``, ``rollout_step``), as the step's own entries:
+# the collection that step ``t + 1`` was the first to train on.
+SPARSE = (("val", "evaluated", "val_"), ("rollout", "collected", "rollout_"))
+
 
 class History:
     """Per-step values of one ``fit`` call, with their global step numbers.
@@ -25,7 +31,8 @@ class History:
         self.members = members
         self.axis = 0 if members is None else 1  # the steps' axis of a value
         self.arrays: dict[str, list[np.ndarray]] = {"step": [], "loss": []}
-        self.val: dict[str, list[np.ndarray]] = {}  # "val_step" and "val_<name>"
+        # "val_step", "val_<name>", "rollout_step", "rollout_<name>"
+        self.val: dict[str, list[np.ndarray]] = {}
         self.count = 0  # steps recorded
         self.warned = False
 
@@ -36,13 +43,17 @@ class History:
         """The history of a checkpoint at ``step``, from step ``after + 1`` on (a
         checkpoint of an older format has no step numbers: they are counted back)."""
         saved = dict(saved)
-        val = {k: saved.pop(k) for k in list(saved) if k.startswith("val_")}
-        if "val_step" in val:
-            keep_val = np.asarray(val["val_step"]) > after
-            self.val = {
-                k: [np.compress(keep_val, v, axis=self._axis(k))]
-                for k, v in val.items()
-            }
+        self.val = {}
+        for _, _, prefix in SPARSE:
+            group = {k: saved.pop(k) for k in list(saved) if k.startswith(prefix)}
+            if prefix + "step" in group:
+                keep = np.asarray(group[prefix + "step"]) > after
+                self.val.update(
+                    {
+                        k: [np.compress(keep, v, axis=self._axis(k))]
+                        for k, v in group.items()
+                    }
+                )
         n = len(saved.get("loss", ()))
         steps = saved.pop("step", np.arange(step - n + 1, step + 1, dtype=np.int64))
         keep = np.asarray(steps) > after
@@ -57,7 +68,8 @@ class History:
         """``ran`` steps from global step ``first`` (0-based; recorded 1-based,
         as the optimizer's step count after each), of which ``applied`` (per
         member) were applied: a member's others are NaN. Returns what it
-        recorded, for the logger: ``(steps, values, val_steps, val_values)``."""
+        recorded, for the logger: ``(steps, values, sparse)``, ``sparse`` a
+        list of ``(steps, values)``: the evaluations, the collections."""
         values = {"loss": ys["loss"], **ys["metrics"]}
         if self.members is None:
             values = {k: np.asarray(v)[:ran] for k, v in values.items()}
@@ -78,25 +90,35 @@ class History:
         for name, value in values.items():
             self.arrays[name].append(value)
         self.count += ran
-        if "val" not in ys:
-            return steps, values, steps[:0], {}
-        # evaluations: one entry each, at their steps (a population: where any
-        # member evaluated, NaN for the others)
-        evaluated = np.asarray(ys["evaluated"])
+        sparse = []
+        for entry, flag, prefix in SPARSE:
+            if entry in ys:
+                sparse.append(self._sparse(first, ys, ran, entry, flag, prefix))
+        return steps, values, sparse
+
+    def _sparse(self, first, ys, ran, entry, flag, prefix) -> tuple:
+        """Entries recorded at some steps only: one each where ``ys[flag]``, at
+        their steps (a population: where any member has one, NaN for the
+        others)."""
+        done = np.asarray(ys[flag])
+        named = {
+            k if k.startswith(prefix) else prefix + k: v for k, v in ys[entry].items()
+        }
         if self.members is None:
-            idx = np.flatnonzero(evaluated[:ran])
-            val = {k: np.asarray(v)[idx] for k, v in ys["val"].items()}
+            idx = np.flatnonzero(done[:ran])
+            values = {k: np.asarray(v)[idx] for k, v in named.items()}
         else:
-            evaluated = evaluated[:, :ran]
-            idx = np.flatnonzero(evaluated.any(axis=0))
-            val = {
-                k: np.where(evaluated[:, idx], np.asarray(v)[:, idx], np.nan)
-                for k, v in ys["val"].items()
+            done = done[:, :ran]
+            idx = np.flatnonzero(done.any(axis=0))
+            values = {
+                k: np.where(done[:, idx], np.asarray(v)[:, idx], np.nan)
+                for k, v in named.items()
             }
-        self.val.setdefault("val_step", []).append(first + 1 + idx)
-        for name, value in val.items():
+        steps = first + 1 + idx
+        self.val.setdefault(prefix + "step", []).append(steps)
+        for name, value in values.items():
             self.val.setdefault(name, []).append(value)
-        return steps, values, first + 1 + idx, val
+        return steps, values
 
     def _nan(self, count: int) -> np.ndarray:
         """NaN for ``count`` steps (and every member)."""

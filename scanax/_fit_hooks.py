@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, NamedTuple, Protocol
 
-from . import _progress
+import jax
+import numpy as np
+
+from . import _checkpoint, _progress
 from ._errors import fit as errors
 
 _CALL = errors.CALL
@@ -21,7 +24,7 @@ class Collected(NamedTuple):
     end: int  # the step it was asked to reach
     complete: bool  # it ran every step asked and nothing stopped it
     state: tuple  # (leaves, stopped, early-stop carry) after it (not a later call's)
-    recorded: tuple  # (steps, values, val_steps, val): what the history got
+    recorded: tuple  # (steps, values, sparse): what the history got (History.add)
     postfix: dict  # what the bar shows after it
 
 
@@ -86,15 +89,45 @@ class Saver:
         every = self.ckpt.every
         if call.complete and every and call.end % every == 0:
             saved = run.kind.saved(run, *call.state)
-            self.ckpt.save(call.end, saved, run.key, run.history.result())
+            data = run.source.state_at(call.end - run.start)
+            self.ckpt.save(call.end, saved, run.key, run.history.result(), data)
 
     def end(self, run: Any) -> None:
         saved = run.kind.saved(run, run.leaves, run.stopped, run.extra)
-        self.ckpt.save(run.done, saved, run.key, run.history.result())
+        data = run.source.state_at(run.done - run.start)
+        self.ckpt.save(run.done, saved, run.key, run.history.result(), data)
 
     def close(self, run: Any) -> None:
         """(the run closes its checkpoints: also when it was refused before
         its hooks started)"""
+
+
+class BestSaver:
+    """``fit(best_dir=)``: the best state that ``stop=`` keeps on device, saved
+    (atomically, by orbax) whenever it changes, after the call that found it;
+    only the model's own leaves (``n``: not an average's or a rollout's)."""
+
+    def __init__(self, store: Any, n: int):
+        self.store, self.n, self.saved = store, n, None
+
+    def start(self, run: Any) -> None:
+        """(the directory is only written by the first save)"""
+
+    def after_call(self, run: Any, call: Collected) -> None:
+        extra = call.state[2]  # this call's early-stop carry, not a later one's
+        step = int(jax.device_get(extra.rule.best_step))
+        if step >= 0 and step != self.saved and extra.best:
+            best = list(extra.best[: self.n])
+            value = np.asarray(jax.device_get(extra.rule.best), np.float64)
+            history = {"step": np.asarray([step], np.int64), "value": value[None]}
+            self.store.save(step, best, _checkpoint.best_key(), history)
+            self.saved = step
+
+    def end(self, run: Any) -> None:
+        """(saved after each call)"""
+
+    def close(self, run: Any) -> None:
+        self.store.close()
 
 
 class Logs:
@@ -108,9 +141,10 @@ class Logs:
         self.logger.open(*run.replay)
 
     def after_call(self, run: Any, call: Collected) -> None:
-        steps, values, val_steps, val = call.recorded
+        steps, values, sparse = call.recorded
         self.logger.add(steps, values)
-        self.logger.add_val(val_steps, val)
+        for entry_steps, entries in sparse:  # evaluations, collections
+            self.logger.add_val(entry_steps, entries)
         self.logger.write()
 
     def end(self, run: Any) -> None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _caller, _checkpoint, _fit_hooks, _models, _stop
+from . import _caller, _checkpoint, _fit_hooks, _models, _rollout, _stop
 from ._errors import (
     checkpoint as ckpt_errors,
     fit as errors,
@@ -47,6 +47,9 @@ class FitResult:
         best_step: with ``stop=EarlyStop(..., restore_best=True)``: the step
             whose state ``model`` holds (``steps`` still counts the steps
             trained); else None.
+        ema: with ``fit(..., ema=decay)``: a model of the same kind (a new
+            object) holding the moving average of the trained parameters (at
+            ``best_step`` when the best state is restored); else None.
 
     For a population (``scanax.population``): ``model[i]`` and ``optimizer[i]``
     are member ``i`` as ordinary objects of its kind; ``history`` arrays other
@@ -62,6 +65,7 @@ class FitResult:
     history: dict[str, np.ndarray]
     steps: Any
     best_step: Any = None
+    ema: Any = None
 
     def plot(self, path: Any = None) -> Any:
         """Train loss (raw and smoothed) and every validation metric against the
@@ -103,12 +107,13 @@ class FitResult:
 
 def best_state(names: list[str], best: list, last: list, where: Any = None) -> list:
     """The state an early stop restores: ``best``'s leaves, except the step
-    counts (``_models.is_counter``), which keep ``last``'s: the next ``fit``
-    continues after the last step run. ``where``: a population's per-member
-    mask of the members with a best state (the others keep ``last``)."""
+    counts (``_models.is_counter``) and a rollout's feed (``_rollout.is_feed``),
+    which keep ``last``'s: the next ``fit`` continues after the last step run
+    with the data it would have had. ``where``: a population's per-member mask
+    of the members with a best state (the others keep ``last``)."""
     out = []
     for name, b, x in zip(names, best, last):
-        if _models.is_counter(name, x, where is not None):
+        if _models.is_counter(name, x, where is not None) or _rollout.is_feed(name):
             out.append(x)
         elif where is None:
             out.append(b)
@@ -144,6 +149,9 @@ class Setup(NamedTuple):
     eval_arrays: Any
     eval_call: Any  # eval_fn (or loss_fn) as given, with evaluation
     logger: Any  # ``_fit_checks.Logger``, or None
+    precision: Any  # the dtype to compute in (``_precision``), or None
+    ema: Any  # ``(decay, on_eval, ema_state)`` (``_ema``), or None
+    best_dir: Any  # ``best_dir=``, or None
 
 
 class How(NamedTuple):
@@ -157,11 +165,12 @@ class How(NamedTuple):
 
 
 class Extras(NamedTuple):
-    """A run's evaluation, early stop and logs."""
+    """A run's evaluation, early stop, logs and best-only store."""
 
     checks: Any  # ``_fit_checks.Checks``, or None
     eval_data: Any  # the eval arrays, on the devices
     logger: Any  # ``_fit_checks.Logger``, or None
+    best: Any = None  # ``_fit_hooks.BestSaver`` (``best_dir=``), or None
 
 
 class Kind(Protocol):
@@ -229,7 +238,7 @@ class Run:
         self.schedule, self.leaves = schedule, leaves
         self.start, self.end, self.spec, self.mesh, self.ticks = how
         # evaluation/early stop (``_fit_checks.Checks``), eval data, log=
-        self.checks, self.eval_data, self.logger = extras
+        self.checks, self.eval_data, self.logger, self.best = extras
         self.data, self.key = source.arguments(self.mesh)
         self.extra = None  # the early-stop carry
         self.stopped = false()
@@ -258,6 +267,7 @@ class Run:
     def resume(self, directory: Any, every: int | None) -> None:
         """Continue from the newest usable checkpoint in ``directory`` that lies
         between this call's start and end (see ``docs/checkpoint.md``)."""
+        self.source.keep_states()  # (a resumable iterator's, for the saves)
         names = self.kind.names(self)
         describe = self.kind.describe(self)
         self.ckpt = _checkpoint.Checkpoints(
@@ -301,7 +311,8 @@ class Run:
         elif self.kind.stopped_by_rule(self):  # the call ended there, by its rule
             self.halted = True
             self.warn(ckpt_errors.checkpoint_stopped(self.ckpt.directory, step))
-        self.source.skip(step - self.start)  # the batches those steps used
+        # the batches those steps used (a resumable iterator: set to its state)
+        self.source.skip(step - self.start, self.ckpt.data_state)
 
     # ------------------------------------------------------------ run
 
@@ -324,6 +335,8 @@ class Run:
             out.append(_fit_hooks.Saver(self.ckpt))
         if self.logger is not None:
             out.append(_fit_hooks.Logs(self.logger))
+        if self.best is not None:
+            out.append(self.best)
         return out
 
     def go(self) -> Any:

@@ -24,6 +24,7 @@ import numpy as np
 from . import (
     _caller,
     _data,
+    _ema,
     _fingerprint,
     _fit_checks,
     _fit_hooks,
@@ -33,6 +34,8 @@ from . import (
     _memory,
     _mesh,
     _population,
+    _precision,
+    _rollout,
 )
 from ._errors import population as errors
 
@@ -84,7 +87,14 @@ class Sweep:
         source, key = setup.source, setup.key
         self.per_member = not shared and getattr(source, "shuffle", False)
         self.keys = jr.split(key if key is not None else _data.unused_key(), pop.n)
-        self.call_for = _call_for(setup.loss_fn, setup.takes_hp, setup.takes_key)
+        self.ema = None
+        if setup.ema is not None:  # the averages join the state
+            self.pop = pop = self.ema = _ema.EmaPopulation(pop, *setup.ema)
+        if isinstance(source, _rollout.RolloutSource):  # the feeds too
+            self.pop = pop = _rollout.FedPopulation(pop, source, self.keys)
+        self.call_for = _call_for(
+            setup.loss_fn, setup.takes_hp, setup.takes_key, pop.kind, setup.precision
+        )
         self.checks, self.eval_arrays, self.eval_key = setup.checks, None, None
         if self.checks is not None:
             self._evaluation(setup.eval_call, eval_takes)
@@ -95,7 +105,9 @@ class Sweep:
         training metric only)."""
         checks, mesh = self.checks, self.setup.mesh
         if eval_fn is not None:
-            evaluate = self.pop.eval_factory(_call_for(eval_fn, *eval_takes))
+            evaluate = self.pop.eval_factory(
+                _call_for(eval_fn, *eval_takes, self.pop.kind, self.setup.precision)
+            )
             self.checks = _fit_checks.Checks(
                 checks.every, evaluate, checks.n, checks.batch_size, checks.stop
             )
@@ -128,6 +140,7 @@ class Sweep:
             setup.source.static,
             setup.length,
             self.per_member,
+            setup.precision,
             k,
             None if mesh is None else (mesh.shape_tuple, mesh.device_ids.tobytes()),
             self.eval_key,
@@ -247,6 +260,7 @@ class Sweep:
             history,
             np.concatenate([r.applied for r in results]),
             best,
+            None if self.ema is None else self.ema.result(),
         )
 
 
@@ -317,11 +331,13 @@ class TooBig(Exception):
         self.need, self.free = need, free
 
 
-def _call_for(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
+def _call_for(
+    fn: Callable, takes_hp: bool, takes_key: bool, kind: str, precision: Any
+) -> Callable:
     """``call_for(hp)``: ``fn`` as ``call(model, batch, key)`` for a member with
-    hyperparameters ``hp``."""
+    hyperparameters ``hp`` (computing in ``precision``, if given)."""
 
-    def call_for(hp):
+    def plain(hp):
         if takes_hp and takes_key:
             return lambda model, batch, key: fn(model, batch, hp, key)
         if takes_hp:
@@ -330,7 +346,9 @@ def _call_for(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
             return lambda model, batch, key: fn(model, batch, key)
         return lambda model, batch, key: fn(model, batch)
 
-    return call_for
+    if precision is None:
+        return plain
+    return lambda hp: _precision.wrap(plain(hp), kind, precision)
 
 
 def merge_groups(histories: list[dict]) -> dict:
@@ -339,15 +357,24 @@ def merge_groups(histories: list[dict]) -> dict:
     sooner; NaN where a group has no entry)."""
     steps = ft.reduce(np.union1d, [h["step"] for h in histories])
     out = {"step": steps}
-    if "val_step" in histories[0]:
-        out["val_step"] = ft.reduce(np.union1d, [h["val_step"] for h in histories])
+    for prefix in ("val_", "rollout_"):  # entries at their own steps
+        if prefix + "step" in histories[0]:
+            out[prefix + "step"] = ft.reduce(
+                np.union1d, [h[prefix + "step"] for h in histories]
+            )
+
+    def steps_of(name: str) -> str:
+        return next(
+            (p + "step" for p in ("val_", "rollout_") if name.startswith(p)), "step"
+        )
+
     for name, first in histories[0].items():
         if first.ndim == 1:
             continue
-        axis = out["val_step" if name.startswith("val_") else "step"]
+        axis = out[steps_of(name)]
         rows = []
         for h in histories:
-            own = h["val_step" if name.startswith("val_") else "step"]
+            own = h[steps_of(name)]
             v = h[name]
             row = np.full((v.shape[0], len(axis), *v.shape[2:]), np.nan, v.dtype)
             row[:, np.searchsorted(axis, own)] = v
@@ -393,7 +420,7 @@ class Members(_fit_program.Lanes):
                 key_t = _fit_program.step_key(jr.split(key)[1], t, accumulate)
             new, loss, metrics, grads = step(leaves, batch, key_t, hp)
             loss_ok, grads_ok = _fit_program.finite(loss, grads)
-            return new, {"loss": loss, "metrics": metrics}, loss_ok & grads_ok
+            return new, _fit_program.outputs(loss, metrics), loss_ok & grads_ok
 
         axes = (0, 0, xs_axis, 0, None, None, None, None)
         self.members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)
@@ -432,6 +459,8 @@ class Members(_fit_program.Lanes):
                     count=keep(checked.count, extra.count),
                 )
             out = {**out, "val": val, "evaluated": due & take}
+        if "collected" in out:  # (a member that did not take the step kept its feed)
+            out = {**out, "collected": out["collected"] & take}
         applied = applied + take.astype(applied.dtype)
         return (leaves, stopped | (active & ~ok), extra, applied), out
 

@@ -17,7 +17,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _fingerprint, _mesh, _progress
+from . import _conv_layout, _fingerprint, _mesh, _progress, _rollout
 from ._errors import fit as errors
 
 _CALL = errors.CALL
@@ -223,7 +223,7 @@ class Solo(Lanes):
         key_t = step_key(env, t, self.accumulate) if self.takes_key else None
         leaves, loss, metrics, grads = self.fn(leaves, batch, key_t, c.hp)
         loss_ok, grads_ok = finite(loss, grads)
-        out = {"loss": loss, "metrics": metrics}
+        out = outputs(loss, metrics)
         early = jnp.array(False)
         if self.checks is not None:
             # (fit's key, or a placeholder: an eval_fn may take a key when
@@ -318,18 +318,32 @@ def build_chunk(lanes: Lanes, sampler: Any, length: int, ticks: bool) -> Callabl
     return chunk
 
 
+def outputs(loss: Any, metrics: dict) -> dict:
+    """A step's outputs for the buffers: ``{"loss", "metrics"}``, and a
+    rollout's collection (``"collected"``: whether the step collected, and
+    ``"rollout"``: its metrics) where the step made its batch."""
+    metrics = dict(metrics)
+    rollout = metrics.pop(_rollout.METRICS, None)
+    out = {"loss": loss, "metrics": metrics}
+    if rollout is not None:
+        out["collected"], out["rollout"] = rollout
+    return out
+
+
 def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
     """``fn`` traced once, for arguments like ``args``: a function that replays
     its equations, and the shapes of its output. The loop needs the shapes of a
     step's outputs before the loop (its buffers) and the step inside it; tracing
     the step twice (``eval_shape``, then the loop body) made a model's trace, the
     Python part of the first call, about a third longer. Values ``fn`` closes
-    over (the call's tracers) are kept as the replay's constants."""
+    over (the call's tracers) are kept as the replay's constants. On CPU, its
+    convolutions are replayed in the layout XLA runs fast inside a loop body
+    (``_conv_layout``); a step without convolutions replays as traced."""
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_tree = jtu.tree_structure(shapes)
 
     def replay(*args: Any) -> Any:
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jtu.tree_leaves(args))
+        flat = _conv_layout.replay(closed, *jtu.tree_leaves(args))
         return jtu.tree_unflatten(out_tree, flat)
 
     return replay, shapes
@@ -361,15 +375,3 @@ def step_key(root: Any, t: Any, accumulate: int) -> Any:
 def false() -> Any:
     """A device ``False`` (``jnp.array(False)`` compiles a program, ~20 ms)."""
     return jax.device_put(np.False_)
-
-
-def strong(leaves: list) -> list:
-    """The state as the loop carries it: JAX arrays in JAX's default dtypes (a
-    float64 NumPy array is float32 unless x64 is on; a Python int is int32), with
-    weak types dropped (a carry must keep its type; restored checkpoints lose them).
-    Checkpoints are written and checked in these types."""
-    out = []
-    for x in leaves:
-        a = x if isinstance(x, jax.Array) else jnp.asarray(x)
-        out.append(jnp.asarray(a, a.dtype) if getattr(a, "weak_type", False) else a)
-    return out

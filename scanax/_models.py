@@ -28,6 +28,11 @@ from ._tree import is_array
 _CALL = errors.CALL
 
 
+# Prefixes of the history's entries at their own steps (evaluations, a rollout's
+# collections): not a training metric's.
+SPARSE_PREFIXES = ("val_", "rollout_")
+
+
 def split_loss(call: str, out: Any, name: str = "loss_fn") -> tuple[Any, dict]:
     """``loss`` or ``(loss, metrics)`` from a ``loss_fn`` result, checked."""
     if isinstance(out, tuple):
@@ -40,11 +45,13 @@ def split_loss(call: str, out: Any, name: str = "loss_fn") -> tuple[Any, dict]:
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise errors.loss_not_scalar(call, loss, name)
-    for name, leaf in metrics.items():  # flat: history has one entry per name
-        if name in ("loss", "step") or str(name).endswith("_step"):
-            raise errors.metric_name_reserved(call, name)
+    for key, leaf in metrics.items():  # flat: history has one entry per name
+        reserved = key in ("loss", "step") or str(key).endswith("_step")
+        # (training metrics: entries at their own steps have these prefixes)
+        if reserved or (name == "loss_fn" and str(key).startswith(SPARSE_PREFIXES)):
+            raise errors.metric_name_reserved(call, key)
         if not hasattr(leaf, "shape"):
-            raise errors.metric_not_array(call, jtu.keystr((jtu.DictKey(name),)), leaf)
+            raise errors.metric_not_array(call, jtu.keystr((jtu.DictKey(key),)), leaf)
     return loss, metrics
 
 
@@ -69,20 +76,26 @@ def accumulated(one: Callable, state: Any, batches: Any, keys: Any, k: int) -> t
         acc = jtu.tree_map(
             lambda a, g: a + (g - a) / (j + 1).astype(a.dtype), acc, grads
         )
-        sums = {
-            n: (s + v if jnp.issubdtype(v.dtype, jnp.inexact) else v)
-            for (n, s), v in zip(sums.items(), metrics.values())
-        }
+        sums = {n: _add(s, v) for (n, s), v in zip(sums.items(), metrics.values())}
         return (state, acc, total + loss, sums), None
 
     (state, grads, total, sums), _ = jax.lax.scan(
         body, (state, grads, loss, dict(metrics)), jnp.arange(1, k)
     )
-    metrics = {
-        n: (v / k if jnp.issubdtype(v.dtype, jnp.inexact) else v)
-        for n, v in sums.items()
-    }
+    metrics = {n: (v / k if _averaged(v) else v) for n, v in sums.items()}
     return state, total / k, metrics, grads
+
+
+def _averaged(v: Any) -> bool:
+    """A floating array metric (averaged over micro-batches); a ``Ratio``'s
+    sums (any pytree that is not an array) are summed, others keep the last."""
+    return isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.inexact)
+
+
+def _add(total: Any, v: Any) -> Any:
+    if not isinstance(v, jax.Array):  # a Ratio: its numerator and denominator
+        return jtu.tree_map(jnp.add, total, v)
+    return total + v if _averaged(v) else v
 
 
 def extra_args(tx: Any, loss: Any) -> dict:
@@ -101,6 +114,8 @@ def extra_args(tx: Any, loss: Any) -> dict:
 class NNXAdapter:
     """``(nnx.Module, nnx.Optimizer)``: both carried as one flat list of Variable
     values, written back into the same Variables at the end."""
+
+    kind = "nnx"
 
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
@@ -133,6 +148,37 @@ class NNXAdapter:
         out = []
         for path, _ in jtu.tree_flatten_with_path(self.state)[0]:
             out.append(_variable_name(self.paths[path[0].idx]) + jtu.keystr(path[1:]))
+        return out
+
+    def trained(self) -> list[int]:
+        """The positions in ``state`` of the trained parameters: the model's
+        floating Variables the optimizer's ``wrt`` filter takes."""
+        nnx = sys.modules["flax.nnx"]
+        takes = nnx.filterlib.to_predicate(self.objects[1].wrt)
+        return [
+            i
+            for i, (path, v) in enumerate(zip(self.paths, self.variables))
+            if path[0] == 0 and takes(path[1:], v) and _is_inexact(self.state[i])
+        ]
+
+    def model_of(self, state: Any) -> Any:
+        """A new model holding ``state`` (the objects passed in unchanged)."""
+        return _nnx.unflatten(self.graphdef, state)[0]
+
+    def trained_of(self, model: Any) -> list | None:
+        """The trained parameters of another model of this structure (None if
+        it is not one)."""
+        try:
+            _, variables, paths = _nnx.flatten([model])
+        except Exception:
+            return None
+        values = dict(zip(paths, variables))
+        out = []
+        for i in self.trained():
+            v = values.get(self.paths[i])
+            if v is None:
+                return None
+            out.append(v.get_raw_value())
         return out
 
     def partition_specs(self) -> Any:
@@ -182,18 +228,22 @@ class NNXAdapter:
 
         return step
 
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        """``evaluate(state, batch, key) -> (loss, metrics)`` of the model in eval
-        mode (``Module.eval()``: Dropout off, BatchNorm on its running averages),
-        on a copy: nothing it changes is kept."""
+    def make_call(self, fn: Callable) -> Callable:
+        """``call(state, *args) -> fn(model, *args)`` with the model in eval mode
+        (``Module.eval()``: Dropout off, BatchNorm on its running averages), on
+        a copy: nothing it changes is kept."""
         graphdef = self.graphdef
 
-        def evaluate(state, batch, key):
+        def call(state, *args):
             model, _ = _nnx.unflatten(graphdef, state)
             model.eval()
-            return split_loss(_CALL, loss_fn(model, batch, key), "eval_fn")
+            return fn(model, *args)
 
-        return evaluate
+        return call
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)`` in eval mode."""
+        return _evaluation(self.make_call(loss_fn))
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         if self.writable:
@@ -203,6 +253,15 @@ class NNXAdapter:
             new = _nnx.unflatten(self.graphdef, state)
             _nnx.update(list(self.objects), _nnx.split(new)[1])
         return self.objects
+
+
+def _evaluation(call: Callable) -> Callable:
+    """``evaluate(state, batch, key) -> (loss, metrics)`` from a ``make_call``."""
+
+    def evaluate(state, batch, key):
+        return split_loss(_CALL, call(state, batch, key), "eval_fn")
+
+    return evaluate
 
 
 def _variable_name(path: tuple) -> str:
@@ -219,6 +278,8 @@ class OptaxAdapter:
     model with ``None`` at every leaf that is not trained (``eqx.filter(model,
     eqx.is_inexact_array)``).
     """
+
+    kind = "optax"
 
     def __init__(self, model: Any, tx: Any, opt_state: Any = None):
         flat, treedef = jtu.tree_flatten_with_path(model)
@@ -258,6 +319,20 @@ class OptaxAdapter:
 
     def fingerprint(self) -> Any:
         return _fingerprint.of(self.static)
+
+    def trained(self) -> list[int]:
+        """The positions of the trained parameters in ``state``'s leaves."""
+        flat = jtu.tree_flatten_with_path(self.state)[0]
+        return [i for i, (path, _) in enumerate(flat) if path[0].key == "params"]
+
+    def model_of(self, state: Any) -> Any:
+        return self.layout.model(state["params"], state["other"])
+
+    def trained_of(self, model: Any) -> list | None:
+        leaves, treedef = jtu.tree_flatten(model)
+        if treedef != self.layout.treedef:
+            return None
+        return [leaves[i] for i in self.train]
 
     def partition_specs(self) -> None:
         """No sharding annotations: the state is replicated on a mesh."""
@@ -304,20 +379,24 @@ class OptaxAdapter:
 
         return step
 
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        """``evaluate(state, batch, key) -> (loss, metrics)``; an Equinox model in
+    def make_call(self, fn: Callable) -> Callable:
+        """``call(state, *args) -> fn(model, *args)``; an Equinox model in
         inference mode (``eqx.nn.inference_mode``: Dropout off, BatchNorm on its
         running averages)."""
         layout = self.layout
 
-        def evaluate(state, batch, key):
+        def call(state, *args):
             model = layout.model(state["params"], state["other"])
             eqx = sys.modules.get("equinox")
             if eqx is not None:
                 model = eqx.nn.inference_mode(model)
-            return split_loss(_CALL, loss_fn(model, batch, key), "eval_fn")
+            return fn(model, *args)
 
-        return evaluate
+        return call
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)`` in inference mode."""
+        return _evaluation(self.make_call(loss_fn))
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         model = self.layout.model(state["params"], state["other"])
@@ -351,12 +430,32 @@ class _Layout:
 class TrainStateAdapter:
     """A flax ``TrainState``: ``loss_fn(state, batch)``, then ``apply_gradients``."""
 
+    kind = "trainstate"
+
     def __init__(self, state: Any):
         self.state = state
         self.static = ("trainstate", jtu.tree_structure(state))
 
     def fingerprint(self) -> Any:
         return _fingerprint.of(self.static)
+
+    def trained(self) -> list[int]:
+        """The positions of the floating ``params`` in the state's leaves."""
+        flat = jtu.tree_flatten_with_path(self.state)[0]
+        return [
+            i
+            for i, (path, x) in enumerate(flat)
+            if getattr(path[0], "name", None) == "params" and _is_inexact(x)
+        ]
+
+    def model_of(self, state: Any) -> Any:
+        return state
+
+    def trained_of(self, model: Any) -> list | None:
+        leaves, treedef = jtu.tree_flatten(model)
+        if treedef != jtu.tree_structure(self.state):
+            return None
+        return [leaves[i] for i in self.trained()]
 
     def partition_specs(self) -> None:
         """No sharding annotations: the state is replicated on a mesh."""
@@ -415,18 +514,21 @@ class TrainStateAdapter:
 
         return step
 
+    def make_call(self, fn: Callable) -> Callable:
+        """``call(state, *args) -> fn(state, *args)``: the state as it is
+        (deterministic evaluation is ``fn``'s to choose)."""
+        return fn
+
     def make_eval(self, loss_fn: Callable) -> Callable:
         """``evaluate(state, batch, key) -> (loss, metrics)``: ``loss_fn`` on the
         state as it is (a ``(loss, metrics, updates)`` result's updates are
-        dropped); deterministic evaluation is ``loss_fn``'s to choose."""
+        dropped)."""
 
-        def evaluate(state, batch, key):
+        def dropped(state, batch, key):
             out = loss_fn(state, batch, key)
-            if isinstance(out, tuple) and len(out) == 3:
-                out = out[:2]
-            return split_loss(_CALL, out, "eval_fn")
+            return out[:2] if isinstance(out, tuple) and len(out) == 3 else out
 
-        return evaluate
+        return _evaluation(dropped)
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         return state, None

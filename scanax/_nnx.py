@@ -59,6 +59,21 @@ def merge(graphdef: Any, state: Any) -> list[Any]:
     return _nnx().merge(graphdef, state)
 
 
+def with_params(model: Any, cast: Any) -> tuple[Any, Any]:
+    """A copy of the NNX ``model`` whose ``nnx.Param`` values are ``cast(value)``
+    (differentiable: the copy's parameters are functions of the model's), and a
+    function that writes the copy's other Variables back into ``model`` (what a
+    call changed: BatchNorm statistics, RNG counts; they keep their dtype)."""
+    nnx = _nnx()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    copy = nnx.merge(graphdef, jtu.tree_map(cast, params), rest)
+
+    def write_back() -> None:
+        nnx.update(model, nnx.state(copy, nnx.Not(nnx.Param)))
+
+    return copy, write_back
+
+
 def update(nodes: list[Any], state: Any) -> None:
     """Write ``state`` back into the user's own objects, in place."""
     _nnx().update(nodes, state)

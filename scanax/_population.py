@@ -128,10 +128,22 @@ class Population:
 
         return evaluate
 
+    def adapter(self, i: int) -> Any:
+        """Member ``i``'s adapter (``_models``), made by ``make`` again."""
+        values = {k: v[i].item() for k, v in self._hp.items()}
+        return _adapt(self.make, self.keys[i], values)
+
+    def view(self, leaves: list, hp: dict, fn: Callable, *args: Any) -> Any:
+        """``fn(model, *args)`` on one member's ``leaves`` in eval mode (the
+        kind's ``make_call``), while tracing, as ``eval_factory``."""
+        adapter = _adapt(self.make, self.keys[0], hp)
+        own = jtu.tree_structure(adapter.state)
+        return adapter.make_call(fn)(jtu.tree_unflatten(own, leaves), *args)
+
     def member(self, i: int) -> tuple[Any, Any]:
         """Member ``i`` as an ordinary ``(model, optimizer)`` pair of its kind, built
         by ``make`` and holding its trained state (made once per state)."""
-        i = _index(i, self.n)
+        i = member_index(i, self.n)
         found = self._members.get(i)
         if found is not None and found[0] is self.state:
             return found[1]
@@ -324,7 +336,8 @@ def _is_key(x: Any) -> bool:
     return jnp.shape(x) == (2,) and dtype == jnp.uint32
 
 
-def _index(i: Any, n: int) -> int:
+def member_index(i: Any, n: int) -> int:
+    """Member index ``i`` of ``n`` (negative counts from the end), checked."""
     try:
         i = operator.index(i)
     except TypeError:

@@ -112,7 +112,8 @@ class EarlyStop:
         monitor: the metric to watch: ``"loss"`` or another metric ``loss_fn``
             returns, or an evaluation metric ``"val_<name>"``.
         patience: evaluations without improvement after which training stops
-            (``0``: at the first).
+            (``0``: at the first); None: never stop, only keep the best (to
+            restore it, or save it with ``fit(best_dir=)``).
         min_delta: how much a value must beat the best by to count as an
             improvement (``>= 0``, in the direction of ``direction``).
         mode: ``"auto"`` (default: ``"max"`` for accuracies and other scores
@@ -140,7 +141,7 @@ class EarlyStop:
 
     monitor: str
     _: dataclasses.KW_ONLY
-    patience: int
+    patience: int | None
     min_delta: float = 0.0
     mode: str = "auto"
     restore_best: bool = True
@@ -148,11 +149,13 @@ class EarlyStop:
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
             raise errors.monitor_type(self.monitor)
-        if isinstance(self.patience, bool) or not isinstance(
+        if self.patience is None:
+            pass  # never stops: the best is kept (and restored, saved) only
+        elif isinstance(self.patience, bool) or not isinstance(
             self.patience, numbers.Integral
         ):
             raise errors.patience_type(self.patience)
-        if self.patience < 0:
+        elif self.patience < 0:
             raise errors.patience_value(self.patience)
         if isinstance(self.min_delta, bool) or not isinstance(
             self.min_delta, numbers.Real
@@ -228,7 +231,12 @@ class EarlyStop:
             wait = jnp.where(improved, 0, state.wait + 1)
             # never at the first evaluation (Keras: `epoch > 0`)
             later = ~first | (state.wait > 0)
-            stop = state.stopped | (live & ~improved & later & (wait >= self.patience))
+            if self.patience is None:  # keep the best, never stop
+                stop = state.stopped
+            else:
+                stop = state.stopped | (
+                    live & ~improved & later & (wait >= self.patience)
+                )
             new = StopState(
                 best=jnp.where(improved, value, state.best),
                 best_step=jnp.where(

@@ -22,6 +22,8 @@ import pytest  # noqa: E402
 #   not reach.
 STRICT_PROMOTION = {
     "test_architecture.py",
+    "test_linear_scan.py",
+    "test_rnn_linear.py",
     "test_bench.py",
     "test_checkpoint.py",
     "test_compile.py",

@@ -816,7 +816,7 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
                 (
                     None,
                     TypeError,
-                    r"scanax.fit: `steps` must be a positive int, got NoneType",
+                    r"scanax.fit: how long to train is missing.\nFix: pass steps=N",
                 ),
             ]
         ],

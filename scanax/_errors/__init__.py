@@ -5,8 +5,10 @@ leaf by pytree path with a short type (``float32[5, 4]``), says what was expecte
 ends with the fix. This module holds the shared helpers and the messages of
 ``scanax.scan``; the other calls have one module each: ``stack`` (``scanax.Stack``),
 ``rnn`` (``scanax.rnn``/``birnn``), ``long`` (``keep_every``/``keep``, ``remat``,
-``progress``, ``scanax.scan_until``) and ``fit`` (``scanax.fit``: arguments, models
-and optimizers, data, checkpoints, meshes).
+``progress``, ``scanax.scan_until``), ``linear`` (``scanax.linear_scan``), ``fit``
+(``scanax.fit``: arguments, models and optimizers, data, checkpoints, meshes),
+``rollout`` (``scanax.Rollout``), ``evaluate`` (``scanax.evaluate``/``predict``)
+and the fit wing's others (``population``, ``log``, ``stop``, ``checkpoint``).
 """
 
 from __future__ import annotations
@@ -325,3 +327,7 @@ def nnx_closure_mutation(call: str, names: list[str], err: Exception) -> NNXMuta
         "After the scan, the objects you passed are updated in place."
         f"\n(NNX said: {str(err).splitlines()[0]})"
     )
+
+
+def no_attribute(name: str) -> AttributeError:
+    return AttributeError(f"module 'scanax' has no attribute {name!r}")

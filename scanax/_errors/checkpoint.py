@@ -140,3 +140,11 @@ def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
         f"order, so this call's checkpoints (up to step {end}) are not written "
         "(the later ones are kept). Use another checkpoint_dir to keep both."
     )
+
+
+def no_best_state(path: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"scanax.load_best: no best state saved in {path!r}.\nFix: pass the "
+        "best_dir of a fit that evaluated at least once (its stop= monitor "
+        "improved at least once)."
+    )

@@ -565,6 +565,108 @@ def accumulate_too_large(k: int, batch_size: int, n: int) -> ValueError:
 def metric_name_reserved(call: str, name: str) -> ValueError:
     return ValueError(
         f"{call}: `loss_fn` (or `eval_fn`) returns a metric named {name!r}, a name "
-        "the history keeps for itself ('loss', 'step', '..._step').\nFix: rename "
-        f"it, e.g. {name!r} -> 'my_{name}'."
+        "the history keeps for itself ('loss', 'step', '..._step'; for loss_fn "
+        "also 'val_...' and 'rollout_...', the evaluations' and a Rollout's).\n"
+        f"Fix: rename it, e.g. {name!r} -> 'my_{name}'."
+    )
+
+
+def steps_and_epochs(steps: Any, epochs: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: steps={steps!r} and epochs={epochs!r} are both given.\nFix: "
+        "pass one: epochs=E trains exactly E * (n // batch_size) steps."
+    )
+
+
+def epochs_need_arrays(epochs: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: epochs={epochs} needs array data with batch_size= (an epoch "
+        "is one pass over its examples); this data's length is not known.\nFix: "
+        "pass steps= (an iterable ends training early when it runs out)."
+    )
+
+
+def epochs_accumulate(epochs: int, per_epoch: int, k: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: epochs={epochs} is {epochs * per_epoch} batches, which "
+        f"accumulate={k} does not divide into whole optimizer steps.\nFix: pass "
+        f"steps= instead, or an epochs count that makes a multiple of {k} batches."
+    )
+
+
+def steps_missing() -> TypeError:
+    return TypeError(
+        f"{CALL}: how long to train is missing.\nFix: pass steps=N (optimizer "
+        "steps to add) or, for array data, epochs=E."
+    )
+
+
+def ema_type(ema: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `ema` must be a decay (a float in [0, 1)), got "
+        f"{short_type(ema)}.\nFix: pass e.g. ema=0.999."
+    )
+
+
+def ema_value(ema: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: ema={ema!r} is not in [0, 1): the average is e = ema * e + "
+        "(1 - ema) * p after each step.\nFix: pass a decay such as 0.99 or 0.999."
+    )
+
+
+def ema_option_without_ema(name: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `{name}` is given without `ema`.\nFix: pass ema=decay (e.g. "
+        "0.999) too, or drop it."
+    )
+
+
+def ema_state_mismatch() -> TypeError:
+    return TypeError(
+        f"{CALL}: `ema_state` is not a model of this model's structure (its "
+        "trained parameters differ in structure, shape or dtype).\nFix: pass "
+        "the `result.ema` of an earlier fit of this model."
+    )
+
+
+def iterator_state_type(state: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: the data iterator's state (from get_state() or state_dict()) "
+        f"is {short_type(state)}, which a checkpoint cannot hold: it must be "
+        "bytes or what `json` writes and reads back equal (dicts, lists, "
+        "strings, numbers).\nFix: return such a state, or pass an iterator "
+        "without get_state/set_state (it is then skipped forward on resume)."
+    )
+
+
+def precision_value(precision: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: precision={precision!r} is not one fit knows.\nFix: pass "
+        "precision='bfloat16' (compute in bfloat16, float32 parameters and "
+        "optimizer state), or None (float32)."
+    )
+
+
+def precision_float16() -> ValueError:
+    return ValueError(
+        f"{CALL}: precision='float16' needs dynamic loss scaling, which fit does "
+        "not do yet (float16 gradients underflow without it).\nFix: use "
+        "precision='bfloat16' (float32's range: no loss scaling needed)."
+    )
+
+
+def best_dir_without_stop() -> TypeError:
+    return TypeError(
+        f"{CALL}: best_dir= keeps the best model by a monitored metric, and "
+        "none is given.\nFix: pass stop=scanax.EarlyStop(monitor, patience=...) "
+        "too (patience=None: never stop, only keep the best), with eval_every=."
+    )
+
+
+def best_dir_population() -> TypeError:
+    return TypeError(
+        f"{CALL}: best_dir= is not supported for a population yet.\nFix: "
+        "drop it; stop=EarlyStop(..., restore_best=True) keeps each member's "
+        "best in result.model."
     )

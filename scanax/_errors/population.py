@@ -121,6 +121,14 @@ def shared_batches_iterable() -> TypeError:
     )
 
 
+def shared_batches_rollout() -> TypeError:
+    return TypeError(
+        f"{FIT}: with data=scanax.Rollout(...), each member collects its own "
+        "batches with its own model (its own carry, from its own key); "
+        "shared_batches=True has no meaning.\nFix: drop shared_batches."
+    )
+
+
 def nonfinite_members(
     members: list[int], steps: list[int], n: int, training: int | None = None
 ) -> str:

@@ -1,0 +1,208 @@
+"""``fit(..., ema=decay)``: an exponential moving average of the trained
+parameters, kept in the compiled loop as part of the training state.
+
+A wrapper of the model's adapter (``_models``) adds the average's leaves after
+the state's, so that everything the loop does to the state it does to the
+average too: the last good state after a non-finite step (a step that is not
+applied does not update it), checkpoints and their exact resume, an early
+stop's best state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import PartitionSpec as P
+
+from . import _population
+from ._errors import fit as errors
+
+
+def check_decay(ema: Any) -> float | None:
+    """``ema=`` checked: None, or a decay in ``[0, 1)``."""
+    if ema is None:
+        return None
+    if isinstance(ema, bool) or not isinstance(ema, (int, float)):
+        raise errors.ema_type(ema)
+    if not 0.0 <= float(ema) < 1.0:
+        raise errors.ema_value(ema)
+    return float(ema)
+
+
+class EmaAdapter:
+    """A model's adapter whose state is ``(model state, average)``: after each
+    step ``e = decay * e + (1 - decay) * p`` for every trained parameter
+    ``p`` (computed in its own dtype). With ``on_eval``, evaluations (and what
+    ``stop=`` monitors of them) use the averaged parameters."""
+
+    def __init__(self, adapter: Any, decay: float, on_eval: bool, start: Any = None):
+        self.adapter, self.decay, self.on_eval = adapter, decay, on_eval
+        self.kind = adapter.kind
+        self.base = getattr(adapter, "base", adapter)  # the model's own
+        leaves, self.inner_def = jtu.tree_flatten(adapter.state)
+        self.where = adapter.trained()
+        average = [leaves[i] for i in self.where]
+        if start is not None:  # ema_state=: continue an earlier fit's average
+            given = adapter.trained_of(start)
+            if given is None or [(jnp.shape(a), jnp.result_type(a)) for a in given] != [
+                (jnp.shape(a), jnp.result_type(a)) for a in average
+            ]:
+                raise errors.ema_state_mismatch()
+            average = [jnp.asarray(a) for a in given]
+        self.state = (adapter.state, average)
+        self.static = ("ema", adapter.static, decay, on_eval)
+
+    def fingerprint(self) -> Any:
+        inner = self.adapter.fingerprint()
+        return None if inner is None else ("ema", inner, self.decay, self.on_eval)
+
+    def start_step(self) -> int | None:
+        return self.adapter.start_step()
+
+    def names(self) -> list[str]:
+        inner = self.adapter.names()
+        return [*inner, *(f"ema.{inner[i]}" for i in self.where)]
+
+    def partition_specs(self) -> Any:
+        """The model's annotations, the average's those of its parameters."""
+        tree = self.adapter.partition_specs()
+        if tree is None:
+            return None
+        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
+        if len(found) != self.inner_def.num_leaves:
+            return None
+        return [*found, *(found[i] for i in self.where)]
+
+    def _averaged(self, state: Any) -> Any:
+        """The model's state with the average in place of the parameters."""
+        leaves = jtu.tree_leaves(state[0])
+        for i, e in zip(self.where, state[1]):
+            leaves[i] = e
+        return jtu.tree_unflatten(self.inner_def, leaves)
+
+    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
+        inner, where, decay = (
+            self.adapter.make_step(loss_fn, accumulate),
+            self.where,
+            self.decay,
+        )
+
+        def step(state, batch, key):
+            new, loss, metrics, grads = inner(state[0], batch, key)
+            leaves = jtu.tree_leaves(new)
+            average = _update(decay, state[1], [leaves[i] for i in where])
+            return (new, average), loss, metrics, grads
+
+        return step
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        evaluate = self.adapter.make_eval(loss_fn)
+        if self.on_eval:
+            return lambda state, batch, key: evaluate(self._averaged(state), batch, key)
+        return lambda state, batch, key: evaluate(state[0], batch, key)
+
+    def make_call(self, fn: Callable) -> Callable:
+        call = self.adapter.make_call(fn)
+        return lambda state, *args: call(state[0], *args)
+
+    def finish(self, state: Any) -> tuple[Any, Any]:
+        self.ema = self.adapter.model_of(self._averaged(state))
+        return self.adapter.finish(state[0])
+
+
+def _update(decay: float, average: list, params: list) -> list:
+    return [
+        (decay * e + (1.0 - decay) * p.astype(e.dtype)).astype(e.dtype)
+        for e, p in zip(average, params)
+    ]
+
+
+class EmaPopulation:
+    """A population (``_population.Population``) whose members' state holds
+    their averages too (after the model's leaves), for one ``fit``."""
+
+    def __init__(self, pop: Any, decay: float, on_eval: bool, start: Any = None):
+        self.pop, self.decay, self.on_eval = pop, decay, on_eval
+        self.n_model = len(pop.state)
+        self.where = pop.adapter(0).trained()
+        self.average = [pop.state[i] for i in self.where]
+        if start is not None:  # ema_state=: an earlier population fit's result.ema
+            given = getattr(start, "leaves", None)
+            same = given is not None and [
+                (jnp.shape(a), jnp.result_type(a)) for a in given
+            ] == [(jnp.shape(a), jnp.result_type(a)) for a in self.average]
+            if not same:
+                raise errors.ema_state_mismatch()
+            self.average = list(given)
+        self.names = [*pop.names, *(f"ema.{pop.names[i]}" for i in self.where)]
+
+    def __getattr__(self, name: str) -> Any:  # the rest: the population's own
+        return getattr(self.pop, name)
+
+    @property
+    def state(self) -> list:
+        return [*self.pop.state, *self.average]
+
+    def fingerprint(self) -> Any:
+        inner = self.pop.fingerprint()
+        return None if inner is None else ("ema", inner, self.decay, self.on_eval)
+
+    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
+        inner, n, where = (
+            self.pop.step_factory(call_for, accumulate),
+            self.n_model,
+            self.where,
+        )
+
+        def step(leaves, batch, key, hp):
+            new, loss, metrics, grads = inner(leaves[:n], batch, key, hp)
+            average = _update(self.decay, leaves[n:], [new[i] for i in where])
+            return [*new, *average], loss, metrics, grads
+
+        return step
+
+    def _averaged(self, leaves: list) -> list:
+        out = list(leaves[: self.n_model])
+        for i, e in zip(self.where, leaves[self.n_model :]):
+            out[i] = e
+        return out
+
+    def eval_factory(self, call_for: Callable) -> Callable:
+        evaluate, n = self.pop.eval_factory(call_for), self.n_model
+        if self.on_eval:
+            return lambda leaves, b, k, hp: evaluate(self._averaged(leaves), b, k, hp)
+        return lambda leaves, b, k, hp: evaluate(leaves[:n], b, k, hp)
+
+    def view(self, leaves: list, hp: Any, fn: Callable, *args: Any) -> Any:
+        return self.pop.view(leaves[: self.n_model], hp, fn, *args)
+
+    def update(self, state: list, stopped: Any, step: int) -> None:
+        self.average = list(state[self.n_model :])
+        self.pop.update(state[: self.n_model], stopped, step)
+
+    def result(self) -> EmaMembers:
+        return EmaMembers(self.pop, self.where, self.average)
+
+
+class EmaMembers(Sequence):
+    """``result.ema`` of a population ``fit``: member ``i``'s averaged model
+    (``[i]``), as an ordinary object of its kind; ``leaves``: the averages
+    (what ``ema_state=`` continues from)."""
+
+    def __init__(self, pop: Any, where: list[int], leaves: list):
+        self._pop, self._where, self.leaves = pop, where, leaves
+
+    def __len__(self) -> int:
+        return self._pop.n
+
+    def __getitem__(self, i: Any) -> Any:
+        i = _population.member_index(i, len(self))
+        adapter = self._pop.adapter(i)
+        leaves = [x[i] for x in self._pop.state]
+        for j, e in zip(self._where, self.leaves):
+            leaves[j] = e[i]
+        own = jtu.tree_structure(adapter.state)
+        return adapter.model_of(jtu.tree_unflatten(own, leaves))

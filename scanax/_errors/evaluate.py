@@ -1,0 +1,180 @@
+"""Messages of ``scanax.evaluate`` and ``scanax.predict``: their functions, data,
+batch size, key, model and mesh, and what ``predict``'s function returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.tree_util as jtu
+
+from . import listing, short_type
+
+CALL = "scanax.evaluate"
+PREDICT = "scanax.predict"
+
+
+def _forms(call: str, name: str, population: bool) -> str:
+    if call == PREDICT:
+        return f"{name}(model, batch)"
+    if population:
+        return (
+            f"{name}(model, batch), {name}(model, batch, hp) with a member's "
+            f"hyperparameters, {name}(model, batch, key) or "
+            f"{name}(model, batch, hp, key)"
+        )
+    return f"{name}(model, batch) or {name}(model, batch, key)"
+
+
+def fn_not_callable(call: str, name: str, fn: Any, population: bool) -> TypeError:
+    return TypeError(
+        f"{call}: `{name}` must be a function, called as "
+        f"{_forms(call, name, population)}, got {short_type(fn)}.\nFix: pass the "
+        f"function second: {call}(model, {name}, data)."
+    )
+
+
+def fn_arity(call: str, name: str, names: list[str], population: bool) -> TypeError:
+    return TypeError(
+        f"{call}: `{name}` takes {len(names)} required positional arguments "
+        f"({', '.join(names)}); {call} calls {_forms(call, name, population)}.\n"
+        "Fix: give the other arguments defaults, or bind them with "
+        "functools.partial."
+    )
+
+
+def fn_keyword_only(call: str, name: str, param: str) -> TypeError:
+    return TypeError(
+        f"{call}: `{name}` has a required keyword-only argument `{param}`, which "
+        f"{call} never passes.\nFix: give it a default, or bind it with "
+        "functools.partial."
+    )
+
+
+def data_not_arrays(call: str, data: Any) -> TypeError:
+    if isinstance(data, list):
+        got = "a list (fit takes a list as a sequence of batches)"
+        fix = "pass a tuple or a dict of arrays, e.g. (x, y)"
+    else:
+        bad = [
+            (jtu.keystr(p), short_type(x))
+            for p, x in jtu.tree_flatten_with_path(data)[0]
+            if not hasattr(x, "shape")
+        ]
+        got = (
+            "nothing (no arrays)"
+            if not jtu.tree_leaves(data)
+            else "leaves that are not arrays:\n" + listing(bad)
+            if bad
+            else short_type(data)
+        )
+        fix = "pass the whole dataset as arrays with a leading example axis"
+    return TypeError(
+        f"{call}: `data` must be a pytree of arrays sharing a leading example "
+        f"axis, got {got}.\nFix: {fix} (an iterable of batches is not supported)."
+    )
+
+
+def data_leading_axes(call: str, leaves: list[tuple[Any, Any]]) -> ValueError:
+    body = listing(
+        [
+            (
+                f"data{jtu.keystr(p)}",
+                f"{short_type(x)}: {x.shape[0] if x.ndim else 'no leading axis'}",
+            )
+            for p, x in leaves
+        ]
+    )
+    return ValueError(
+        f"{call}: the arrays in `data` must share their leading (example) axis, "
+        f"found:\n{body}\nFix: give every leaf the same number of examples along "
+        "axis 0."
+    )
+
+
+def data_empty(call: str, data: Any) -> ValueError:
+    shapes = ", ".join(short_type(x) for x in jtu.tree_leaves(data))
+    return ValueError(
+        f"{call}: `data` has no examples ({shapes}).\nFix: pass at least one "
+        "example along axis 0."
+    )
+
+
+def batch_size_type(call: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `batch_size` must be a positive int or None, got "
+        f"{short_type(value)}.\nFix: pass the number of examples per batch, e.g. "
+        "batch_size=256 (None: 1024, or every example when there are fewer)."
+    )
+
+
+def batch_size_not_positive(call: str, value: int) -> ValueError:
+    return ValueError(
+        f"{call}: `batch_size` must be positive, got {value}.\nFix: pass the "
+        "number of examples per batch (1 or more), or None for the default."
+    )
+
+
+def key_type(call: str, key: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `key` must be one JAX random key, as jax.random.key(seed) makes "
+        f"(a typed key array of shape ()) or a legacy uint32[2] key, got "
+        f"{short_type(key)}.\nFix: pass key=jax.random.key(seed)."
+    )
+
+
+def key_missing(call: str, name: str) -> TypeError:
+    return TypeError(
+        f"{call}: `{name}` takes a key ({name}(model, batch, key)), but no `key` "
+        f"was given.\nFix: pass key=jax.random.key(seed) (batch j gets "
+        "jax.random.fold_in(key, j)), or drop the key argument."
+    )
+
+
+def model_type(call: str, model: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `model` holds no arrays ({short_type(model)}); expected an NNX "
+        "module, an Equinox module or pytree of arrays, a flax TrainState, or a "
+        "scanax.Population.\nFix: pass the model itself (for a fit result: "
+        "result.model; for a population's, the population)."
+    )
+
+
+def mesh_type(call: str, mesh: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `mesh` must be a jax.sharding.Mesh or None, got "
+        f"{short_type(mesh)}.\nFix: pass jax.make_mesh((n,), ('data',)) or "
+        "leave it out."
+    )
+
+
+def mesh_axis(call: str, mesh: Any) -> ValueError:
+    return ValueError(
+        f"{call}: `mesh` has axes {tuple(mesh.axis_names)}, but no 'data' axis to "
+        "split the batches over.\nFix: name the batch axis 'data', e.g. "
+        "jax.make_mesh((n,), ('data',))."
+    )
+
+
+def batch_not_divisible(call: str, batch_size: int, n: int) -> ValueError:
+    return ValueError(
+        f"{call}: `batch_size` ({batch_size}) must be divisible by the mesh's "
+        f"'data' axis ({n} devices), to split each batch evenly.\nFix: pass a "
+        f"batch_size that is a multiple of {n}."
+    )
+
+
+def mesh_with_population(call: str) -> ValueError:
+    return ValueError(
+        f"{call}: `mesh` is not supported for a scanax.Population yet (its "
+        "members are evaluated on one device).\nFix: leave `mesh` out, or "
+        "evaluate the members one by one: pop.member(i)[0]."
+    )
+
+
+def output_not_batched(path: str, leaf: Any, batch_size: int) -> TypeError:
+    return TypeError(
+        f"{PREDICT}: `fn` must return arrays with a leading batch axis (one row "
+        f"per example of the batch, {batch_size} here), but out{path} is "
+        f"{short_type(leaf)}.\nFix: return per-example outputs, e.g. model(x); "
+        "reduce over the dataset with scanax.evaluate instead."
+    )

@@ -1,0 +1,465 @@
+"""``scanax.evaluate`` and ``scanax.predict``: a model in eval mode over a whole
+dataset, batched on device in one compiled program.
+
+The model's arrays go in as arguments (a copy is rebuilt inside the program, in
+eval mode: the user's objects are never switched or written). Programs are kept
+by fingerprint of the model's structure and the function's code, as ``fit``'s
+are (``_fit_program.program``): a second call with a same-structured model or
+new data of the same shapes runs the compiled program again. ``evaluate``
+reduces with fit's in-loop evaluation (``_fit_checks.over_dataset``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from . import (
+    _fingerprint,
+    _fit,
+    _fit_checks,
+    _fit_program,
+    _mesh,
+    _models,
+    _nnx,
+    _population,
+)
+from ._errors import evaluate as errors
+from ._tree import is_array
+
+_CALL, _PREDICT = errors.CALL, errors.PREDICT
+DEFAULT_BATCH = 1024  # as fit's eval_batch_size
+
+
+def evaluate(
+    model: Any,
+    eval_fn: Callable,
+    data: Any,
+    *,
+    batch_size: int | None = None,
+    key: Any = None,
+    mesh: Any = None,
+) -> dict:
+    """The means of ``eval_fn``'s loss and metrics over every example of ``data``,
+    the model in eval mode, in one compiled program.
+
+    Conceptually equivalent to (NNX shown)::
+
+        model.eval()  # on a copy: the model passed in is not changed
+        total, n = {}, len(data)
+        for j, start in enumerate(range(0, n, batch_size)):
+            batch = data[start:start + batch_size]
+            loss, metrics = eval_fn(model, batch)  # or eval_fn(model, batch,
+                                                   #   jax.random.fold_in(key, j))
+            for name, v in {"loss": loss, **metrics}.items():
+                if isinstance(v, scanax.Ratio):  # sums kept apart
+                    total[name] += (v.num, v.den)
+                else:  # a batch mean, weighted by the batch's size
+                    total[name] += v * len(batch)
+        return {name: num / den or v / n for name, v in total.items()}
+
+    The last batch may be smaller (exactly weighted: the result is the mean
+    over the dataset). Compiled once per structure: a later call with a
+    same-structured model (a rebuilt one, or the same after training) and data
+    of the same shapes does not trace again.
+
+    Arguments:
+        model: an ``nnx.Module`` (evaluated after ``.eval()``: Dropout off,
+            BatchNorm on its running averages), an Equinox module or pytree of
+            arrays (``eqx.nn.inference_mode``), a flax ``TrainState``
+            (``eval_fn`` gets the state), or a ``scanax.Population`` (every
+            member, in eval mode). Nothing in it is changed.
+        eval_fn: ``eval_fn(model, batch)`` or ``eval_fn(model, batch, key)``,
+            returning a scalar floating-point loss or ``(loss, metrics)`` with a
+            dict of arrays, as ``fit``'s ``loss_fn``; a metric (or the loss) may
+            be a ``scanax.Ratio`` of sums. A population's may also take the
+            member's hyperparameters, ``eval_fn(model, batch, hp[, key])``.
+        data: a pytree of arrays with a leading example axis.
+        batch_size: examples per batch. Default: 1024 (all of them when fewer).
+        key: a ``jax.random`` key, for an ``eval_fn`` taking one: batch ``j``
+            gets ``jax.random.fold_in(key, j)`` (every member of a population
+            the same keys).
+        mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis: each batch split
+            over it (``batch_size`` a multiple of its size), the model
+            replicated (or kept where its arrays already live on the mesh).
+
+    Returns:
+        ``{"loss": ..., **metrics}`` (the metrics by name): Python floats
+        (NumPy arrays for array metrics); for a population, NumPy arrays with a
+        leading member axis.
+
+    Raises:
+        TypeError: ``eval_fn`` not callable or taking other arguments, data not
+            arrays, ``batch_size`` not an int, an ``eval_fn`` taking a key
+            without ``key``, ``eval_fn`` not returning a scalar loss (found while
+            tracing, before compiling).
+        ValueError: arrays in ``data`` with different leading sizes or no
+            examples, a ``batch_size`` that is not positive (or not divisible
+            by the mesh), a mesh without a ``"data"`` axis or with a population.
+
+    Example:
+        >>> import jax.numpy as jnp, scanax
+        >>> x = jnp.arange(10.0)
+        >>> def eval_fn(params, batch):
+        ...     err = batch * params["w"] - 2 * batch
+        ...     return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+        >>> scanax.evaluate({"w": jnp.array(1.0)}, eval_fn, x, batch_size=4)
+        {'loss': 28.5, 'mae': 4.5}
+    """
+    target = _target(_CALL, model)
+    _check_callable(_CALL, "eval_fn", eval_fn, target.members)
+    n = _check_data(_CALL, data)
+    b = _batch_size(_CALL, batch_size, n)
+    takes = _arguments(_CALL, "eval_fn", eval_fn, target.members)
+    _check_key(key)
+    if takes[1] and key is None:
+        raise errors.key_missing(_CALL, "eval_fn")
+    place = None
+    if mesh is not None:
+        mesh, place = _on_mesh(mesh, target, b)
+    trainstate = target.trainstate
+    identity = _fit_program.identity(
+        target.identity,
+        target.static,
+        eval_fn,
+        _CALL,
+        takes,
+        trainstate,
+        n,
+        b,
+        mesh,
+    )
+    call = _call(eval_fn, *takes)
+
+    def build():
+        run = target.runner(call)
+
+        def one(leaves, hp, data, key):
+            def batch_metrics(batch, batch_key):
+                out = run(leaves, batch, batch_key, hp)
+                if trainstate and isinstance(out, tuple) and len(out) == 3:
+                    out = out[:2]  # (a TrainState loss_fn's updates)
+                return _models.split_loss(_CALL, out, "eval_fn")
+
+            return _fit_checks.over_dataset(batch_metrics, data, n, b, key, place)
+
+        return jax.vmap(one, in_axes=(0, 0, None, None)) if target.members else one
+
+    program = _fit_program.program(identity, build)
+    leaves, hp = target.leaves, target.hp
+    if mesh is not None:
+        leaves, data = _mesh.place_data(mesh, leaves), _mesh.place_data(mesh, data)
+        key = None if key is None else _mesh.replicate(mesh, key)
+    out = program.jitted(leaves, hp, data, key)
+    if mesh is None:
+        host = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
+    else:
+        host = {k: _mesh.host_value(v) for k, v in out.items()}
+    names = ["loss", *(k for k in host if k != "loss")]  # (the rest by name)
+    return {k: float(host[k]) if host[k].ndim == 0 else host[k] for k in names}
+
+
+def predict(model: Any, fn: Callable, data: Any, *, batch_size: int | None = None):
+    """``fn(model, batch)`` over every example of ``data``, the model in eval
+    mode, the batches' outputs concatenated in order, in one compiled program.
+
+    Conceptually equivalent to (NNX shown)::
+
+        model.eval()  # on a copy: the model passed in is not changed
+        outs = [fn(model, data[start:start + batch_size])
+                for start in range(0, len(data), batch_size)]
+        return jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
+
+    Every batch has ``batch_size`` examples: the last one is the data's last
+    ``batch_size`` examples (overlapping the one before), of which the rows
+    not yet predicted are kept, so that no other batch shape is compiled.
+
+    Arguments:
+        model: as for ``scanax.evaluate`` (a ``scanax.Population``: every
+            member's outputs, with a leading member axis).
+        fn: ``fn(model, batch)`` returning a pytree of arrays with a leading
+            batch axis (one row per example).
+        data: a pytree of arrays with a leading example axis.
+        batch_size: examples per batch. Default: 1024 (all of them when fewer).
+
+    Returns:
+        ``fn``'s pytree with each leaf ``[n, ...]`` over the ``n`` examples (a
+        population's ``[members, n, ...]``), as JAX arrays.
+
+    Raises:
+        TypeError: ``fn`` not callable or taking other arguments, data not
+            arrays, ``batch_size`` not an int, an output without the batch axis.
+        ValueError: arrays in ``data`` with different leading sizes or no
+            examples, a ``batch_size`` that is not positive.
+
+    Example:
+        >>> import jax.numpy as jnp, scanax
+        >>> params = {"w": jnp.array(3.0)}
+        >>> out = scanax.predict(params, lambda p, x: x * p["w"], jnp.arange(5.0),
+        ...                      batch_size=2)
+        >>> out.tolist()
+        [0.0, 3.0, 6.0, 9.0, 12.0]
+    """
+    target = _target(_PREDICT, model)
+    _check_callable(_PREDICT, "fn", fn, target.members)
+    n = _check_data(_PREDICT, data)
+    b = _batch_size(_PREDICT, batch_size, n)
+    _arguments(_PREDICT, "fn", fn, False)
+    identity = _fit_program.identity(target.identity, target.static, fn, _PREDICT, n, b)
+
+    def build():
+        run = target.runner(lambda model, batch, key, hp: fn(model, batch))
+
+        def one(leaves, hp, data):
+            return _batched(lambda batch: run(leaves, batch, None, hp), data, n, b)
+
+        return jax.vmap(one, in_axes=(0, 0, None)) if target.members else one
+
+    program = _fit_program.program(identity, build)
+    return program.jitted(target.leaves, target.hp, data)
+
+
+def _batched(fn: Callable, data: Any, n: int, b: int) -> Any:
+    """``fn`` over ``data`` in batches of ``b`` (the last: the last ``b``
+    examples), the outputs' new rows concatenated."""
+    count = -(-n // b)
+    tail = n - (count - 1) * b  # rows of the last batch not predicted before
+
+    def body(_, j):
+        start = jnp.minimum(j * b, n - b)
+        batch = jtu.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, b), data)
+        out = fn(batch)
+        for path, leaf in jtu.tree_flatten_with_path(out)[0]:
+            if not is_array(leaf) or leaf.ndim < 1 or leaf.shape[0] != b:
+                raise errors.output_not_batched(jtu.keystr(path), leaf, b)
+        return None, out
+
+    def rows(y):
+        head = y[: count - 1].reshape(((count - 1) * b, *y.shape[2:]))
+        return jnp.concatenate([head, y[count - 1, b - tail :]])
+
+    with jax.named_scope(_PREDICT):
+        _, ys = jax.lax.scan(body, None, jnp.arange(count))
+        return jtu.tree_map(rows, ys)
+
+
+# ---------------------------------------------------------------------------- models
+
+
+class Target(NamedTuple):
+    """What is evaluated: its arrays (``leaves``; a population's with a member
+    axis, and its hyperparameters ``hp``), what the compiled program depends on
+    (``identity``, a fingerprint, or None and then ``static``), and
+    ``runner(call) -> run(leaves, batch, key, hp)``: ``call(model, batch, key,
+    hp)`` on the model rebuilt from ``leaves`` in eval mode, its result as it
+    is. ``runner`` closes over no array: programs are cached."""
+
+    leaves: list
+    hp: Any
+    identity: Any
+    static: Any
+    runner: Callable
+    members: bool
+    trainstate: bool
+
+
+def _target(call: str, model: Any) -> Target:
+    if _population.is_population(model):
+        return _population_target(model)
+    if _nnx.is_node(model):
+        return _nnx_target(model)
+    return _tree_target(call, model)
+
+
+def _nnx_target(model: Any) -> Target:
+    graphdef, leaves = _nnx.values([model])
+
+    def runner(call):
+        def run(leaves, batch, key, hp):
+            (copy,) = _nnx.unflatten(graphdef, leaves)
+            copy.eval()
+            return call(copy, batch, key, hp)
+
+        return run
+
+    found = _nnx.graphdef_fingerprint(graphdef)
+    identity = None if found is None else ("nnx", found)
+    return Target(leaves, None, identity, ("nnx", graphdef), runner, False, False)
+
+
+def _tree_target(call: str, model: Any) -> Target:
+    """An Equinox module, a TrainState or any pytree: its arrays are the
+    program's arguments, every other leaf is static."""
+    flat, treedef = jtu.tree_flatten(model)
+    dynamic = [i for i, x in enumerate(flat) if is_array(x)]
+    if not dynamic:
+        raise errors.model_type(call, model)
+    template = [None if is_array(x) else x for x in flat]
+    statics = tuple((i, x) for i, x in enumerate(template) if i not in set(dynamic))
+    trainstate = _is_train_state(model)
+
+    def runner(fn):
+        def run(leaves, batch, key, hp):
+            full = list(template)
+            for i, x in zip(dynamic, leaves):
+                full[i] = x
+            rebuilt = jtu.tree_unflatten(treedef, full)
+            eqx = sys.modules.get("equinox")
+            if eqx is not None:
+                rebuilt = eqx.nn.inference_mode(rebuilt)
+            return fn(rebuilt, batch, key, hp)
+
+        return run
+
+    static = ("tree", treedef, tuple(dynamic), statics)
+    identity = _fingerprint.of(static)
+    leaves = [flat[i] for i in dynamic]
+    return Target(leaves, None, identity, static, runner, False, trainstate)
+
+
+def _population_target(pop: Any) -> Target:
+    """Each member rebuilt by the population's own eval (``eval_factory``: its
+    kind's eval mode); ``call``'s result is passed out around the split into
+    ``(loss, metrics)`` that the fit loop's evaluation makes."""
+
+    def runner(call):
+        def run(leaves, batch, key, hp):
+            box = []
+
+            def inner(model, batch, key):
+                box.append(call(model, batch, key, hp))
+                return jnp.zeros(()), {}
+
+            pop.eval_factory(lambda hp: inner)(leaves, batch, key, hp)
+            return box[0]
+
+        return run
+
+    identity = pop.fingerprint()
+    return Target(
+        list(pop.state),
+        pop.hp(),
+        identity,
+        pop.make,
+        runner,
+        True,
+        pop.kind == "trainstate",
+    )
+
+
+def _is_train_state(x: Any) -> bool:
+    mod = sys.modules.get("flax.training.train_state")
+    return mod is not None and isinstance(x, mod.TrainState)
+
+
+# ---------------------------------------------------------------------- arguments
+
+
+def _check_callable(call: str, name: str, fn: Any, population: bool) -> None:
+    if not callable(fn):
+        raise errors.fn_not_callable(call, name, fn, population)
+
+
+def _arguments(call: str, name: str, fn: Callable, population: bool) -> tuple:
+    """``(takes_hp, takes_key)`` of ``eval_fn`` (as ``fit`` reads ``loss_fn``'s),
+    its arity checked first (``predict``'s ``fn``: two arguments)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin: called with (model, batch)
+        return False, False
+    most = 2 if call == _PREDICT else 4 if population else 3
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    required = [p.name for p in positional if p.default is p.empty]
+    if len(required) > most:
+        raise errors.fn_arity(call, name, required, population)
+    for p in params:
+        if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
+            raise errors.fn_keyword_only(call, name, p.name)
+    if call == _PREDICT:
+        return False, False
+    # (fit's reading of the forms; TODO(lead): make it public in _fit)
+    return _fit.loss_arguments(fn, population, name)
+
+
+def _call(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
+    """``fn`` as ``call(model, batch, key, hp)``."""
+    if takes_hp and takes_key:
+        return lambda model, batch, key, hp: fn(model, batch, hp, key)
+    if takes_hp:
+        return lambda model, batch, key, hp: fn(model, batch, hp)
+    if takes_key:
+        return lambda model, batch, key, hp: fn(model, batch, key)
+    return lambda model, batch, key, hp: fn(model, batch)
+
+
+def _check_data(call: str, data: Any) -> int:
+    """The number of examples of array data, checked."""
+    leaves = jtu.tree_leaves(data)
+    if isinstance(data, list) or not leaves or not all(is_array(x) for x in leaves):
+        raise errors.data_not_arrays(call, data)
+    sizes = {x.shape[0] if x.ndim else None for x in leaves}
+    if None in sizes or len(sizes) > 1:
+        raise errors.data_leading_axes(call, jtu.tree_flatten_with_path(data)[0])
+    n = sizes.pop()
+    if n == 0:
+        raise errors.data_empty(call, data)
+    return n
+
+
+def _batch_size(call: str, value: Any, n: int) -> int:
+    if value is None:
+        return max(min(DEFAULT_BATCH, n), 1)
+    if isinstance(value, bool):
+        raise errors.batch_size_type(call, value)
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise errors.batch_size_type(call, value) from None
+    if value < 1:
+        raise errors.batch_size_not_positive(call, value)
+    return max(min(value, n), 1)
+
+
+def _check_key(key: Any) -> None:
+    if key is None:
+        return
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if np.shape(key) == ():
+            return
+    elif is_array(key) and dtype == np.uint32 and np.shape(key) == (2,):
+        return
+    raise errors.key_type(_CALL, key)
+
+
+def _on_mesh(mesh: Any, target: Target, b: int) -> tuple[Any, Callable | None]:
+    """The mesh (its axes ``Auto``, as ``fit`` uses it) and each batch's
+    placement: split over ``"data"``."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise errors.mesh_type(_CALL, mesh)
+    if target.members:
+        raise errors.mesh_with_population(_CALL)
+    if not _mesh.has_data_axis(mesh):
+        raise errors.mesh_axis(_CALL, mesh)
+    size = _mesh.data_size(mesh)
+    if b % size:
+        raise errors.batch_not_divisible(_CALL, b, size)
+    mesh = _mesh.auto(mesh)
+
+    def place(batch):
+        sizes = {x.shape[0] for x in jtu.tree_leaves(batch)}
+        if any(s % size for s in sizes):  # (a remainder: as XLA places it)
+            return batch
+        return _mesh.batch_constraint(mesh, batch)
+
+    return mesh, place

@@ -1,0 +1,488 @@
+"""scanax.evaluate, scanax.predict and scanax.Ratio (issue 26) against references:
+the full-dataset mean computed at once (uneven batches; NNX in eval mode with its
+mode and state untouched, Equinox, TrainState, a population vs each member
+alone), the model called on all the data at once, scikit-learn's precision,
+recall and F1 (in evaluate and in fit's in-loop evaluation), per-batch keys, a
+mesh, no retrace on a second call, and the errors."""
+
+from __future__ import annotations
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from helpers import close, count_compiles
+
+import scanax
+from scanax._evaluate import evaluate, predict
+from scanax._fit_checks import Ratio
+
+nnx = pytest.importorskip("flax.nnx")
+eqx = pytest.importorskip("equinox")
+metrics = pytest.importorskip("sklearn.metrics")
+
+allclose = ft.partial(close, rtol=2e-5, atol=1e-6)
+N = 30  # uneven for batches of 7 and 8
+X = jr.normal(jr.key(0), (N, 4))
+Y = jnp.sum(X, 1, keepdims=True) + jnp.sin(3 * X[:, :1])
+
+
+class Net(nnx.Module):
+    """Dropout and BatchNorm: evaluation must switch both to eval mode."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.bn(self.lin(x)))))
+
+
+def nnx_eval(model, batch):
+    x, y = batch
+    err = model(x) - y
+    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+
+def trained_net():
+    """A Net whose BatchNorm statistics are not their initial values."""
+    model = Net(nnx.Rngs(0, dropout=1))
+    model(X * 2 + 1)  # (train mode: updates the running averages)
+    return model
+
+
+def params_eval(params, batch):
+    x, y = batch
+    err = x @ params["w"] - y
+    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+
+PARAMS = {"w": jr.normal(jr.key(3), (4, 1))}
+
+
+def at_once(fn, model, data):
+    loss, extra = fn(model, data)
+    return {"loss": loss, **extra}
+
+
+# ------------------------------------------------------------------ evaluate
+
+
+@pytest.mark.parametrize("batch_size", [7, 8, 30, 64, None])
+def test_evaluate_equals_the_full_dataset_mean(batch_size):
+    got = evaluate(PARAMS, params_eval, (X, Y), batch_size=batch_size)
+    assert set(got) == {"loss", "mae"} and all(type(v) is float for v in got.values())
+    allclose(got, at_once(params_eval, PARAMS, (X, Y)))
+
+
+def test_nnx_in_eval_mode_and_the_model_untouched():
+    model = trained_net()
+    before = nnx.state(nnx.clone(model))
+    got = evaluate(model, nnx_eval, (X, Y), batch_size=8)
+    assert not model.drop.deterministic and model.bn.use_running_average is False
+    allclose(nnx.state(model), before)
+    ref = nnx.clone(model)
+    ref.eval()
+    allclose(got, at_once(nnx_eval, ref, (X, Y)))
+    train = at_once(nnx_eval, nnx.clone(model), (X, Y))["loss"]
+    assert abs(float(train) - got["loss"]) > 1e-3  # (train mode differs)
+
+    def failing(model, batch):
+        raise RuntimeError("inside eval_fn")
+
+    with pytest.raises(RuntimeError, match="inside eval_fn"):
+        evaluate(model, failing, (X, Y), batch_size=8)
+    assert not model.drop.deterministic
+    allclose(nnx.state(model), before)
+
+
+def test_equinox_in_inference_mode():
+    class Drop(eqx.Module):
+        mlp: eqx.nn.MLP
+        drop: eqx.nn.Dropout
+
+        def __call__(self, x, key=None):
+            return self.mlp(self.drop(x, key=key))
+
+    def eval_fn(model, batch, key):
+        x, y = batch
+        keys = jr.split(key, x.shape[0])
+        return jnp.mean((jax.vmap(model)(x, keys) - y) ** 2)
+
+    model = Drop(eqx.nn.MLP(4, 1, 8, 1, key=jr.key(0)), eqx.nn.Dropout(0.5))
+    got = evaluate(model, eval_fn, (X, Y), batch_size=8, key=jr.key(1))
+    inference = eqx.nn.inference_mode(model)
+    allclose(got["loss"], eval_fn(inference, (X, Y), jr.key(9)))
+    assert model.drop.inference is False
+
+
+def test_trainstate_and_its_updates_dropped():
+    from flax.training import train_state
+
+    state = train_state.TrainState.create(
+        apply_fn=lambda p, x: x @ p["w"], params=dict(PARAMS), tx=optax.sgd(0.1)
+    )
+
+    def eval_fn(s, batch):
+        loss, extra = params_eval(s.params, batch)
+        return loss, extra, {}  # (a loss_fn's TrainState updates)
+
+    got = evaluate(state, eval_fn, (X, Y), batch_size=7)
+    allclose(got, at_once(params_eval, PARAMS, (X, Y)))
+
+
+def test_per_batch_keys():
+    def eval_fn(params, batch, key):
+        x, y = batch
+        noise = jr.normal(key, y.shape)
+        return jnp.mean((x @ params["w"] + noise - y) ** 2)
+
+    key = jr.key(5)
+    got = evaluate(PARAMS, eval_fn, (X, Y), batch_size=8, key=key)
+    parts = [
+        eval_fn(PARAMS, (X[s : s + 8], Y[s : s + 8]), jr.fold_in(key, j))
+        * len(X[s : s + 8])
+        for j, s in enumerate(range(0, N, 8))
+    ]
+    allclose(got["loss"], sum(parts) / N)
+
+
+def make_member(key, lr):
+    model = Net(nnx.Rngs(key))
+    return model, nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
+
+
+@pytest.fixture(scope="module")
+def pop():
+    return scanax.population(make_member, 3, key=jr.key(4), lr=[0.01, 0.05, 0.1])
+
+
+def test_population_equals_each_member_alone(pop):
+    got = evaluate(pop, nnx_eval, (X, Y), batch_size=8)
+    assert got["loss"].shape == (3,)
+    for i in range(3):
+        member = pop.member(i)[0]
+        alone = evaluate(member, nnx_eval, (X, Y), batch_size=8)
+        member.eval()
+        ref = at_once(nnx_eval, member, (X, Y))
+        for name in ("loss", "mae"):
+            allclose(got[name][i], alone[name])
+            allclose(got[name][i], ref[name])
+
+    def with_hp(model, batch, hp):  # a member's hyperparameters
+        return nnx_eval(model, batch)[0] * hp["lr"]
+
+    scaled = evaluate(pop, with_hp, (X, Y), batch_size=8)
+    allclose(scaled["loss"], got["loss"] * np.array([0.01, 0.05, 0.1]))
+
+
+# ------------------------------------------------------------------ predict
+
+
+def outputs(model, batch):
+    x, _ = batch
+    out = model(x)
+    return {"y": out, "pair": (jnp.tanh(out), x[:, :2])}
+
+
+@pytest.mark.parametrize("batch_size", [7, 30, None])
+def test_predict_equals_the_model_on_all_the_data(batch_size):
+    model = trained_net()
+    got = predict(model, outputs, (X, Y), batch_size=batch_size)
+    ref = nnx.clone(model)
+    ref.eval()
+    allclose(got, outputs(ref, (X, Y)))
+    assert not model.drop.deterministic
+
+
+def test_predict_population(pop):
+    got = predict(pop, outputs, (X, Y), batch_size=8)
+    assert got["y"].shape == (3, N, 1)
+    for i in range(3):
+        member = pop.member(i)[0]
+        member.eval()
+        allclose(jax.tree.map(lambda v: v[i], got), outputs(member, (X, Y)))
+
+
+# ------------------------------------------------------------------ Ratio metrics
+
+C = 3  # classes
+XC = jr.normal(jr.key(10), (103, 5))
+LABELS = jr.randint(jr.key(11), (103,), 0, C)
+W = jr.normal(jr.key(12), (5, C))
+
+
+def scores(params, batch):
+    """Binary precision/recall/F1 of class 1, per-class recall, accuracy."""
+    x, y = batch
+    pred = jnp.argmax(x @ params["w"], -1)
+    p, t = pred == 1, y == 1
+    tp, fp, fn = (jnp.sum(a & b) for a, b in ((p, t), (p, ~t), (~p, t)))
+    onehot = jax.nn.one_hot(y, C, dtype=jnp.int32)
+    hit = onehot * (pred == y)[:, None]
+    loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x @ params["w"], y))
+    return loss, {
+        "precision": Ratio(tp, tp + fp),
+        "recall": Ratio(tp, tp + fn),
+        "f1": Ratio(2 * tp, 2 * tp + fp + fn),
+        "class_recall": Ratio(jnp.sum(hit, 0), jnp.sum(onehot, 0)),
+        "accuracy": jnp.mean(pred == y),
+    }
+
+
+def sklearn_scores(params, x, y):
+    pred = np.asarray(jnp.argmax(x @ params["w"], -1))
+    y = np.asarray(y)
+    return {
+        "precision": metrics.precision_score(y == 1, pred == 1),
+        "recall": metrics.recall_score(y == 1, pred == 1),
+        "f1": metrics.f1_score(y == 1, pred == 1),
+        "class_recall": metrics.recall_score(y, pred, average=None),
+        "accuracy": metrics.accuracy_score(y, pred),
+    }
+
+
+@pytest.mark.parametrize("batch_size", [10, 103])
+def test_ratio_metrics_equal_sklearn(batch_size):
+    got = evaluate({"w": W}, scores, (XC, LABELS), batch_size=batch_size)
+    want = sklearn_scores({"w": W}, XC, LABELS)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6)
+    assert got["class_recall"].shape == (C,)
+    # (a mean of per-batch ratios is not it)
+    pred, y = np.argmax(np.asarray(XC @ W), -1) == 1, np.asarray(LABELS) == 1
+    means = [
+        metrics.precision_score(y[s : s + 10], pred[s : s + 10], zero_division=0)
+        for s in range(0, 103, 10)
+    ]
+    assert abs(np.mean(means) - want["precision"]) > 1e-3
+
+
+def test_ratio_metrics_in_fits_evaluation_equal_sklearn():
+    def loss_fn(params, batch):
+        return scores(params, batch)[0]
+
+    kw = dict(steps=6, batch_size=16, key=jr.key(1), progress=False)
+    result = scanax.fit(
+        {"w": W}, optax.sgd(0.5), loss_fn, (XC, LABELS), **kw,
+        eval_data=(XC, LABELS), eval_every=3, eval_fn=scores, eval_batch_size=10,
+        stop=scanax.EarlyStop("val_f1", patience=5),
+    )  # fmt: skip
+    history = result.history
+    np.testing.assert_array_equal(history["val_step"], [3, 6])
+    for k, steps in enumerate((3, 6)):
+        ref = scanax.fit(
+            {"w": W}, optax.sgd(0.5), loss_fn, (XC, LABELS), **{**kw, "steps": steps}
+        )
+        want = sklearn_scores(ref.model, XC, LABELS)
+        for name, value in want.items():
+            np.testing.assert_allclose(history[f"val_{name}"][k], value, rtol=1e-6)
+    best = 3 if history["val_f1"][0] > history["val_f1"][1] else 6
+    assert result.best_step == best
+
+
+def test_ratio_from_loss_fn_is_recorded_as_its_step_value():
+    def loss_fn(params, batch):
+        loss, extra = scores(params, batch)
+        return loss, {"precision": extra["precision"]}
+
+    kw = dict(steps=3, batch_size=16, progress=False)
+    result = scanax.fit({"w": W}, optax.sgd(0.1), loss_fn, (XC, LABELS), **kw)
+    params = {"w": W}
+    for t in range(3):  # in order, no key: batch t
+        batch = (XC[t * 16 : (t + 1) * 16], LABELS[t * 16 : (t + 1) * 16])
+        r = scores(params, batch)[1]["precision"]
+        np.testing.assert_allclose(result.history["precision"][t], r.value, rtol=1e-6)
+        grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def test_ratio_is_a_pytree_and_reads_as_its_value():
+    r = Ratio(jnp.array([1, 3]), jnp.array([4, 4]))
+    assert jax.tree.leaves(r)[0] is r.num and r.shape == (2,)
+    assert r.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(r), [0.25, 0.75])
+    np.testing.assert_allclose(jnp.asarray(r), [0.25, 0.75])
+    doubled = jax.tree.map(lambda v: v * 2, r)
+    assert isinstance(doubled, Ratio)
+    np.testing.assert_array_equal(doubled.num, [2, 6])
+
+
+def test_ratio_as_the_loss_gives_a_per_token_mean():
+    """Sequences of different lengths: the loss per token over the dataset."""
+    lengths = jr.randint(jr.key(2), (N,), 1, 6)
+    mask = jnp.arange(5)[None, :] < lengths[:, None]
+    values = jr.normal(jr.key(3), (N, 5))
+
+    def eval_fn(params, batch):
+        v, m = batch
+        return Ratio(jnp.sum(jnp.where(m, (v - params["c"]) ** 2, 0.0)), jnp.sum(m))
+
+    params = {"c": jnp.array(0.5)}
+    got = evaluate(params, eval_fn, (values, mask), batch_size=7)
+    want = np.sum(np.where(mask, (values - 0.5) ** 2, 0.0)) / np.sum(mask)
+    np.testing.assert_allclose(got["loss"], want, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ compiling
+
+
+class Traces:
+    """A trace counter (an instance: the function's fingerprint stays the
+    function itself)."""
+
+    def __init__(self):
+        self.eval = self.predict = 0
+
+
+def test_a_second_call_does_not_retrace():
+    traces = Traces()
+
+    def counted_eval(model, batch):
+        traces.eval += 1
+        return nnx_eval(model, batch)
+
+    def counted_predict(model, batch):
+        traces.predict += 1
+        return model(batch[0])
+
+    evaluate(trained_net(), counted_eval, (X, Y), batch_size=8)
+    predict(trained_net(), counted_predict, (X, Y), batch_size=8)
+    assert (traces.eval, traces.predict) == (2, 1)  # (a full batch, the remainder)
+    model = Net(nnx.Rngs(5, dropout=2))  # rebuilt, other values
+    data = (X * 3, Y - 1)
+    with count_compiles() as c:
+        got = evaluate(model, counted_eval, data, batch_size=8)
+        out = predict(model, counted_predict, data, batch_size=8)
+    assert (traces.eval, traces.predict, c.n) == (2, 1, 0)
+    model.eval()
+    allclose(got, at_once(nnx_eval, model, data))
+    allclose(out, model(data[0]))
+
+
+def test_mesh_splits_the_batches():
+    mesh = jax.make_mesh((4,), ("data",))
+    got = evaluate(PARAMS, params_eval, (X, Y), batch_size=8, mesh=mesh)
+    allclose(got, at_once(params_eval, PARAMS, (X, Y)))
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "call, kwargs, exc, match",
+    [
+        (
+            "evaluate",
+            dict(data=(X, Y[:5])),
+            ValueError,
+            r"(?s)^scanax.evaluate: the arrays in `data` must share.*"
+            r"data\[1\]  float32\[5, 1\]: 5.*Fix",
+        ),
+        (
+            "evaluate",
+            dict(data=(X[:0], Y[:0])),
+            ValueError,
+            r"^scanax.evaluate: `data` has no examples \(float32\[0, 4\], "
+            r"float32\[0, 1\]\)",
+        ),
+        (
+            "evaluate",
+            dict(batch_size=0),
+            ValueError,
+            "^scanax.evaluate: `batch_size` must be positive, got 0",
+        ),
+        (
+            "predict",
+            dict(batch_size=-2),
+            ValueError,
+            "^scanax.predict: `batch_size` must be positive, got -2",
+        ),
+        (
+            "evaluate",
+            dict(batch_size=2.5),
+            TypeError,
+            "`batch_size` must be a positive int or None, got float 2.5",
+        ),
+        (
+            "evaluate",
+            dict(fn=lambda m, b: jnp.zeros(3)),
+            TypeError,
+            r"^scanax.evaluate: `eval_fn` must return a scalar floating-point loss, "
+            r"got float32\[3\].\nFix: reduce it",
+        ),
+        (
+            "evaluate",
+            dict(fn=lambda m, b, k: 0.0),
+            TypeError,
+            r"`eval_fn` takes a key .* but no `key` was given",
+        ),
+        (
+            "evaluate",
+            dict(fn=lambda m, b, c, d: 0.0),
+            TypeError,
+            r"`eval_fn` takes 4 required positional arguments \(m, b, c, d\)",
+        ),
+        (
+            "evaluate",
+            dict(fn=3),
+            TypeError,
+            "^scanax.evaluate: `eval_fn` must be a function",
+        ),
+        (
+            "evaluate",
+            dict(data=[X, Y]),
+            TypeError,
+            "`data` must be a pytree of arrays .* got a list",
+        ),
+        ("evaluate", dict(key=1), TypeError, "`key` must be one JAX random key"),
+        (
+            "evaluate",
+            dict(model="w"),
+            TypeError,
+            "^scanax.evaluate: `model` holds no arrays",
+        ),
+        (
+            "evaluate",
+            dict(mesh="data"),
+            TypeError,
+            "`mesh` must be a jax.sharding.Mesh",
+        ),
+        (
+            "predict",
+            dict(fn=lambda m, b: jnp.sum(b[0])),
+            TypeError,
+            r"^scanax.predict: `fn` must return arrays with a leading batch axis .* out is float32\[\]",
+        ),
+        (
+            "predict",
+            dict(fn=lambda m, b, k: b),
+            TypeError,
+            r"`fn` takes 3 required .* scanax.predict calls fn\(model, batch\)",
+        ),
+    ],
+)
+def test_errors(call, kwargs, exc, match):
+    fn = kwargs.pop(
+        "fn", params_eval if call == "evaluate" else lambda p, b: b[0] @ p["w"]
+    )
+    args = (kwargs.pop("model", PARAMS), fn, kwargs.pop("data", (X, Y)))
+    kwargs.setdefault("batch_size", 8)
+    with pytest.raises(exc, match=match):
+        (evaluate if call == "evaluate" else predict)(*args, **kwargs)
+
+
+def test_mesh_errors(pop):
+    mesh = jax.make_mesh((4,), ("data",))
+    with pytest.raises(ValueError, match="divisible by the mesh's 'data' axis"):
+        evaluate(PARAMS, params_eval, (X, Y), batch_size=6, mesh=mesh)
+    with pytest.raises(ValueError, match="no 'data' axis"):
+        evaluate(PARAMS, params_eval, (X, Y), mesh=jax.make_mesh((4,), ("model",)))
+    with pytest.raises(ValueError, match="not supported for a scanax.Population"):
+        evaluate(pop, nnx_eval, (X, Y), batch_size=8, mesh=mesh)

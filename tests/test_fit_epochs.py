@@ -1,0 +1,75 @@
+"""``fit(epochs=E)``: exactly ``E * (n // batch_size)`` steps, the same as
+``steps=``, and ``history["epoch"]``."""
+
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import scanax
+
+X = jr.normal(jr.key(0), (50, 3))
+Y = X.sum(1, keepdims=True)
+P = {"w": jnp.zeros((3, 1))}
+
+
+def loss_fn(p, batch):
+    return jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2)
+
+
+def _fit(model=P, **kw):
+    kw = {"batch_size": 8, "key": jr.key(1), "progress": False, **kw}
+    return scanax.fit(model, optax.sgd(0.1), loss_fn, (X, Y), **kw)
+
+
+def test_epochs_equal_their_steps():
+    by_epochs, by_steps = _fit(epochs=3), _fit(steps=18)  # 50 // 8 = 6 a pass
+    assert by_epochs.steps == 18
+    np.testing.assert_array_equal(by_epochs.history["loss"], by_steps.history["loss"])
+    np.testing.assert_array_equal(by_epochs.model["w"], by_steps.model["w"])
+    np.testing.assert_array_equal(by_epochs.history["epoch"], np.repeat([1, 2, 3], 6))
+    assert "epoch" not in by_steps.history
+
+
+def test_the_epoch_count_continues_across_calls():
+    first = _fit(epochs=1)
+    more = scanax.fit(
+        first.model, optax.sgd(0.1), loss_fn, (X, Y), epochs=2, batch_size=8,
+        key=jr.key(1), opt_state=first.optimizer, progress=False,
+    )  # fmt: skip
+    np.testing.assert_array_equal(more.history["epoch"], np.repeat([2, 3], 6))
+    np.testing.assert_array_equal(
+        more.history["loss"], _fit(epochs=3).history["loss"][6:]
+    )
+
+
+def test_epochs_with_accumulation_and_a_population():
+    acc = _fit(epochs=2, accumulate=3)  # 12 batches: 4 steps of 3
+    assert acc.steps == 4
+    np.testing.assert_array_equal(acc.history["epoch"], [1, 1, 2, 2])
+
+    def make(key, lr):
+        return {"w": jnp.zeros((3, 1))}, optax.sgd(lr)
+
+    pop = scanax.population(make, 2, key=jr.key(2), lr=jnp.array([0.1, 0.05]))
+    out = scanax.fit(
+        pop, None, loss_fn, (X, Y), epochs=2, batch_size=8, key=jr.key(1),
+        progress=False,
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.steps, [12, 12])
+    np.testing.assert_array_equal(out.history["epoch"], np.repeat([1, 2], 6))
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="how long to train is missing"):
+        _fit()
+    with pytest.raises(TypeError, match="steps=3 and epochs=2 are both given"):
+        _fit(steps=3, epochs=2)
+    with pytest.raises(ValueError, match="accumulate=4 does not divide"):
+        _fit(epochs=3, accumulate=4)
+    with pytest.raises(TypeError, match="`epochs` must be a positive int"):
+        _fit(epochs=1.5)
+    batches = [(X[:8], Y[:8])] * 3
+    with pytest.raises(TypeError, match="epochs=2 needs array data"):
+        scanax.fit(P, optax.sgd(0.1), loss_fn, batches, epochs=2, progress=False)

@@ -1,0 +1,111 @@
+"""Resumable iterables: an iterator with ``get_state``/``set_state`` (Grain's)
+or ``state_dict``/``load_state_dict`` has its position saved in fit's
+checkpoints at the step reached, and is set to it on resume: a resumed run
+sees exactly the batches of an uninterrupted one, even from a new iterator
+that would draw others."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _iter_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scanax
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def whole():
+    return job.job(None, seed=0)
+
+
+def test_a_new_iterator_is_set_to_the_saved_position(whole, tmp_path):
+    job.job(tmp_path, seed=0, steps=20)  # saves at 8, 16 and 20
+    resumed = job.job(tmp_path, seed=99)  # another seed: other batches
+    np.testing.assert_array_equal(resumed.history["loss"], whole.history["loss"])
+    np.testing.assert_array_equal(resumed.model["w"], whole.model["w"])
+    # (without the saved state, skipping forward would have drawn seed 99's)
+    other = job.job(None, seed=99)
+    assert not np.array_equal(other.history["loss"], whole.history["loss"])
+
+
+def test_kill_9_then_resume_is_exact(whole, tmp_path):
+    directory, out = tmp_path / "ckpt", tmp_path / "digest"
+
+    def cmd(seed):
+        return [sys.executable, str(HERE / "_iter_job.py"), str(directory), str(out),
+                str(seed)]  # fmt: skip
+
+    proc = subprocess.Popen(cmd(0), stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if directory.exists() and any(n.isdigit() for n in os.listdir(directory)):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+    assert steps and max(steps) < job.STEPS
+    done = subprocess.run(cmd(7), capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert out.read_text() == job.digest(whole)
+
+
+def test_grain_iterators(tmp_path):
+    grain = pytest.importorskip("grain")
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+
+    def loader(seed):
+        ds = grain.MapDataset.range(64).shuffle(seed=seed).repeat(None)
+        ds = ds.map(lambda i: (x[i], x[i].sum(keepdims=True))).batch(8)
+        return iter(ds.to_iter_dataset())
+
+    def run(it, steps, directory=None):
+        return scanax.fit(
+            {"w": jnp.zeros((3, 1))}, optax.adam(0.05), job.loss_fn, it,
+            steps=steps, steps_per_call=4, progress=False, checkpoint_dir=directory,
+            checkpoint_every=None if directory is None else 8,
+        )  # fmt: skip
+
+    whole = run(loader(0), 40)
+    run(loader(0), 20, tmp_path)
+    # A new iterator of the same pipeline (Grain's state is its position): set
+    # to the saved position, not drawn forward.
+    fresh = loader(0)
+    drawn = []
+    fresh_next = type(fresh).__next__
+
+    class Counted(type(fresh)):
+        def __next__(self):
+            drawn.append(1)
+            return fresh_next(self)
+
+    fresh.__class__ = Counted
+    resumed = run(fresh, 40, tmp_path)
+    np.testing.assert_array_equal(resumed.history["loss"], whole.history["loss"])
+    assert len(drawn) == 20  # the 20 steps trained, none to skip forward
+
+
+def test_a_state_a_checkpoint_cannot_hold_is_refused_before_anything(tmp_path):
+    class Odd(job.Stream):
+        def state_dict(self):
+            return {"pos": self.pos, "rng": object()}
+
+    p = {"w": jnp.zeros((3, 1))}
+    with pytest.raises(TypeError, match="iterator's state .* a checkpoint cannot"):
+        scanax.fit(
+            p, optax.sgd(0.1), job.loss_fn, Odd(0), steps=8, steps_per_call=4,
+            progress=False, checkpoint_dir=tmp_path / "c", checkpoint_every=4,
+        )  # fmt: skip
+    assert not (tmp_path / "c").exists()
+    # without checkpoints its state is never read
+    out = scanax.fit(p, optax.sgd(0.1), job.loss_fn, Odd(0), steps=8, progress=False)
+    assert out.steps == 8
