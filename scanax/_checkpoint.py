@@ -70,7 +70,9 @@ class Checkpoints:
         keep: int | None = None,
     ):
         ocp = _ocp()
-        self.keep = keep  # keep only the newest ``keep`` (a best-only store: 1)
+        # A best-only store (``keep=1``): saves numbered 1, 2, ... (the step in
+        # each one's meta), the newest kept once it is written.
+        self.keep = keep
         self.ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
@@ -130,9 +132,13 @@ class Checkpoints:
             meta["data_state"] = data
         ocp = self.ocp
         manager = self._writer()
-        self._prune(manager, int(step))
+        slot = int(step)
+        if self.keep is None:
+            self._prune(manager, slot)
+        else:  # a best-only store: numbered by save, the newest kept once written
+            slot = max(manager.all_steps(), default=0) + 1
         manager.save(
-            int(step),
+            slot,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 history=ocp.args.StandardSave(
@@ -142,6 +148,10 @@ class Checkpoints:
             ),
         )
         self.last_saved = step
+        if self.keep is not None:  # (a kill before this leaves the older too)
+            manager.wait_until_finished()
+            for old in sorted(manager.all_steps())[: -self.keep]:
+                manager.delete(old)
 
     def _prune(self, manager: Any, step: int) -> None:
         """Before saving ``step``: delete the checkpoints that are neither among
@@ -150,12 +160,6 @@ class Checkpoints:
         the top finds every call's end), and record ``step`` in the index."""
         self.starts[step] = self.start
         steps = sorted({*manager.all_steps(), step})
-        if self.keep is not None:  # (the new one replaces the old, once written)
-            manager.wait_until_finished()
-            for s in steps[: -self.keep]:
-                if s != step:
-                    manager.delete(s)
-            return
         keep = set(steps[-KEEP:])
         newest: dict[int, int] = {}
         for s in steps:
@@ -379,8 +383,9 @@ def load_best(directory: Any, model: Any, optimizer: Any = None) -> tuple[Any, A
             their structure is read, every array is replaced).
 
     Returns:
-        ``(model, optimizer)`` holding the best state, and the step it is from
-        in ``load_best.step`` of the store (see ``best_step``).
+        ``(model, optimizer)`` holding the best state (its step is the fit's
+        ``result.best_step`` when ``stop=`` restores the best, and the best
+        ``val_step`` of its history).
 
     Raises:
         FileNotFoundError: no best state in ``directory``.
@@ -398,12 +403,3 @@ def load_best(directory: Any, model: Any, optimizer: Any = None) -> tuple[Any, A
     if found is None:
         raise errors.no_best_state(path)
     return adapter.finish(jax.tree_util.tree_unflatten(treedef, found[1]))
-
-
-def best_step(directory: Any) -> int | None:
-    """The step of the best state saved in ``directory`` (None: none)."""
-    path = os.path.abspath(os.fspath(directory))
-    if not os.path.isdir(path):
-        return None
-    steps = [int(n) for n in os.listdir(path) if n.isdigit()]
-    return max(steps) if steps else None

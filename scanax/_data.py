@@ -287,7 +287,11 @@ class IterSource:
         # A resumable iterator (Grain's get_state/set_state, or a loader's
         # state_dict/load_state_dict): its state before each chunk was taken,
         # by the batches taken by then (the last few).
-        self.resumable = _resumable(self.iterator) or _resumable(data)
+        self.resumable = _resumable(self.iterator)
+        self.restart = None  # a loader's state applies to its next iterator
+        if self.resumable is None:
+            self.resumable = _resumable(data)
+            self.restart = None if self.resumable is None else data
         self.states: dict[int, Any] | None = None  # kept with checkpoints only
 
     def length(self, steps: int, steps_per_call: int | None) -> int:
@@ -356,6 +360,8 @@ class IterSource:
         has them drawn and dropped; returns how many batches that was."""
         if state is not None and self.resumable is not None:
             self.resumable[1](decode_state(state))
+            if self.restart is not None:  # (PyTorch's StatefulDataLoader)
+                self.iterator = iter(self.restart)
             self.consumed += count * self.micro
             return count * self.micro
         skipped = sum(1 for _ in itertools.islice(self.iterator, count * self.micro))

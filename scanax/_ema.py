@@ -10,11 +10,13 @@ stop's best state.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from . import _population
@@ -22,11 +24,18 @@ from ._errors import fit as errors
 
 
 def check_decay(ema: Any) -> float | None:
-    """``ema=`` checked: None, or a decay in ``[0, 1)``."""
+    """``ema=`` checked: None, or a decay in ``[0, 1)`` (any real number, a
+    NumPy or JAX scalar too)."""
     if ema is None:
         return None
-    if isinstance(ema, bool) or not isinstance(ema, (int, float)):
+    dtype = getattr(ema, "dtype", None)  # a NumPy or JAX scalar
+    scalar = dtype is not None and np.ndim(ema) == 0 and dtype.kind in "iuf"
+    if isinstance(ema, bool) or not (isinstance(ema, numbers.Real) or scalar):
         raise errors.ema_type(ema)
+    try:
+        ema = float(ema)
+    except (TypeError, ValueError):
+        raise errors.ema_type(ema) from None
     if not 0.0 <= float(ema) < 1.0:
         raise errors.ema_value(ema)
     return float(ema)
@@ -75,6 +84,15 @@ class EmaAdapter:
         if len(found) != self.inner_def.num_leaves:
             return None
         return [*found, *(found[i] for i in self.where)]
+
+    def averaged_leaves(self, leaves: list) -> list:
+        """The model's own leaves, the average in place of the parameters, from
+        this adapter's flat state (more leaves may follow: a rollout's)."""
+        n = self.inner_def.num_leaves
+        out = list(leaves[:n])
+        for j, i in enumerate(self.where):
+            out[i] = leaves[n + j]
+        return out
 
     def _averaged(self, state: Any) -> Any:
         """The model's state with the average in place of the parameters."""

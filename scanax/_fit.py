@@ -274,6 +274,10 @@ def fit(
         if stop is None:
             raise errors.best_dir_without_stop()
         _checkpoint_options(best_dir, None)
+        if checkpoint_dir is not None and os.path.abspath(
+            os.fspath(best_dir)
+        ) == os.path.abspath(os.fspath(checkpoint_dir)):
+            raise errors.best_dir_is_checkpoint_dir(best_dir)
     _mesh.check_shard(shard, mesh, pop is not None)
     if mesh is not None:
         if pop is None:
@@ -455,7 +459,10 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         store = _checkpoint.Checkpoints(
             setup.best_dir, None, names, _checkpoint.BEST, start, keep=1
         )
-        best = _fit_hooks.BestSaver(store, n)
+        pick = None  # ema_eval: the best judged on the average, saved as such
+        if averaged is not None and averaged.on_eval:
+            pick = averaged.averaged_leaves
+        best = _fit_hooks.BestSaver(store, n, pick)
     extras = _fit_loop.Extras(setup.checks, eval_arrays, setup.logger, best)
     kind = _fit_loop.Model(adapter, treedef)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
@@ -466,10 +473,10 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         result = run.go()
     except BaseException:
         if fed is not None and fed.pending is not None:
-            fed.commit(handed_back=False)
+            fed.commit(handed_back=False, step=run.done)
         raise
     if fed is not None:
-        fed.commit(handed_back=True)
+        fed.commit(handed_back=True, step=run.done)
     if averaged is not None:
         result.ema = averaged.ema
     if setup.logger is not None:

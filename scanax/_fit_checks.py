@@ -154,7 +154,7 @@ class Ratio:
     own values however the data is batched. Sum over the batch's examples
     yourself; an array ``num``/``den`` (per class, say) gives an array metric.
 
-    Conceptually equivalent to::
+    Conceptually equivalent to (0 where the denominator sums to 0)::
 
         value = sum(r.num for r in batch_ratios) / sum(r.den for r in batch_ratios)
 
@@ -200,17 +200,17 @@ class Ratio:
 
     @property
     def value(self) -> Any:
-        """``num / den`` (a JAX array)."""
+        """``num / den`` (a JAX array; 0 where ``den`` is 0)."""
         dtype = self.dtype
-        return jnp.asarray(self.num, dtype) / jnp.asarray(self.den, dtype)
+        return _divide(jnp.asarray(self.num, dtype), jnp.asarray(self.den, dtype))
 
     def __jax_array__(self) -> Any:
         return self.value
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         own = np.dtype(self.dtype)
-        with np.errstate(divide="ignore", invalid="ignore"):  # (0 / 0: NaN)
-            value = np.asarray(self.num, own) / np.asarray(self.den, own)
+        num, den = np.asarray(self.num, own), np.asarray(self.den, own)
+        value = np.where(den == 0, 0, num / np.where(den == 0, 1, den)).astype(own)
         return np.asarray(value, dtype or own)
 
     def __repr__(self) -> str:
@@ -292,10 +292,16 @@ def _summand(x: Any) -> Any:
     return jnp.asarray(x, jnp.int32 if exact else jnp.float32)
 
 
+def _divide(num: Any, den: Any) -> Any:
+    """``num / den``, 0 where ``den`` is 0 (no example counted: precision with
+    nothing predicted positive is 0, as scikit-learn and Keras give)."""
+    return jnp.where(den == 0, 0, num / jnp.where(den == 0, 1, den)).astype(num.dtype)
+
+
 def _mean(total: Any, n: int) -> Any:
     if isinstance(total, Ratio):
         num, den = (jnp.asarray(x, jnp.float32) for x in (total.num, total.den))
-        return num / den
+        return _divide(num, den)
     return total / n
 
 

@@ -107,8 +107,11 @@ class BestSaver:
     (atomically, by orbax) whenever it changes, after the call that found it;
     only the model's own leaves (``n``: not an average's or a rollout's)."""
 
-    def __init__(self, store: Any, n: int):
+    def __init__(self, store: Any, n: int, pick: Any = None):
+        # ``pick(leaves)``: the model's leaves to save from the best state
+        # (default: the first ``n``; ``ema_eval``: the average's)
         self.store, self.n, self.saved = store, n, None
+        self.pick = pick or (lambda leaves: list(leaves[:n]))
 
     def start(self, run: Any) -> None:
         """(the directory is only written by the first save)"""
@@ -117,7 +120,7 @@ class BestSaver:
         extra = call.state[2]  # this call's early-stop carry, not a later one's
         step = int(jax.device_get(extra.rule.best_step))
         if step >= 0 and step != self.saved and extra.best:
-            best = list(extra.best[: self.n])
+            best = self.pick(extra.best)
             value = np.asarray(jax.device_get(extra.rule.best), np.float64)
             history = {"step": np.asarray([step], np.int64), "value": value[None]}
             self.store.save(step, best, _checkpoint.best_key(), history)

@@ -18,6 +18,7 @@ stays one ``lax.cond``, run only at those steps). Step ``t`` trains on minibatch
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from . import _fingerprint, _mesh
+from . import _caller, _fingerprint, _mesh
 from ._errors import rollout as errors
 from ._tree import is_array
 
@@ -99,6 +100,7 @@ class Rollout:
         self.minibatches = _positive("minibatches", minibatches)
         self.state: Any = None  # the feed after the last fit (a population's: stacked)
         self.members: int | None = None  # the population size the state is for
+        self.step: int | None = None  # the global step the state was left at
 
     @property
     def period(self) -> int:
@@ -107,7 +109,7 @@ class Rollout:
 
     def reset(self) -> None:
         """Start the next ``fit`` from ``init`` again."""
-        self.state, self.members = None, None
+        self.state, self.members, self.step = None, None, None
 
     def __repr__(self) -> str:
         name = getattr(self.collect, "__name__", type(self.collect).__name__)
@@ -348,6 +350,31 @@ def _check_carry(old: Any, new: Any) -> None:
 # ---------------------------------------------------------------------------- feeds
 
 
+# ``init``'s programs (the first feed, compiled), by what they depend on: a new
+# Rollout of the same functions for a model of the same structure reuses one.
+_FIRSTS: dict = {}
+
+
+def _first_program(
+    identity: Any, source: Any, first: Any, start: int, model: list, keys: Any
+) -> Any:
+    run = first if keys is None else jax.vmap(first)
+    if identity is None:  # (no fingerprint: compiled for this fit only)
+        return jax.jit(run)
+    types = tuple(_avals(model))
+    cache = (identity, source.static, start % source.rollout.period == 0, types,
+             None if keys is None else (len(keys), _avals(keys)[0]))  # fmt: skip
+    try:
+        found = _FIRSTS.get(cache)
+    except TypeError:  # an unhashable part
+        return jax.jit(run)
+    if found is None:
+        found = _FIRSTS[cache] = jax.jit(run)
+        while len(_FIRSTS) > 16:
+            _FIRSTS.pop(next(iter(_FIRSTS)))
+    return found
+
+
 def start_feed(
     source: RolloutSource,
     collector: Collector,
@@ -355,10 +382,13 @@ def start_feed(
     hp: Any,
     start: int,
     keys: Any = None,
+    identity: Any = None,
 ) -> Any:
     """The feed the run starts with: the one the ``Rollout`` kept from its last
     ``fit`` (checked to fit this model), else a new one from ``init``; a
-    population's (``keys``: the members' keys) with a member axis."""
+    population's (``keys``: the members' keys) with a member axis.
+    ``identity``: the model's fingerprint (its first feed's program is cached
+    by it)."""
     rollout, members = source.rollout, None if keys is None else len(keys)
 
     def first(model, key, hp):
@@ -366,11 +396,18 @@ def start_feed(
 
     one_model, one_key, one_hp = _one(model, keys, source.key, hp)
     if rollout.state is None:
-        run = first if keys is None else jax.vmap(first)
-        feed = jax.jit(run)(model, source.key if keys is None else keys, hp)
+        feed = _first_program(identity, source, first, start, model, keys)(
+            model, source.key if keys is None else keys, hp
+        )
     else:
         if rollout.members != members:
             raise errors.members(rollout.members, members)
+        if rollout.step is not None and rollout.step != start:
+            warnings.warn(
+                errors.state_elsewhere(rollout.step, start),
+                RuntimeWarning,
+                stacklevel=_caller.user_level(),
+            )
         feed = rollout.state
         fresh = jax.eval_shape(first, one_model, one_key, one_hp)
         drop = 0 if keys is None else 1  # (a population's member axis)
@@ -420,7 +457,9 @@ class FedAdapter:
         self.collector = Collector(source.rollout, view, inner_def.num_leaves)
         self.pending: Any = None  # the feed of the state last finished
         model = jtu.tree_leaves(adapter.state)
-        feed = start_feed(source, self.collector, model, None, start)
+        feed = start_feed(
+            source, self.collector, model, None, start, identity=adapter.fingerprint()
+        )
         self.state = (adapter.state, feed)
         self.static = ("rollout", adapter.static, self.collector.feed_def)
 
@@ -469,12 +508,14 @@ class FedAdapter:
         self.pending = state[1]
         return self.adapter.finish(state[0])
 
-    def commit(self, handed_back: bool) -> None:
-        """Leave the feed last finished with the Rollout: after a run that
-        returned, or one interrupted whose NNX objects hold the state it goes
-        with (another kind's model is not handed back then: nor is the feed)."""
+    def commit(self, handed_back: bool, step: int) -> None:
+        """Leave the feed last finished with the Rollout (at global ``step``):
+        after a run that returned, or one interrupted whose NNX objects hold the
+        state it goes with (another kind's model is not handed back then: nor
+        is the feed)."""
         if handed_back or self.base.kind == "nnx":
             self.rollout.state, self.rollout.members = self.pending, None
+            self.rollout.step = step
 
 
 class FedPopulation:
@@ -487,7 +528,10 @@ class FedPopulation:
         self.n_model = len(pop.state)
         self.collector = Collector(source.rollout, pop.view, self.n_model)
         hp = pop.hp()
-        feed = start_feed(source, self.collector, list(pop.state), hp, pop.step, keys)
+        feed = start_feed(
+            source, self.collector, list(pop.state), hp, pop.step, keys,
+            identity=pop.fingerprint(),
+        )  # fmt: skip
         self.feed = jtu.tree_leaves(feed)
         self.names = [*pop.names, *self.collector.names()]
 
@@ -514,5 +558,5 @@ class FedPopulation:
         self.feed = list(state[n:])
         treedef = self.collector.feed_def
         self.rollout.state = jtu.tree_unflatten(treedef, self.feed)
-        self.rollout.members = self.pop.n
+        self.rollout.members, self.rollout.step = self.pop.n, step
         self.pop.update(state[:n], stopped, step)

@@ -165,3 +165,8 @@ def test_population_members_equal_solo_fits(whole):
     more = scanax.fit(pop, None, loss_fn, (X, Y), steps=8, ema_state=out.ema, **kw)
     _close(more.ema[0], whole.ema)
     assert len(more.ema) == 2 and isinstance(more.ema[1], dict)
+
+
+def test_a_numpy_decay_is_a_decay(whole):
+    out = _fit(ema=np.float32(DECAY))
+    _close(out.ema, whole.ema, 1e-7)

@@ -486,3 +486,21 @@ def test_mesh_errors(pop):
         evaluate(PARAMS, params_eval, (X, Y), mesh=jax.make_mesh((4,), ("model",)))
     with pytest.raises(ValueError, match="not supported for a scanax.Population"):
         evaluate(pop, nnx_eval, (X, Y), batch_size=8, mesh=mesh)
+
+
+def test_a_ratio_over_nothing_is_zero_as_sklearn_gives():
+    """Precision when nothing is predicted positive: 0/0 counts, 0 (as
+    scikit-learn's zero_division=0 and Keras's Precision), not NaN."""
+    metrics = pytest.importorskip("sklearn.metrics")
+    y = np.array([1, 0, 1, 0], np.int32)
+    pred = np.zeros(4, np.int32)
+
+    def eval_fn(model, batch):
+        yb, pb = batch
+        tp = jnp.sum((pb == 1) & (yb == 1)).astype(jnp.int32)
+        fp = jnp.sum((pb == 1) & (yb == 0)).astype(jnp.int32)
+        return jnp.float32(0.0), {"precision": scanax.Ratio(tp, tp + fp)}
+
+    out = scanax.evaluate({"w": jnp.zeros(())}, eval_fn, (y, pred), batch_size=2)
+    assert out["precision"] == metrics.precision_score(y, pred, zero_division=0) == 0
+    assert float(np.asarray(scanax.Ratio(jnp.int32(0), jnp.int32(0)))) == 0.0

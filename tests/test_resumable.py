@@ -109,3 +109,38 @@ def test_a_state_a_checkpoint_cannot_hold_is_refused_before_anything(tmp_path):
     # without checkpoints its state is never read
     out = scanax.fit(p, optax.sgd(0.1), job.loss_fn, Odd(0), steps=8, progress=False)
     assert out.steps == 8
+
+
+class Loader:
+    """As PyTorch's StatefulDataLoader: the loader has state_dict /
+    load_state_dict, and a loaded state applies to its next iterator."""
+
+    def __init__(self, seed):
+        self.seed, self.pos, self.start = seed, 0, 0
+
+    def __iter__(self):
+        self.pos = self.start
+        stream = job.Stream(self.seed)
+        stream.pos = self.start
+        while True:
+            self.pos += 1
+            yield next(stream)
+
+    def state_dict(self):
+        return {"seed": self.seed, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.seed, self.start = state["seed"], state["pos"]
+
+
+def test_a_loader_whose_state_applies_to_its_next_iterator(whole, tmp_path):
+    def run(loader, steps, directory):
+        return scanax.fit(
+            {"w": jnp.zeros((3, 1))}, optax.adam(0.05), job.loss_fn, loader,
+            steps=steps, steps_per_call=4, progress=False, checkpoint_dir=directory,
+            checkpoint_every=8,
+        )  # fmt: skip
+
+    run(Loader(0), 20, tmp_path)
+    resumed = run(Loader(5), job.STEPS, tmp_path)
+    np.testing.assert_array_equal(resumed.history["loss"], whole.history["loss"])

@@ -465,3 +465,25 @@ def test_early_stop_on_a_rollout_metric(solo):
     np.testing.assert_array_equal(
         out.history["loss"], whole.history["loss"][: out.steps]
     )
+
+
+def test_a_new_rollout_reuses_the_compiled_init_and_a_reused_one_warns():
+    traced = []
+
+    def init(key):
+        traced.append(1)  # (runs while tracing)
+        return job.env_reset(key)
+
+    first = _fit(rollout(init=init))
+    assert len(traced) == 1
+    _fit(rollout(init=init))  # rebuilt Rollout, same functions: no new trace
+    assert len(traced) == 1
+    r = rollout(init=init)
+    _fit(r)
+    with pytest.warns(RuntimeWarning, match="was left at step 8 .* starts at step 0"):
+        _fit(r)  # a fresh model on the used Rollout
+    again = scanax.fit(  # continuing where it was left: no warning
+        first.model, TX, job.loss_fn, r, steps=8, key=KEY, opt_state=first.optimizer,
+        progress=False,
+    )  # fmt: skip
+    assert again.steps == 8

@@ -670,3 +670,11 @@ def best_dir_population() -> TypeError:
         "drop it; stop=EarlyStop(..., restore_best=True) keeps each member's "
         "best in result.model."
     )
+
+
+def best_dir_is_checkpoint_dir(path: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: best_dir and checkpoint_dir are the same directory ({path!r}); "
+        "each keeps its own checkpoints.\nFix: give best_dir its own directory "
+        "(e.g. a subdirectory 'best' of checkpoint_dir)."
+    )

@@ -179,3 +179,13 @@ def epochs_with_rollout(epochs: Any) -> TypeError:
         "and Rollout(epochs=..., minibatches=...) for the passes over each "
         "collected batch."
     )
+
+
+def state_elsewhere(kept: int, start: int) -> str:
+    return (
+        f"{CALL}: this Rollout's state (its environments, batch and key) was "
+        f"left at step {kept} by its last fit; this fit starts at step {start}, "
+        "so it continues that state with another model's steps (not what a run "
+        "from `key` gives). Call rollout.reset() (or use a new scanax.Rollout) "
+        "to start from `init`."
+    )
