@@ -69,6 +69,16 @@ def make_step(tx):
     return step
 
 
+def _fresh_fit():
+    """Forget every program fit compiled (its caches and JAX's): the next fit
+    traces and compiles as a first call in a process does."""
+    from scanax import _fit_program
+
+    _fit_program.PROGRAMS.clear()
+    _fit_program.EXECUTABLES.clear()
+    jax.clear_caches()
+
+
 def data(steps, batch):
     x = jr.normal(jr.key(1), (steps, batch, 8, 8, 1))
     y = jr.randint(jr.key(2), (steps, batch), 0, 10)
@@ -121,6 +131,7 @@ def run(quick: bool = False) -> list[dict]:
         "scanax": lambda: _timing.block(fused(scanax.scan)(state0, xs)),
         "lax": lambda: _timing.block(fused(jax.lax.scan)(state0, xs)),
         "loop": lambda: _timing.block(looped(jax.jit(make_step(tx)))),
+        "fit": lambda: (_fresh_fit(), fitted())[1],  # what a first fit pays
     }
     c = _timing.interleaved(fresh, repeats=max(3, repeats // 2), warmup=0)
 
@@ -164,6 +175,13 @@ def run(quick: bool = False) -> list[dict]:
             desc + ", compile included",
             c["scanax"],
             "Python loop of one jax.jit step",
+            c["loop"],
+        ),
+        _timing.row(
+            "conv",
+            "scanax.fit (default), " + desc + ", compile included",
+            c["fit"],
+            "Python loop of one jax.jit step, compile included",
             c["loop"],
         ),
     ]

@@ -218,9 +218,7 @@ class EmaMembers(Sequence):
 
     def __getitem__(self, i: Any) -> Any:
         i = _population.member_index(i, len(self))
-        adapter = self._pop.adapter(i)
         leaves = [x[i] for x in self._pop.state]
         for j, e in zip(self._where, self.leaves):
             leaves[j] = e[i]
-        own = jtu.tree_structure(adapter.state)
-        return adapter.model_of(jtu.tree_unflatten(own, leaves))
+        return self._pop.model_of(i, leaves)

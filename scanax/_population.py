@@ -147,12 +147,18 @@ class Population:
         found = self._members.get(i)
         if found is not None and found[0] is self.state:
             return found[1]
-        values = {k: v[i].item() for k, v in self._hp.items()}
-        adapter = _adapt(self.make, self.keys[i], values)
-        flat, own = jtu.tree_flatten(adapter.state)
+        adapter = self.adapter(i)
+        own = jtu.tree_structure(adapter.state)
         pair = adapter.finish(jtu.tree_unflatten(own, [x[i] for x in self.state]))
         self._members[i] = (self.state, pair)
         return pair
+
+    def model_of(self, i: int, leaves: list) -> Any:
+        """A model of member ``i``'s kind holding ``leaves`` (one member's state
+        leaves, not stacked), as ``member`` builds it (``adapter.model_of``)."""
+        adapter = self.adapter(i)
+        own = jtu.tree_structure(adapter.state)
+        return adapter.model_of(jtu.tree_unflatten(own, leaves))
 
     def update(self, state: list, stopped: np.ndarray, step: int) -> None:
         """The state after a ``fit`` call (members made earlier are made again)."""
