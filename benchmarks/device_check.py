@@ -9,9 +9,9 @@ device, and writes nothing. Rows:
   zero-cost rule (≈ 1.0);
 * ``fit`` vs a hand-fused ``jax.jit(lax.scan)`` of the same Adam step (the
   tiny and small MLPs, 1000 steps);
-* ``fit``'s execution: only the fused loop exists today (``execution=`` is not
-  built), so the row is ``fit`` vs a Python loop of one ``jax.jit`` step:
-  what choosing per backend would decide on;
+* ``fit``'s execution: ``execution="stepwise"`` ÷ ``"fused"`` (the tiny and
+  small MLPs, 1000 steps), and what ``execution="auto"`` chose for a fit long
+  enough for its trial;
 * ``linear_scan``'s methods at batch 1024, T = 1k and 4k, forward and gradient:
   each method ÷ ``lax.scan`` of the same recurrence, and ``auto`` ÷ the best
   (the rule off CPU is untested until this runs: chunked from 256 steps);
@@ -127,7 +127,18 @@ def fit_rows():
         _pair(f"fit / hand-fused jit(lax.scan), {name} MLP, 1000 steps", ours,
               lambda: fused(p0, tx.init(p0)))  # fmt: skip
         _pair(f"fit (fused) / Python loop of a jit step, {name} MLP, 1000 steps",
-              ours, dispatched, "  [execution= would pick the lower]")  # fmt: skip
+              ours, dispatched)  # fmt: skip
+
+        def stepwise():
+            r = scanax.fit(p0, tx, loss_fn, (x, y), steps=1000, batch_size=batch,
+                           progress=False, execution="stepwise")  # fmt: skip
+            return r.model
+
+        _pair(f"fit stepwise / fused, {name} MLP, 1000 steps", stepwise, ours)
+        steps = 500 if QUICK else 20_000
+        r = scanax.fit(p0, tx, loss_fn, (x, y), steps=steps, batch_size=batch,
+                       progress=False, execution="auto")  # fmt: skip
+        print(f"fit execution=auto chose: {r.execution} ({name} MLP, {steps} steps)")
 
 
 def linear_rows():

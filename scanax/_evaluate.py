@@ -28,7 +28,7 @@ from . import (
     _fit_checks,
     _fit_program,
     _mesh,
-    _models,
+    _model_step,
     _nnx,
     _population,
 )
@@ -147,7 +147,7 @@ def evaluate(
                 out = run(leaves, batch, batch_key, hp)
                 if trainstate and isinstance(out, tuple) and len(out) == 3:
                     out = out[:2]  # (a TrainState loss_fn's updates)
-                return _models.split_loss(_CALL, out, "eval_fn")
+                return _model_step.split_loss(_CALL, out, "eval_fn")
 
             return _fit_checks.over_dataset(batch_metrics, data, n, b, key, place)
 

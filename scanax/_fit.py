@@ -27,13 +27,20 @@ from . import (
     _log,
     _mesh,
     _models,
+    _plateau,
     _population,
     _precision,
     _progress,
     _rollout,
     _stop,
 )
-from ._errors import fit as errors, population as pop_errors, rollout as rollout_errors
+from ._errors import (
+    execution as execution_errors,
+    fit as errors,
+    plateau as plateau_errors,
+    population as pop_errors,
+    rollout as rollout_errors,
+)
 
 _CALL = errors.CALL
 
@@ -65,6 +72,7 @@ def fit(
     eval_fn: Callable | None = None,
     eval_batch_size: int | None = None,
     stop: Any = None,
+    plateau: Any = None,
     log: Any = None,
     log_every: int = 10,
     accumulate: int = 1,
@@ -73,6 +81,7 @@ def fit(
     ema_state: Any = None,
     precision: str | None = None,
     best_dir: Any = None,
+    execution: str = "auto",
 ) -> FitResult:
     """Train ``model`` for ``steps`` more optimizer steps, fused into compiled
     loops (one ``lax.while_loop`` per call of ``steps_per_call`` steps).
@@ -164,13 +173,21 @@ def fit(
             loop, with ``eval_fn`` (default ``loss_fn``) in eval mode, in batches
             of ``eval_batch_size`` (default 1024, or ``batch_size`` if larger);
             its metrics join
-            ``history`` as ``val_<name>`` at ``history["val_step"]``.
+            ``history`` as ``val_<name>`` at ``history["val_step"]``. With
+            ``epochs=``, ``eval_every`` defaults to one epoch's steps (Keras
+            validates every epoch).
         stop: a ``scanax.EarlyStop``: checked every ``eval_every`` steps; keeps
             the best state on device and restores it (``result.best_step``).
             A population: evaluation and ``stop`` run per member, each member
             stopping on its own; ``val_*`` histories are ``[members,
             evaluations]`` and ``result.best_step`` an int array (``-1``: the
             member kept no best state); see ``docs/populations.md``.
+        plateau: a ``scanax.Plateau``: Keras's ``ReduceLROnPlateau``, checked
+            every ``eval_every`` steps on its monitored metric: each step's
+            update of the trained parameters is multiplied by a scale the rule
+            lowers (``history["lr_scale"]``: each step's); its state is saved
+            in checkpoints. A population: per member. See
+            ``docs/training_features.md``.
         log, log_every: a sink (``scanax.TensorBoard``, ``scanax.CSV``, or any
             ``sink(step, metrics)``) or a list of them, given the metrics'
             means over each window of ``log_every`` steps and the evaluations,
@@ -191,6 +208,16 @@ def fit(
             the parameters and the optimizer state stay float32; loss and
             metrics are float32. Default None: as given. (``"float16"``, which
             needs loss scaling, is refused.)
+        execution: how each call runs its steps. ``"fused"``: one compiled
+            ``lax.while_loop`` per call; ``"stepwise"``: each step one
+            dispatched compiled call, as a Python loop of ``jax.jit`` steps
+            (the same step program: the same results, bit-identical on CPU,
+            every feature kept); ``"auto"`` (default): fused, and once a call
+            is timed and the steps left are worth it, the stepwise programs
+            compiled on another thread and one call timed with them; the
+            faster runs the rest, and the choice is kept for the program (and
+            on disk with ``scanax.compile_cache``). ``result.execution`` says
+            which ran last. See ``docs/compile.md``.
         shared_batches, members_per_call: populations only
             (``fit(scanax.population(...), None, ...)``, see
             ``docs/populations.md``): every member gets the batches of a solo
@@ -256,6 +283,9 @@ def fit(
         if not isinstance(source, _data.ArraySource):
             raise errors.epochs_need_arrays(epochs)
         steps = source.steps_for(epochs)
+        checked = eval_data is not None or stop is not None or plateau is not None
+        if checked and eval_every is None and source.per_epoch % source.micro == 0:
+            eval_every = source.per_epoch // source.micro  # (Keras: every epoch)
     if pop is not None:
         shared = _shared(pop, source, shared_batches, members_per_call)
     if takes_key and key is None:
@@ -268,6 +298,8 @@ def fit(
     if steps_per_call is not None:
         steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
     checkpoint_every = _checkpoint_options(checkpoint_dir, checkpoint_every)
+    if not isinstance(execution, str) or execution not in _fit_schedule.EXECUTIONS:
+        raise execution_errors.unknown_execution(execution, _fit_schedule.EXECUTIONS)
     if best_dir is not None:
         if pop is not None:
             raise errors.best_dir_population()
@@ -297,7 +329,16 @@ def fit(
             checkpoint_every=checkpoint_every,
         )
     spec = _mesh.bar_here(mesh, _progress.resolve(_CALL, progress))
-    checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, stop)
+    rules = stop
+    if plateau is not None:  # its carry joins the training state, after the model's
+        if not isinstance(plateau, _plateau.Plateau):
+            raise plateau_errors.plateau_type(plateau)
+        if pop is None:
+            adapter = scaled = _plateau.ScaledAdapter(adapter, plateau)
+        else:
+            pop = scaled = _plateau.ScaledPopulation(pop, plateau)
+        rules = _fit_checks.Rules(stop, plateau, scaled.at)
+    checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, rules)
     checks, eval_arrays, eval_call = _checks(
         *checks_args, batch_size, loss_fn, pop is not None
     )
@@ -325,6 +366,7 @@ def fit(
         low,
         None if ema is None else (ema, bool(ema_eval), ema_state),
         best_dir,
+        execution,
     )
     if pop is None:
         result = _fit_model(adapter, opt_state, setup)
@@ -451,7 +493,7 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         setup.checkpoint_every,
         bar_every,
     )
-    how = _fit_loop.How(start, start + setup.steps, spec, mesh, ticks)
+    how = _fit_loop.How(start, start + setup.steps, spec, mesh, ticks, setup.execution)
     best = None
     if setup.best_dir is not None:  # the model's own leaves, first in the state
         n = jtu.tree_structure(getattr(adapter, "base", adapter).state).num_leaves
@@ -533,11 +575,15 @@ def _checks(
     loss_fn: Callable,
     population: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """``(checks, eval arrays, eval call)`` from ``fit``'s evaluation and early-stop
-    arguments, validated; ``(None, None, None)`` when none is given. For a
-    population, the checks' ``evaluate`` is ``eval_fn`` as given (its arguments
-    are a population's: ``_fit_population`` wraps it)."""
-    if eval_data is None and eval_every is None and stop is None:
+    """``(checks, eval arrays, eval call)`` from ``fit``'s evaluation, early-stop
+    and plateau arguments (``stop``: an ``EarlyStop``, or ``_fit_checks.Rules``
+    with a plateau rule), validated; ``(None, None, None)`` when none is given.
+    For a population, the checks' ``evaluate`` is ``eval_fn`` as given (its
+    arguments are a population's: ``_fit_population`` wraps it)."""
+    rules, plateau = stop, None
+    if isinstance(stop, _fit_checks.Rules):
+        stop, plateau = stop.stop, stop.plateau
+    if eval_data is None and eval_every is None and stop is None and plateau is None:
         for name, value in (("eval_fn", eval_fn), ("eval_batch_size", eval_batch_size)):
             if value is not None:
                 raise errors.eval_option_without_data(name)
@@ -545,14 +591,18 @@ def _checks(
     if stop is not None and not isinstance(stop, _stop.EarlyStop):
         raise errors.stop_type(stop)
     if eval_every is None:
+        if plateau is not None and stop is None and eval_data is None:
+            raise plateau_errors.eval_every_missing()
         raise errors.eval_every_missing(eval_data is not None)
     eval_every = _data.positive_int("eval_every", eval_every)
     if eval_data is None:
-        if stop is None:
+        if stop is None and plateau is None:
             raise errors.eval_every_without_data()
-        if stop.monitor.startswith("val_"):
+        if stop is not None and stop.monitor.startswith("val_"):
             raise errors.val_monitor_without_data(stop.monitor)
-        return _fit_checks.Checks(eval_every, None, 0, 1, stop), None, None
+        if plateau is not None and plateau.monitor.startswith("val_"):
+            raise plateau_errors.val_monitor_without_data(plateau.monitor)
+        return _fit_checks.Checks(eval_every, None, 0, 1, rules), None, None
     if isinstance(eval_data, list) or not _data.is_array_data(eval_data):
         raise errors.eval_data_not_arrays(eval_data)
     source = _data.ArraySource(eval_data, 1, None, "eval_data")  # (leading axes)
@@ -571,7 +621,7 @@ def _checks(
         name = "loss_fn" if eval_fn is None else "eval_fn"
         takes_key = wants_key(fn, 3, name)
         call = fn if takes_key else (lambda model, batch, key: fn(model, batch))
-    checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), stop)
+    checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), rules)
     return checks, eval_data, fn
 
 

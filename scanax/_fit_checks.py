@@ -1,6 +1,7 @@
 """What ``scanax.fit``'s compiled loop does every ``eval_every`` steps: evaluate
-the model over the whole ``eval_data`` (in eval mode) and update the early-stop
-rule, keeping the best state on device. The evaluation's reduction over a
+the model over the whole ``eval_data`` (in eval mode), update the early-stop
+rule, keeping the best state on device, and the plateau rule, whose state is
+part of the training state (``_plateau``). The evaluation's reduction over a
 dataset (``over_dataset``: batch means weighted by their sizes, a ``Ratio``'s
 sums kept apart) is shared with ``scanax.evaluate``.
 
@@ -10,6 +11,7 @@ host round trip, no recompile, and the same code under a population's ``vmap``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,8 +21,9 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _log
+from . import _log, _plateau
 from ._fit_program import trace_once
+from ._plateau import Plateau, PlateauCarry
 from ._stop import EarlyStop, keep_best
 
 
@@ -35,10 +38,39 @@ class StopCarry(NamedTuple):
     count: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The rules checked at each evaluation besides it: an early stop and a
+    plateau rule (``Checks``'s ``stop`` when there is a plateau rule). ``at``:
+    where the plateau rule's carry (``_plateau.PlateauCarry``) starts in the
+    training state's flat leaves."""
+
+    stop: EarlyStop | None
+    plateau: Plateau | None = None
+    at: int = 0
+
+    @property
+    def restore_best(self) -> bool:
+        """Whether the early stop restores the best state it keeps."""
+        return self.stop is not None and self.stop.restore_best
+
+
+class Checked(NamedTuple):
+    """What a check gives back (``Checks.run``)."""
+
+    leaves: list  # the training state, the plateau rule's carry updated
+    val: dict  # the evaluation's metrics (NaN where none was due)
+    due: Any  # whether an evaluation was due
+    carry: StopCarry | None  # the early-stop carry
+    stop: Any  # the early-stop rule says stop
+
+
 class Checks:
     """Every ``every`` global steps: an evaluation (``evaluate(leaves, batch,
     key, hp) -> (loss, metrics)`` over ``n`` examples in batches of
-    ``batch_size``) and/or the early-stop rule ``stop``."""
+    ``batch_size``) and/or the rules ``stop``: an ``EarlyStop``, or ``Rules``
+    (a ``Plateau``, and an ``EarlyStop`` or not). ``stop`` is kept as given:
+    what a ``Checks`` rebuilt with another ``evaluate`` is given again."""
 
     def __init__(
         self,
@@ -46,23 +78,26 @@ class Checks:
         evaluate: Callable | None,
         n: int,
         batch_size: int,
-        stop: EarlyStop | None,
+        stop: EarlyStop | Rules | None,
     ):
         self.every, self.evaluate, self.n = every, evaluate, n
         self.batch_size, self.stop = batch_size, stop
-        self.train_monitor = stop is not None and not stop.monitor.startswith("val_")
+        rules = stop if isinstance(stop, Rules) else Rules(stop)
+        self.early, self.plateau, self.at = rules.stop, rules.plateau, rules.at
 
     def key(self) -> tuple:
         """What the compiled program depends on (for its cache key)."""
         return (self.every, self.n, self.batch_size, self.stop)
 
     def init(self, leaves: list, dtype: Any = jnp.float32) -> StopCarry | None:
-        """The carry before the first check, keeping ``leaves`` as the best state
-        (``[]``: none kept, as a population without ``restore_best`` does)."""
-        if self.stop is None:
+        """The early-stop carry before the first check, keeping ``leaves`` as the
+        best state (``[]``: none kept, as a population without ``restore_best``
+        does); None without an early stop (the plateau rule's carry is in the
+        training state)."""
+        if self.early is None:
             return None
         return StopCarry(
-            self.stop.init(dtype),
+            self.early.init(dtype),
             list(leaves),
             jnp.zeros((), jnp.float32),
             jnp.zeros((), jnp.int32),
@@ -78,9 +113,11 @@ class Checks:
         key: Any,
         hp: Any,
         carry: StopCarry | None,
-    ) -> tuple[dict, Any, StopCarry | None, Any]:
-        """After global step ``t1`` (1-based): ``(val metrics, evaluated, carry,
-        stop)``; ``val`` is NaN where nothing was evaluated."""
+    ) -> Checked:
+        """After global step ``t1`` (1-based): the evaluation if due, then the
+        rules. ``ok``: the step was taken (a population's member) and finite;
+        else no state is kept as the best and the plateau rule's carry is left
+        as it was."""
         due = t1 % self.every == 0
         val: dict = {}
         if self.evaluate is not None:
@@ -92,34 +129,56 @@ class Checks:
                 lambda: evaluate(leaves, eval_data, key, hp),
                 lambda: nan,
             )
-        if self.stop is None:
-            return val, due, carry, jnp.array(False)
-        total, count = carry.total, carry.count
+        stop = jnp.array(False)
+        if self.early is None and self.plateau is None:
+            return Checked(leaves, val, due, carry, stop)
         rollout = {f"rollout_{k}": v for k, v in out.get("rollout", {}).items()}
         names = ["loss", *out["metrics"], *val, *rollout]
-        self.stop.check_monitor(names)  # (while tracing: before compiling)
-        check_due = due
-        if self.stop.monitor in rollout:
+        for rule in (self.early, self.plateau):
+            if rule is not None:
+                rule.check_monitor(names)  # (while tracing: before compiling)
+        if self.early is not None:
+            carry, stop = self._early_stop(
+                t1, leaves, out, ok, val, rollout, carry, due
+            )
+        if self.plateau is not None:
+            leaves = self._reduce(leaves, out, ok, val, rollout, due)
+        return Checked(leaves, val, due, carry, stop)
+
+    def _monitored(
+        self, monitor: str, out: dict, val: dict, rollout: dict, total, count, due
+    ) -> tuple:
+        """``(value, total, count, check)``: the value of ``monitor`` that a rule
+        checks after this step, the running sum and count of a training
+        metric's values since the last check (a training metric is checked by
+        its mean over them), and whether the rule checks it now."""
+        if monitor in rollout:
             # A rollout's metric: the mean of the collections since the last
             # check (none since: no check, the rule waits for one).
             got = out["collected"]
-            value = jnp.where(got, rollout[self.stop.monitor], 0.0)
+            value = jnp.where(got, rollout[monitor], 0.0)
             total = total + value.astype(jnp.float32)
             count = count + got.astype(count.dtype)
             value = total / jnp.maximum(count, 1).astype(total.dtype)
-            check_due = due & (count > 0)
-        elif self.train_monitor:
-            value = out["metrics"].get(self.stop.monitor, out["loss"])
+            return value, total, count, due & (count > 0)
+        if not monitor.startswith("val_"):
+            value = out["metrics"].get(monitor, out["loss"])
             if isinstance(value, Ratio):  # (a step's value: its num / den)
                 value = value.value
             total = total + jnp.asarray(value, jnp.float32)
             count = count + 1
             value = total / jnp.maximum(count, 1).astype(total.dtype)
-        else:
-            value = val[self.stop.monitor]
+            return value, total, count, due
+        return val[monitor], total, count, due
+
+    def _early_stop(self, t1, leaves, out, ok, val, rollout, carry, due) -> tuple:
+        """The early-stop carry after this step, and whether to stop."""
+        value, total, count, check_due = self._monitored(
+            self.early.monitor, out, val, rollout, carry.total, carry.count, due
+        )
 
         def check():
-            rule, improved, stop = self.stop.update(carry.rule, value, t1)
+            rule, improved, stop = self.early.update(carry.rule, value, t1)
             improved = improved & ok  # never keep a state after a bad step
             best = keep_best(carry.best, leaves, improved) if carry.best else []
             zero = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
@@ -128,8 +187,26 @@ class Checks:
         def wait():
             return StopCarry(carry.rule, carry.best, total, count), jnp.array(False)
 
-        carry, stop = jax.lax.cond(check_due, check, wait)
-        return val, due, carry, stop
+        return jax.lax.cond(check_due, check, wait)
+
+    def _reduce(self, leaves, out, ok, val, rollout, due) -> list:
+        """The training state with the plateau rule's carry after this step (as
+        it was where ``ok`` is false)."""
+        held = _plateau.read(leaves, self.at)
+        value, total, seen, check_due = self._monitored(
+            self.plateau.monitor, out, val, rollout, held.total, held.seen, due
+        )
+
+        def check():
+            rule, _ = self.plateau.update(held.rule, value)
+            return PlateauCarry(rule, jnp.zeros_like(total), jnp.zeros_like(seen))
+
+        def wait():
+            return PlateauCarry(held.rule, total, seen)
+
+        new = jax.lax.cond(check_due, check, wait)
+        new = jtu.tree_map(lambda n, o: jnp.where(ok, n, o), new, held)
+        return _plateau.write(leaves, self.at, new)
 
     def _evaluate(self, leaves: list, data: Any, key: Any, hp: Any) -> dict:
         """Metrics over every example of ``data`` (``over_dataset``), prefixed

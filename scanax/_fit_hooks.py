@@ -51,14 +51,28 @@ class Bar:
         self.spec, self.label = spec, label
         self.stack = contextlib.ExitStack()
         self.bar: Any = None
+        self.mode = "fused"  # the execution the description shows
 
     def start(self, run: Any) -> None:
+        self.mode = run.execution.mode
         self.bar = _progress.open_bar(
-            self.spec, run.end, _CALL, desc=self.label, unit="step", initial=run.done
+            self.spec,
+            run.end,
+            _CALL,
+            desc=self._desc(self.mode),
+            unit="step",
+            initial=run.done,
         )
         self.stack.enter_context(_progress.showing(self.bar))
 
+    def _desc(self, mode: str) -> str:
+        """The default label, with how the calls run (``fit(execution=)``)."""
+        return f"{self.label} [{mode}]"
+
     def after_call(self, run: Any, call: Collected) -> None:
+        if run.execution.mode != self.mode and self.spec.desc is None:
+            self.mode = run.execution.mode  # (auto chose)
+            self.bar.set_description(self._desc(self.mode), refresh=False)
         # In-loop reports of the next call may have moved the bar ahead already:
         # it never moves back (``end`` sets the final count).
         if run.done > self.bar.n:

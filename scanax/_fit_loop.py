@@ -16,7 +16,15 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _caller, _checkpoint, _fit_hooks, _models, _rollout, _stop
+from . import (
+    _caller,
+    _checkpoint,
+    _fit_hooks,
+    _fit_schedule,
+    _model_step,
+    _rollout,
+    _stop,
+)
 from ._errors import (
     checkpoint as ckpt_errors,
     fit as errors,
@@ -50,6 +58,8 @@ class FitResult:
         ema: with ``fit(..., ema=decay)``: a model of the same kind (a new
             object) holding the moving average of the trained parameters (at
             ``best_step`` when the best state is restored); else None.
+        execution: how the last call ran its steps, ``"fused"`` or
+            ``"stepwise"`` (``fit(execution=)``; ``"auto"``'s choice).
 
     For a population (``scanax.population``): ``model[i]`` and ``optimizer[i]``
     are member ``i`` as ordinary objects of its kind; ``history`` arrays other
@@ -66,6 +76,7 @@ class FitResult:
     steps: Any
     best_step: Any = None
     ema: Any = None
+    execution: str = "fused"
 
     def plot(self, path: Any = None) -> Any:
         """Train loss (raw and smoothed) and every validation metric against the
@@ -107,13 +118,13 @@ class FitResult:
 
 def best_state(names: list[str], best: list, last: list, where: Any = None) -> list:
     """The state an early stop restores: ``best``'s leaves, except the step
-    counts (``_models.is_counter``) and a rollout's feed (``_rollout.is_feed``),
+    counts (``_model_step.is_counter``) and a rollout's feed (``_rollout.is_feed``),
     which keep ``last``'s: the next ``fit`` continues after the last step run
     with the data it would have had. ``where``: a population's per-member mask
     of the members with a best state (the others keep ``last``)."""
     out = []
     for name, b, x in zip(names, best, last):
-        if _models.is_counter(name, x, where is not None) or _rollout.is_feed(name):
+        if _model_step.is_counter(name, x, where is not None) or _rollout.is_feed(name):
             out.append(x)
         elif where is None:
             out.append(b)
@@ -152,6 +163,7 @@ class Setup(NamedTuple):
     precision: Any  # the dtype to compute in (``_precision``), or None
     ema: Any  # ``(decay, on_eval, ema_state)`` (``_ema``), or None
     best_dir: Any  # ``best_dir=``, or None
+    execution: str = "auto"  # ``execution=``: "auto", "fused" or "stepwise"
 
 
 class How(NamedTuple):
@@ -162,6 +174,7 @@ class How(NamedTuple):
     spec: Any  # the bar's ``_progress.Progress``, or None
     mesh: Any
     ticks: bool  # in-loop bar reports
+    execution: str = "fused"  # ``fit(execution=)``: "auto", "fused", "stepwise"
 
 
 class Extras(NamedTuple):
@@ -210,8 +223,9 @@ class Kind(Protocol):
     def count(self, run: Run, steps: int) -> tuple[Any, int]:
         """A call's ``count`` and ``every`` arguments for ``steps`` steps."""
 
-    def compile(self, run: Run, args: Chunk) -> Any:
-        """The executable for ``args`` (errors named for this kind)."""
+    def compile(self, run: Run, args: Chunk, mode: str) -> Any:
+        """The executable for ``args`` in ``mode`` (errors named for this
+        kind)."""
 
     def collect(self, run, start, end, out, args, report, ys, dispatched) -> Any:
         """Read one call: the run's step count, history, stop and last good
@@ -236,7 +250,10 @@ class Run:
     def __init__(self, kind: Kind, source, program, schedule, leaves, how, extras):
         self.kind, self.source, self.program = kind, source, program
         self.schedule, self.leaves = schedule, leaves
-        self.start, self.end, self.spec, self.mesh, self.ticks = how
+        self.start, self.end, self.spec = how.start, how.end, how.spec
+        self.mesh, self.ticks = how.mesh, how.ticks
+        # fused or stepwise calls, and auto's choice (``_fit_schedule.Execution``)
+        self.execution = _fit_schedule.Execution(program, how.execution)
         # evaluation/early stop (``_fit_checks.Checks``), eval data, log=
         self.checks, self.eval_data, self.logger, self.best = extras
         self.data, self.key = source.arguments(self.mesh)
@@ -247,7 +264,8 @@ class Run:
         self.history = History(kind.members)
         self.good = self.leaves  # the last state checked
         self.halted = False
-        self.fn = None  # the compiled chunk, for this run's argument signature
+        self.fns: dict = {}  # the compiled chunk, by execution (this signature)
+        self.collected_at: float | None = None  # when the last call was read
         self.ckpt = None
         # What the log sinks keep (rows up to this step) and the restored history
         # they are given again after it (``Logger.open``).
@@ -323,8 +341,10 @@ class Run:
         self.chunks = self.source.calls(self.done, self.end, self.schedule, self.mesh)
         self.nxt = None if self.halted else next(self.chunks, None)
         if self.nxt is not None:
+            began = time.perf_counter()
             with self.context():
                 self.compiled(self.args(*self.nxt))
+            self.execution.compiled(time.perf_counter() - began)
 
     def hooks(self) -> list:
         """The host-side features of this run, in the order they are called."""
@@ -359,6 +379,7 @@ class Run:
                 hook.close(self)
             if self.ckpt is not None:
                 self.ckpt.close()
+            self.execution.close()
         return self.kind.result(self)
 
     def args(self, start: int, end: int, xs: Any) -> Chunk:
@@ -380,15 +401,19 @@ class Run:
             aux,
         )
 
-    def call(self, args: Chunk) -> Any:
+    def call(self, args: Chunk, mode: str | None = None) -> Any:
+        """The call of ``args``, executed in ``mode`` (default: the run's)."""
         with self.context():
-            return self.compiled(args)(*args)
+            return self.compiled(args, mode)(*args)
 
-    def compiled(self, args: tuple) -> Any:
-        """The compiled chunk, compiled for the first call's ``args``."""
-        if self.fn is None:
-            self.fn = self.kind.compile(self, args)
-        return self.fn
+    def compiled(self, args: tuple, mode: str | None = None) -> Any:
+        """The compiled chunk in ``mode``, compiled for the first call's
+        ``args``."""
+        mode = mode or self.execution.mode
+        fn = self.fns.get(mode)
+        if fn is None:
+            fn = self.fns[mode] = self.kind.compile(self, args, mode)
+        return fn
 
     def _loop(self, hooks: list) -> None:
         pending = None
@@ -396,15 +421,24 @@ class Run:
         while nxt is not None:
             start, end, xs = nxt
             args = self.args(start, end, xs)
-            out = self.call(args)
+            mode = self.execution.next_mode(self, args)
+            trial = mode != self.execution.mode  # auto's timed stepwise call
+            if trial and pending is not None:  # (timed alone: nothing overlaps it)
+                self._collect(hooks, *pending)
+                pending = None
+            with self.context():
+                fn = self.compiled(args, mode)
+                began = time.perf_counter()
+                out = fn(*args)
             self.leaves, self.stopped, self.extra = out.leaves, out.stopped, out.extra
             # Compiling happens in the call above, running after it returns.
             dispatched = time.perf_counter()
             if pending is not None:
                 self._collect(hooks, *pending)
-            pending = (start, end, out, args, dispatched)
-            if self.schedule.timing:
-                # Time the first call before sizing the next ones.
+            pending = (start, end, out, args, dispatched, began, mode)
+            if self.schedule.timing or trial:
+                # Time the first call before sizing the next ones (and auto's
+                # trial before choosing).
                 self._collect(hooks, *pending)
                 pending = None
             if self.halted:
@@ -416,8 +450,14 @@ class Run:
             self.kind.hand_over(self)  # (while the last call runs)
             self._collect(hooks, *pending)
 
-    def _collect(self, hooks, start, end, out, args, dispatched) -> None:
+    def _collect(self, hooks, start, end, out, args, dispatched, began, mode):
         report, ys = jax.device_get((out.report, out.bufs))
+        # The call's time, from when it was dispatched or the one before it was
+        # read (calls overlap), to now: auto's measurement.
+        now = time.perf_counter()
+        since = began if self.collected_at is None else max(began, self.collected_at)
+        self.collected_at = now
+        self.execution.ran(mode, end - start, now - since)
         call = self.kind.collect(self, start, end, out, args, report, ys, dispatched)
         for hook in hooks:
             hook.after_call(self, call)
@@ -514,8 +554,8 @@ class Model:
     def count(self, run: Run, steps: int) -> tuple[Any, int]:
         return np.int32(steps), run.every(steps)
 
-    def compile(self, run: Run, args: Chunk) -> Any:
-        return run.program.executable(args)
+    def compile(self, run: Run, args: Chunk, mode: str) -> Any:
+        return run.execution.executable(args, mode)
 
     def collect(self, run, start, end, out, args, report, ys, dispatched):
         count, early = int(report.applied), bool(report.ended)
@@ -593,7 +633,10 @@ class Model:
         else:
             model, optimizer = self.handed  # (already holding the last state)
         steps = run.done - run.start
-        return FitResult(model, optimizer, run.history.result(), steps, best)
+        history = run.history.result()
+        return FitResult(
+            model, optimizer, history, steps, best, execution=run.execution.mode
+        )
 
     def finish(self, leaves: list) -> tuple[Any, Any]:
         """The model and optimizer holding ``leaves`` (NNX: written in place)."""

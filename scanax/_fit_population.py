@@ -185,7 +185,9 @@ class Sweep:
         else:
             leaves = [x[idx] for x in pop.state]
         kind = Group(pop, idx, len(members), self.keys[idx])
-        how = _fit_loop.How(pop.step, pop.step + setup.steps, spec, setup.mesh, False)
+        how = _fit_loop.How(
+            pop.step, pop.step + setup.steps, spec, setup.mesh, False, setup.execution
+        )
         extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.logger)
         return _fit_loop.Run(kind, setup.source, program, schedule, leaves, how, extras)
 
@@ -235,6 +237,7 @@ class Sweep:
             out.applied[:real],
             out.done,
             best,
+            out.execution,
         )
 
     def _merge(self, results: list) -> _fit_loop.FitResult:
@@ -261,6 +264,7 @@ class Sweep:
             np.concatenate([r.applied for r in results]),
             best,
             None if self.ema is None else self.ema.result(),
+            results[-1].execution,
         )
 
 
@@ -392,7 +396,7 @@ class Members(_fit_program.Lanes):
     step.
 
     With ``checks`` (``_fit_checks.Checks``): after each step, every member's
-    evaluation and early-stop rule (``checks.run`` under ``vmap``; the
+    evaluation, early-stop and plateau rules (``checks.run`` under ``vmap``; the
     evaluation is due at the same steps for all, so it stays one ``lax.cond``),
     their carry with a leading member axis. A member whose rule says stop stops
     (its ``rule.stopped``); a member that did not take the step (stopped, or a
@@ -433,7 +437,7 @@ class Members(_fit_program.Lanes):
         self.members_check = jax.vmap(
             check,
             in_axes=(None, 0, 0, 0, None, 0, 0, 0),
-            out_axes=(0, None, 0, 0),
+            out_axes=_fit_checks.Checked(0, 0, None, 0, 0),
             spmd_axis_name=members,
         )
 
@@ -448,17 +452,19 @@ class Members(_fit_program.Lanes):
         leaves = [_where(take, n, x) for n, x in zip(new, leaves)]
         if self.checks is not None:
             eval_data = c.aux["eval"]
-            val, due, checked, _ = self.members_check(
+            checked = self.members_check(
                 t, leaves, out, take, eval_data, c.key, c.hp, extra
             )
             if extra is not None:  # (the best state changes only at take)
                 keep = ft.partial(_where, take)
-                extra = checked._replace(
-                    rule=jtu.tree_map(keep, checked.rule, extra.rule),
-                    total=keep(checked.total, extra.total),
-                    count=keep(checked.count, extra.count),
+                extra = checked.carry._replace(
+                    rule=jtu.tree_map(keep, checked.carry.rule, extra.rule),
+                    total=keep(checked.carry.total, extra.total),
+                    count=keep(checked.carry.count, extra.count),
                 )
-            out = {**out, "val": val, "evaluated": due & take}
+            # (the plateau rule's carry, in the state, changes only at take)
+            leaves = checked.leaves
+            out = {**out, "val": checked.val, "evaluated": checked.due & take}
         if "collected" in out:  # (a member that did not take the step kept its feed)
             out = {**out, "collected": out["collected"] & take}
         applied = applied + take.astype(applied.dtype)
@@ -502,6 +508,7 @@ class GroupResult(NamedTuple):
     applied: np.ndarray  # per member: the steps applied
     done: int  # the steps run (the group's clock)
     best_step: np.ndarray | None
+    execution: str = "fused"  # how its last call ran
 
 
 class Group:
@@ -588,9 +595,9 @@ class Group:
         in-loop reports."""
         return np.full(self.members, steps, np.int32), steps + 1
 
-    def compile(self, run: Any, args: Any) -> Any:
+    def compile(self, run: Any, args: Any, mode: str) -> Any:
         try:
-            return run.program.executable(args)
+            return run.execution.executable(args, mode)
         except _population.PYTHON_VALUE_ERRORS as err:  # while tracing the step
             raise errors.hp_used_as_python_value(list(self.hp), err) from err
 
@@ -653,7 +660,15 @@ class Group:
             kept = jnp.asarray(best >= 0)
             leaves = _fit_loop.best_state(names, run.extra.best, leaves, kept)
         history = run.history.result()
-        return GroupResult(leaves, self.mask, history, self.applied, run.done, best)
+        return GroupResult(
+            leaves,
+            self.mask,
+            history,
+            self.applied,
+            run.done,
+            best,
+            run.execution.mode,
+        )
 
 
 def check_memory(run: Any) -> None:

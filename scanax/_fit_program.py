@@ -58,19 +58,26 @@ class Program:
     next ``fit`` with it from the start)."""
 
     def __init__(self, fn: Callable):
+        self.chunks = fn  # (a ``Chunks``: its pieces make the stepwise programs)
         self.jitted = jax.jit(fn)
         self.seconds_per_step: float | None = None
         self.executables: dict = {}
+        self.stepwise: dict = {}  # ``_fit_stepwise``'s, by argument signature
+        # ``execution="auto"``'s measured choice for this program, once made
+        # (``_fit_schedule.Execution``), and the fused program's text's hash
+        # (the choice's key on disk)
+        self.choice: str | None = None
+        self.digest: str | None = None
 
     def executable(self, args: tuple) -> Callable:
         """The compiled program for arguments like ``args``: one already compiled
         for the same lowered program (by any earlier ``fit``) if there is one."""
-        leaves, treedef = jtu.tree_flatten(args)
-        signature = (treedef, *(_leaf_signature(x) for x in leaves))
+        signature = self.signature(args)
         exe = self.executables.get(signature)
         if exe is None:
             lowered = self.jitted.trace(*args).lower()
             text = lowered.as_text()
+            self.digest = hashlib.sha256(text.encode()).hexdigest()
             if "callback" in text:  # host callbacks: functions the text cannot show
                 exe = lowered.compile()
             else:
@@ -82,6 +89,12 @@ class Program:
                         EXECUTABLES.popitem(last=False)
             self.executables[signature] = exe
         return exe
+
+    def signature(self, args: tuple) -> tuple:
+        """What a compiled program is specific to: the arguments' structure,
+        shapes, dtypes and placements."""
+        leaves, treedef = jtu.tree_flatten(args)
+        return (treedef, *(_leaf_signature(x) for x in leaves))
 
 
 def _trace_context() -> Any:
@@ -200,8 +213,9 @@ class Lanes(abc.ABC):
 class Solo(Lanes):
     """One model: a step stops the loop when its loss or gradients are not
     finite (it is applied; the host recomputes the call's good steps, see
-    ``build_chunk``); with ``checks`` (``_fit_checks.Checks``), evaluation and
-    the early-stop rule after each step, which may end the loop too."""
+    ``build_chunk``); with ``checks`` (``_fit_checks.Checks``), evaluation, the
+    early-stop rule (which may end the loop too) and the plateau rule after
+    each step."""
 
     def __init__(self, step, sampler, mesh, shardings, takes_key, checks, accumulate):
         self.fn, self.sampler, self.mesh = step, sampler, mesh
@@ -229,11 +243,12 @@ class Solo(Lanes):
             # (fit's key, or a placeholder: an eval_fn may take a key when
             # loss_fn does not)
             eval_key = jr.fold_in(jr.split(c.key)[0], t)
-            val, due, extra, early = self.checks.run(
+            checked = self.checks.run(
                 t + 1, leaves, out, loss_ok & grads_ok, c.aux["eval"], eval_key,
                 c.hp, extra,
             )  # fmt: skip
-            out = {**out, "val": val, "evaluated": due}
+            leaves, extra, early = checked.leaves, checked.carry, checked.stop
+            out = {**out, "val": checked.val, "evaluated": checked.due}
         stop = ~(loss_ok & grads_ok)
         return (leaves, stop, extra, ((loss_ok, grads_ok), early & ~stop)), out
 
@@ -253,9 +268,12 @@ class Solo(Lanes):
         return Out(leaves, stopped | early, report, bufs, extra)
 
 
-def build_chunk(lanes: Lanes, sampler: Any, length: int, ticks: bool) -> Callable:
-    """``chunk(*Chunk)``: up to ``count`` steps from global step ``start``, as
-    ``lanes`` takes them, in one ``lax.while_loop``; returns ``Out``.
+class Chunks:
+    """A call's steps, as ``lanes`` take them: one body for the two ways a call
+    runs. ``fused(*Chunk)``: up to ``count`` steps from global step ``start`` in
+    one ``lax.while_loop`` (``execution="fused"``); ``begin``/``advance``/``close``
+    : the same steps as programs of their own, dispatched one step at a time by
+    the host (``execution="stepwise"``, ``_fit_stepwise``). Both return ``Out``.
 
     With ``ticks`` (a bar, and calls not sized automatically: host batches or a
     ``steps_per_call``), every ``every``-th global step reports to the host from
@@ -272,50 +290,94 @@ def build_chunk(lanes: Lanes, sampler: Any, length: int, ticks: bool) -> Callabl
     then recomputes the good steps of that call from the call's input (the same
     program on the same inputs: bit-identical). Keeping the previous state at
     every step instead (a select per leaf) made small models ~2x slower on CPU.
+
+    The loop's state is ``(i, carry, perm, bufs)``: steps taken, the lanes'
+    carry ``(leaves, stopped, extra, lane)``, the sampler's order and the
+    per-step buffers.
     """
 
-    def chunk(*args):
+    def __init__(self, lanes: Lanes, sampler: Any, length: int, ticks: bool):
+        self.lanes, self.sampler = lanes, sampler
+        self.length, self.ticks = length, ticks
+
+    def __call__(self, *args: Any) -> Out:
+        return self.fused(*args)
+
+    def fused(self, *args: Any) -> Out:
         c = Chunk(*args)
         with jax.named_scope(_CALL):
-            perm = sampler.first(c.key, c.start)
-            extra = None if c.aux is None else c.aux["stop"]
-            env, lane = lanes.begin(c)
-
-            def one(carry, perm, t, i):
-                return lanes.step(c, env, carry, perm, t, i)
-
-            # (traced once: the buffers' shapes, and the loop's step)
-            carry = (c.leaves, c.stopped, extra, lane)
-            one, shapes = trace_once(one, carry, perm, c.start, jnp.int32(0))
-            bufs = jtu.tree_map(
-                lambda s: jnp.zeros((length, *s.shape), s.dtype), shapes[1]
-            )
-
-            def cond(loop):
-                i, carry, _, _ = loop
-                _, stopped, extra, lane = carry
-                return lanes.running(c, i, stopped, extra, lane)
-
-            def body(loop):
-                i, carry, perm, bufs = loop
-                t = c.start + i
-                perm = sampler.advance(perm, c.key, t)
-                carry, out = one(carry, perm, t, i)
-                bufs = jtu.tree_map(
-                    lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0),
-                    bufs,
-                    out,
-                )
-                if ticks:
-                    _progress.tick_newest((t + 1) % c.every == 0, t + 1, out["loss"])
-                return i + 1, carry, perm, bufs
-
+            env, loop, one = self._open(c)
             i, carry, _, bufs = jax.lax.while_loop(
-                cond, body, (jnp.int32(0), carry, perm, bufs)
+                lambda loop: self.running(c, loop),
+                lambda loop: self._body(c, one, loop),
+                loop,
             )
-            return lanes.finish(c, i, carry, bufs)
+            return self.lanes.finish(c, i, carry, bufs)
 
-    return chunk
+    def begin(self, c: Chunk) -> tuple[Any, tuple]:
+        """``(env, loop)`` before the first step."""
+        with jax.named_scope(_CALL):
+            env, loop, _ = self._open(c)
+            return env, loop
+
+    def advance(self, c: Chunk, env: Any, loop: tuple) -> tuple:
+        """The loop's state after its next step, or as it is when the loop would
+        have ended (a ``lax.cond``: the host dispatches ``max(count)`` of them
+        without reading the device). ``c.leaves`` is unused (None)."""
+        with jax.named_scope(_CALL):
+            i, carry, perm, _ = loop
+            one, _ = self._traced(c, env, carry, perm)
+            return jax.lax.cond(
+                self.running(c, loop),
+                lambda loop: self._body(c, one, loop),
+                lambda loop: loop,
+                loop,
+            )
+
+    def close(self, c: Chunk, loop: tuple) -> Out:
+        """The call's outputs after the loop ``loop``."""
+        with jax.named_scope(_CALL):
+            i, carry, _, bufs = loop
+            return self.lanes.finish(c, i, carry, bufs)
+
+    def _traced(self, c: Chunk, env: Any, carry: tuple, perm: Any) -> tuple:
+        def one(carry, perm, t, i):
+            return self.lanes.step(c, env, carry, perm, t, i)
+
+        # (traced once: the buffers' shapes, and the loop's step)
+        return trace_once(one, carry, perm, c.start, jnp.int32(0))
+
+    def _open(self, c: Chunk) -> tuple[Any, tuple, Callable]:
+        perm = self.sampler.first(c.key, c.start)
+        extra = None if c.aux is None else c.aux["stop"]
+        env, lane = self.lanes.begin(c)
+        carry = (c.leaves, c.stopped, extra, lane)
+        one, shapes = self._traced(c, env, carry, perm)
+        bufs = jtu.tree_map(
+            lambda s: jnp.zeros((self.length, *s.shape), s.dtype), shapes[1]
+        )
+        return env, (jnp.int32(0), carry, perm, bufs), one
+
+    def running(self, c: Chunk, loop: tuple) -> Any:
+        i, (_, stopped, extra, lane), _, _ = loop
+        return self.lanes.running(c, i, stopped, extra, lane)
+
+    def _body(self, c: Chunk, one: Callable, loop: tuple) -> tuple:
+        i, carry, perm, bufs = loop
+        t = c.start + i
+        perm = self.sampler.advance(perm, c.key, t)
+        carry, out = one(carry, perm, t, i)
+        bufs = jtu.tree_map(
+            lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0), bufs, out
+        )
+        if self.ticks:
+            _progress.tick_newest((t + 1) % c.every == 0, t + 1, out["loss"])
+        return i + 1, carry, perm, bufs
+
+
+def build_chunk(lanes: Lanes, sampler: Any, length: int, ticks: bool) -> Chunks:
+    """The steps of a call as ``lanes`` take them (``Chunks``)."""
+    return Chunks(lanes, sampler, length, ticks)
 
 
 def outputs(loss: Any, metrics: dict) -> dict:

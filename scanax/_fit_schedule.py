@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import tempfile
 import time
+from typing import Any
+
+import jax
+
+from . import _fit_stepwise
 
 # The wall time that the automatic schedule aims each call at (array data: calls
 # grow from 8 steps to this, up to the source's compiled length).
@@ -55,3 +63,161 @@ class Schedule:
 
     def _size(self, seconds_per_step: float) -> int:
         return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
+
+
+# ---------------------------------------------------------------------------- execution
+
+EXECUTIONS = ("auto", "fused", "stepwise")
+# ``execution="auto"`` tries the stepwise programs only when the steps left would
+# take at least this long fused, and this many times the fused compile: the
+# trial's compile (on another thread) and its one call must be worth it.
+_TRIAL_SECONDS = 2.0
+_TRIAL_COMPILES = 4.0
+# The fused calls' times the trial is compared with: the median of the last few.
+_SAMPLES = 5
+# Stepwise is chosen only when its measured step is this much faster.
+_MARGIN = 0.9
+# Choices made, by the fused program's text and the backend: what a later
+# process with the compile cache on reads (``choice_file``).
+_CHOICE_DIR = "scanax-execution"
+
+
+def choose(fused: float, stepwise: float) -> str:
+    """The execution of measured seconds per step ``fused`` and ``stepwise``:
+    stepwise only when it is clearly faster (``_MARGIN``), since a fused call
+    also saves the host its dispatches."""
+    return "stepwise" if stepwise < _MARGIN * fused else "fused"
+
+
+def worth_a_trial(fused: float, steps_left: int, compile_seconds: float) -> bool:
+    """Whether ``steps_left`` steps at ``fused`` seconds each are long enough to
+    try the other execution (whose programs take about ``compile_seconds`` to
+    compile)."""
+    left = fused * steps_left
+    return left >= max(_TRIAL_SECONDS, _TRIAL_COMPILES * compile_seconds)
+
+
+class Execution:
+    """How a run's calls are executed, ``"fused"`` or ``"stepwise"``
+    (``_fit_stepwise``), and ``execution="auto"``'s choice between them.
+
+    ``"auto"``: the choice already made for this program (in this process, or
+    on disk next to JAX's compilation cache when it is on), else fused first:
+    the first call costs what it costs with ``"fused"``. Once a fused call is
+    timed, if the steps left are worth it (``worth_a_trial``), the stepwise
+    programs are traced and compiled on another thread while the fused calls go
+    on; the next call after the compile runs stepwise, timed; the faster
+    (``choose``) runs the rest, and the choice is kept with the program. The two
+    give the same steps (the same step program, bit-identical on CPU), so a
+    switch at a call boundary changes no result."""
+
+    def __init__(self, program: Any, requested: str):
+        self.program, self.requested = program, requested
+        self.seconds: dict = {}  # measured seconds per step, by execution, by call
+        self.trial: Any = None  # (the stepwise programs, the compile's future)
+        self.pool: Any = None
+        self.compile_seconds = 0.0
+        if requested != "auto":
+            self.mode, self.deciding = requested, False
+        else:
+            self.mode = program.choice or "fused"
+            self.deciding = program.choice is None
+
+    def executable(self, args: Any, mode: str) -> Any:
+        if mode == "stepwise":
+            return _fit_stepwise.executable(self.program, args)
+        return self.program.executable(args)
+
+    def compiled(self, seconds: float) -> None:
+        """The first call's program compiled in ``seconds``; with the compile
+        cache on, a choice made by an earlier process for it applies."""
+        self.compile_seconds = seconds
+        if self.deciding and self.program.digest is not None:
+            found = _read_choice(self.program.digest)
+            if found is not None:
+                self.decide(found)
+
+    def ran(self, mode: str, steps: int, seconds: float) -> None:
+        """A call of ``steps`` steps run in ``mode`` took ``seconds``."""
+        if steps <= 0:
+            return
+        self.seconds.setdefault(mode, []).append(seconds / steps)
+        if self.deciding and mode == "stepwise" and "fused" in self.seconds:
+            # the trial's call against the fused calls' median (of the last
+            # few: other work on the machine slows some calls)
+            fused = sorted(self.seconds["fused"][-_SAMPLES:])
+            self.decide(choose(fused[len(fused) // 2], self.seconds["stepwise"][-1]))
+
+    def next_mode(self, run: Any, args: Any) -> str:
+        """The mode of the call about to be dispatched (``args``): under
+        ``"auto"``, the trial's call once its programs are compiled, and the
+        start of the trial once a fused call was timed."""
+        if not self.deciding:
+            return self.mode
+        if self.trial is not None:
+            if not self.trial[1].done():
+                return "fused"
+            if self.trial[1].exception() is not None:  # (fused runs: keep it)
+                self.decide("fused")
+                return "fused"
+            return "stepwise"
+        fused = self.seconds.get("fused")
+        if fused is not None and worth_a_trial(
+            fused[-1], run.end - run.done, self.compile_seconds
+        ):
+            self._start_trial(args)
+        return "fused"
+
+    def _start_trial(self, args: Any) -> None:
+        programs = _fit_stepwise.lowered(self.program, args)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.trial = (programs, self.pool.submit(programs.compile))
+
+    def decide(self, mode: str) -> None:
+        self.mode, self.deciding = mode, False
+        self.program.choice = mode
+        if self.program.digest is not None:
+            _write_choice(self.program.digest, mode)
+
+    def close(self) -> None:
+        """(a trial's compile still running is left to finish on its own)"""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+
+def cache_directory() -> str | None:
+    """JAX's persistent compilation cache's directory, if it is on."""
+    return jax.config.jax_compilation_cache_dir or None
+
+
+def _choice_file(digest: str) -> str | None:
+    directory = cache_directory()
+    if not directory:
+        return None
+    backend = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
+    return os.path.join(directory, _CHOICE_DIR, f"{digest}-{backend}.txt")
+
+
+def _read_choice(digest: str) -> str | None:
+    path = _choice_file(digest)
+    try:
+        with open(path) as f:  # type: ignore[arg-type]
+            found = f.read().strip()
+    except (OSError, TypeError):
+        return None
+    return found if found in ("fused", "stepwise") else None
+
+
+def _write_choice(digest: str, mode: str) -> None:
+    """Atomically (a temporary file renamed); never fails a run."""
+    path = _choice_file(digest)
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            f.write(mode)
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -20,7 +20,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _fingerprint, _models
+from . import _fingerprint, _models, _models_nnx, _models_optax, _models_trainstate
 from ._errors import population as errors, short_type
 
 _CALL = errors.CALL
@@ -313,7 +313,7 @@ PYTHON_VALUE_ERRORS = (
 
 def _array_pattern(adapter: Any) -> set:
     """The paths of an optax-kind model's array leaves (trained or carried)."""
-    if not isinstance(adapter, _models.OptaxAdapter):
+    if not isinstance(adapter, _models_optax.OptaxAdapter):
         return set()
     return {jtu.keystr(adapter.paths[i]) for i in (*adapter.train, *adapter.other)}
 
@@ -327,9 +327,9 @@ def _adapt(make: Callable, key: Any, values: dict) -> Any:
 
 def _kind(adapter: Any) -> str:
     return {
-        _models.NNXAdapter: "nnx",
-        _models.OptaxAdapter: "optax",
-        _models.TrainStateAdapter: "trainstate",
+        _models_nnx.NNXAdapter: "nnx",
+        _models_optax.OptaxAdapter: "optax",
+        _models_trainstate.TrainStateAdapter: "trainstate",
     }[type(adapter)]
 
 

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_errors",
             "_errors.checkpoint",
             "_errors.fit",
+            "_errors.models",
             "_errors.long",
             "_errors.rnn",
             "_errors.stack",
@@ -37,6 +38,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_errors.linear",
             "_errors.evaluate",
             "_errors.rollout",
+            "_errors.execution",
+            "_errors.plateau",
         },
     ),
     ("ground", {"_tree", "_fingerprint", "_nnx", "_axes", "_caller"}),
@@ -55,7 +58,11 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_checkpoint",
             "_compile_cache",
             "_memory",
+            "_model_step",
             "_models",
+            "_models_nnx",
+            "_models_optax",
+            "_models_trainstate",
             "_data",
             "_population",
             "_log",
@@ -64,9 +71,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_rollout",
             "_ema",
             "_precision",
+            "_plateau",
         },
     ),
-    ("fit's program", {"_fit_program"}),
+    ("fit's program", {"_fit_program", "_fit_stepwise"}),
     (
         "fit's engine",
         {"_fit_checks", "_fit_history", "_fit_hooks", "_fit_loop", "_fit_schedule"},
@@ -297,9 +305,9 @@ def test_imports_are_read(name, expected):
 
 def test_only_the_adapters_touch_flax_nnx():
     """``_nnx.py`` is the core's one door to ``flax.nnx`` (the Stack adapter
-    ``_stack_nnx.py`` and fit's model adapters in ``_models.py`` import it too, and
+    ``_stack_nnx.py`` and fit's NNX adapter in ``_models_nnx.py`` import it too, and
     so does ``_demo.py``, a user's program)."""
-    allowed = {"_nnx", "_stack_nnx", "_models", "_demo", "_cells_linear"}
+    allowed = {"_nnx", "_stack_nnx", "_models_nnx", "_demo", "_cells_linear"}
     found = []
     for name, path in MODULES.items():
         if name in allowed:
@@ -315,7 +323,11 @@ def test_only_the_adapters_touch_flax_nnx():
 
 FIT_WING = [
     "_data",
+    "_model_step",
     "_models",
+    "_models_nnx",
+    "_models_optax",
+    "_models_trainstate",
     "_mesh",
     "_checkpoint",
     "_compile_cache",

@@ -73,3 +73,16 @@ def test_errors():
     batches = [(X[:8], Y[:8])] * 3
     with pytest.raises(TypeError, match="epochs=2 needs array data"):
         scanax.fit(P, optax.sgd(0.1), loss_fn, batches, epochs=2, progress=False)
+
+
+def test_evaluation_defaults_to_every_epoch_with_epochs():
+    by_epochs = _fit(epochs=3, eval_data=(X[:10], Y[:10]))
+    by_steps = _fit(steps=18, eval_data=(X[:10], Y[:10]), eval_every=6)
+    np.testing.assert_array_equal(by_epochs.history["val_step"], [6, 12, 18])
+    np.testing.assert_array_equal(
+        by_epochs.history["val_loss"], by_steps.history["val_loss"]
+    )
+    stopped = _fit(epochs=3, stop=scanax.EarlyStop("loss", patience=0))
+    assert stopped.steps in (6, 12, 18)  # checked at epoch ends only
+    with pytest.raises(TypeError, match="eval_every"):  # steps=: no default
+        _fit(steps=18, eval_data=(X[:10], Y[:10]))

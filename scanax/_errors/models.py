@@ -1,0 +1,174 @@
+"""Messages of ``scanax.fit``'s model kinds (``_models``): an unsupported
+``(model, optimizer)`` pair, an ``opt_state`` that does not fit, a TrainState's
+updates, what ``loss_fn`` and ``eval_fn`` return, a step that changes the state's
+structure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.tree_util as jtu
+
+from . import added_removed, listing, short_type
+from .fit import CALL
+
+
+def state_structure_changed(added: list[str], removed: list[str]) -> TypeError:
+    what = added_removed(
+        added,
+        removed,
+        "the same paths, with a Variable's type or value structure changed",
+    )
+    return TypeError(
+        f"{CALL}: `loss_fn` changed the model's or optimizer's Variables ({what}). "
+        "The state carried from step to step must keep one structure.\nFix: do "
+        "not create or delete Variables in `loss_fn`. Values stored with "
+        "`Module.sow` are new Variables: call the model through "
+        "`nnx.capture(model, nnx.Intermediate)(x)` (return what it captures as "
+        "metrics if you want it), or remove them with "
+        "`nnx.pop(model, nnx.Intermediate)` before returning the loss."
+    )
+
+
+def batch_stats_not_updated() -> str:
+    return (
+        f"{CALL}: the TrainState has `batch_stats`, but `loss_fn` returns no "
+        "updates for them, so they stay as they are through training. To keep "
+        "the new statistics, return them as a third element: `return loss, "
+        "metrics, {'batch_stats': updates['batch_stats']}` (with "
+        "`apply_fn(..., mutable=['batch_stats'])`)."
+    )
+
+
+def trainstate_updates_type(updates: Any, fields: list[str]) -> TypeError:
+    return TypeError(
+        f"{CALL}: the third element `loss_fn` returned must be a dict of new "
+        f"values for fields of the TrainState ({', '.join(fields) or 'it has none'}), "
+        f"got {short_type(updates)}.\nFix: return `loss, metrics, "
+        "{'batch_stats': ...}`."
+    )
+
+
+def trainstate_updates_field(name: Any, fields: list[str]) -> ValueError:
+    return ValueError(
+        f"{CALL}: `loss_fn` returned an update for {name!r}, which is not a field "
+        f"the TrainState lets `loss_fn` replace ({', '.join(fields) or 'none'}; "
+        "step, params and opt_state come from apply_gradients).\nFix: return "
+        "updates only for fields of your TrainState subclass."
+    )
+
+
+def trainstate_updates_changed(name: str, old: Any, new: Any) -> TypeError:
+    def desc(tree):
+        return str(jtu.tree_map(short_type, tree)).replace("'", "")
+
+    return TypeError(
+        f"{CALL}: the update `loss_fn` returned for state.{name} changes its "
+        f"structure, shapes or dtypes:\n  state.{name}  {desc(old)}\n  update  "
+        f"{desc(new)}\nFix: return a value built like state.{name} (for linen "
+        f"collections: `updates['{name}']` from apply_fn(..., mutable=...))."
+    )
+
+
+def loss_tuple(call: str, out: Any, name: str = "loss_fn") -> TypeError:
+    return TypeError(
+        f"{call}: `{name}` returned a tuple of {len(out)} "
+        f"({', '.join(short_type(x) for x in out)}); expected a scalar "
+        "loss or a pair (loss, metrics) with metrics a dict of arrays.\n"
+        "Fix: return `loss` or `(loss, {'name': value, ...})`."
+    )
+
+
+def loss_not_scalar(call: str, loss: Any, name: str = "loss_fn") -> TypeError:
+    if isinstance(loss, dict):
+        names = ", ".join(repr(k) for k in loss)
+        return TypeError(
+            f"{call}: `{name}` returned a dict ({names}); expected the scalar "
+            "loss, or a pair (loss, metrics).\nFix: return "
+            "`(out['loss'], {...other metrics})`: the first element is "
+            "differentiated, the dict's arrays join the history."
+        )
+    return TypeError(
+        f"{call}: `{name}` must return a scalar floating-point loss, got "
+        f"{short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
+        "over the batch."
+    )
+
+
+def metric_not_array(call: str, path: str, leaf: Any) -> TypeError:
+    why, fix = "", ""
+    if isinstance(leaf, (dict, list, tuple)):
+        why = " (metrics is one flat dict: history keeps one array per name)"
+        fix = ", one name each: `{'err/mae': ..., 'err/max': ...}`"
+    return TypeError(
+        f"{call}: metric metrics{path} is {short_type(leaf)}, expected an array"
+        f"{why}.\nFix: return jax arrays (e.g. `jnp.mean(...)`) as metrics{fix}."
+    )
+
+
+def opt_state_mismatch(detail: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `opt_state` does not match tx.init(params) of this model and "
+        f"optimizer ({detail}).\nFix: pass the `result.optimizer` of an earlier fit "
+        "with the same model structure and the same optax transformation, or drop "
+        "opt_state to start from tx.init."
+    )
+
+
+def opt_state_not_optax(optimizer: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `opt_state` is for an Equinox module or pytree trained with "
+        f"an optax transformation; here the optimizer is "
+        f"{short_type(optimizer)}.\nFix: drop opt_state (an "
+        "nnx.Optimizer and a TrainState carry their own optimizer state)."
+    )
+
+
+def nnx_objects_in_optax_model(bad: list[tuple[str, str]]) -> TypeError:
+    return TypeError(
+        f"{CALL}: the model holds NNX objects, which an optax "
+        f"transformation cannot train:\n{listing(bad)}\nFix: pass "
+        "an nnx.Module with nnx.Optimizer(model, tx, wrt=nnx.Param)."
+    )
+
+
+def nothing_to_train(model: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: the model ({short_type(model)}) has no "
+        "floating-point arrays to train.\nFix: pass an Equinox module or a "
+        "pytree whose parameters are floating-point jax arrays."
+    )
+
+
+SUPPORTED_PAIRS = (
+    "  (nnx.Module, nnx.Optimizer)   e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)\n"
+    "  (Equinox module or pytree of arrays, optax.GradientTransformation)\n"
+    "  (flax.training.train_state.TrainState, None)   its own `tx` is used"
+)
+_PAIR_FIXES = {
+    "trainstate_with_optimizer": "a TrainState carries its own optimizer (`tx`)."
+    "\nFix: pass optimizer=None.",
+    "nnx_without_optimizer": "Fix: pass nnx.Optimizer(model, tx, wrt=nnx.Param) as "
+    "the optimizer.",
+    "optimizer_without_nnx": "Fix: pass the nnx.Module that the nnx.Optimizer was "
+    "built for.",
+    "other": "Fix: pass one of the supported pairs.",
+}
+
+
+def bad_pair(model: Any, optimizer: Any, why: str) -> TypeError:
+    """``why``: one of ``_PAIR_FIXES``' keys."""
+    return TypeError(
+        f"{CALL}: unsupported (model, optimizer) pair "
+        f"({short_type(model)}, {short_type(optimizer)}); the "
+        f"supported pairs are:\n{SUPPORTED_PAIRS}\n{_PAIR_FIXES[why]}"
+    )
+
+
+def metric_name_reserved(call: str, name: str) -> ValueError:
+    return ValueError(
+        f"{call}: `loss_fn` (or `eval_fn`) returns a metric named {name!r}, a name "
+        "the history keeps for itself ('loss', 'step', '..._step'; for loss_fn "
+        "also 'val_...' and 'rollout_...', the evaluations' and a Rollout's).\n"
+        f"Fix: rename it, e.g. {name!r} -> 'my_{name}'."
+    )

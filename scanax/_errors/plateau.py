@@ -1,0 +1,133 @@
+"""Messages of ``scanax.Plateau``'s errors (its arguments, the monitored metric)
+and of ``scanax.fit``'s ``plateau=``. Where a message says what ``EarlyStop``'s
+says of the same argument, it is ``EarlyStop``'s, for this call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from . import short_type, stop
+from .fit import CALL as FIT
+
+CALL = "scanax.Plateau"
+
+
+def _as_plateau(err: Exception) -> Exception:
+    """``EarlyStop``'s message for the same mistake, said by ``scanax.Plateau``."""
+    text = str(err).removeprefix(stop.CALL)
+    text = text.replace("EarlyStop(", "Plateau(").replace("EarlyStop.", "Plateau.")
+    return type(err)(CALL + text)
+
+
+def monitor_type(monitor: Any) -> TypeError:
+    return _as_plateau(stop.monitor_type(monitor))
+
+
+def min_delta_type(min_delta: Any) -> TypeError:
+    return _as_plateau(stop.min_delta_type(min_delta))
+
+
+def min_delta_value(min_delta: float) -> ValueError:
+    return _as_plateau(stop.min_delta_value(min_delta))
+
+
+def bad_mode(mode: Any) -> ValueError:
+    return _as_plateau(stop.bad_mode(mode))
+
+
+def unknown_monitor(monitor: str, available: Iterable[str]) -> ValueError:
+    return _as_plateau(stop.unknown_monitor(monitor, available))
+
+
+def monitor_not_scalar(monitor: str, value: Any) -> ValueError:
+    return _as_plateau(stop.monitor_not_scalar(monitor, value))
+
+
+def count_type(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `{name}` must be an int (a number of evaluations), got "
+        f"{short_type(value)}.\nFix: pass e.g. {name}=5."
+    )
+
+
+def count_value(name: str, value: int) -> ValueError:
+    what = {
+        "patience": "evaluations without improvement before the learning rate "
+        "is reduced (0: at the first)",
+        "cooldown": "evaluations after a reduction before the rule counts "
+        "again (0: none)",
+    }[name]
+    return ValueError(
+        f"{CALL}: `{name}` must be 0 or more, got {value}: it is the number of "
+        f"{what}.\nFix: pass e.g. {name}={5 if name == 'patience' else 0}."
+    )
+
+
+_EXAMPLES = {"factor": "0.1", "min_lr": "1e-6", "lr": "1e-3"}
+
+
+def number_type(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `{name}` must be a real number, got {short_type(value)}.\nFix: "
+        f"pass e.g. {name}={_EXAMPLES[name]}."
+    )
+
+
+def factor_value(factor: float) -> ValueError:
+    return ValueError(
+        f"{CALL}: `factor` must be between 0 and 1 (both excluded), got "
+        f"{factor!r}: the scale of the updates is multiplied by it at each "
+        "reduction.\nFix: pass e.g. factor=0.1 (a tenth) or factor=0.5 (half)."
+    )
+
+
+def min_lr_value(min_lr: float) -> ValueError:
+    return ValueError(
+        f"{CALL}: `min_lr` must be finite and 0 or more, got {min_lr!r}: the rule "
+        "never reduces below it.\nFix: pass e.g. min_lr=1e-6, or leave it out (0)."
+    )
+
+
+def lr_value(lr: float) -> ValueError:
+    return ValueError(
+        f"{CALL}: `lr` must be a finite learning rate above 0, got {lr!r}: it is "
+        "the optimizer's learning rate, which makes `min_lr` a bound on the rate "
+        "`lr * scale`.\nFix: pass the rate your optimizer was built with, e.g. "
+        "lr=1e-3, or leave it out (then `min_lr` bounds the scale itself)."
+    )
+
+
+# ------------------------------------------------------------------- scanax.fit
+
+
+def plateau_type(plateau: Any) -> TypeError:
+    return TypeError(
+        f"{FIT}: `plateau` must be a scanax.Plateau, got {short_type(plateau)}.\n"
+        'Fix: plateau=scanax.Plateau("val_loss", factor=0.5, patience=5), with '
+        "eval_every=N."
+    )
+
+
+def eval_every_missing() -> TypeError:
+    return TypeError(
+        f"{FIT}: `plateau` is given without eval_every: the plateau rule is "
+        "checked every eval_every steps, inside the compiled loop.\nFix: pass "
+        "eval_every=N (e.g. 100)."
+    )
+
+
+def val_monitor_without_data(monitor: str) -> ValueError:
+    return ValueError(
+        f"{FIT}: plateau monitors {monitor!r}, a validation metric, but no "
+        "eval_data is given.\nFix: pass eval_data=..., or monitor a training "
+        "metric such as 'loss' (Plateau('loss', ...))."
+    )
+
+
+def metric_name_taken(name: str) -> ValueError:
+    return ValueError(
+        f"{FIT}: loss_fn returns a metric named {name!r}, the name under which "
+        "plateau= records the scale of each step's update in the history.\nFix: "
+        "rename that metric."
+    )

@@ -1,0 +1,109 @@
+"""``fit(..., execution="stepwise")``: a call's steps dispatched by the host one
+compiled step at a time, as a Python loop of ``jax.jit`` steps runs, instead of
+one ``lax.while_loop`` (``execution="fused"``).
+
+The programs are built from the fused loop's own pieces (``_fit_program.Chunks``:
+``begin``, ``advance``, ``close``), so the two run the same step on the same
+state: bit-identical results on CPU, every feature of the loop (a non-finite
+step's stop, evaluation and the early-stop rule, accumulation, a population's
+members, meshes, a rollout's feed) unchanged. Between steps the loop's state
+stays on the device as a flat list of arrays, donated to the next step; the host
+flattens nothing per step. Each step is a ``lax.cond`` on whether the loop would
+still run, so the host dispatches ``max(count)`` steps without reading the
+device, and a call that stopped early costs only its remaining conds.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._fit_program import Chunk, Chunks, Out, Program
+
+
+class Stepwise:
+    """The programs of one argument signature: ``begin`` (the loop's state
+    before the first step), ``step`` (one step, donating the state) and
+    ``close`` (the call's ``Out``); called like the fused executable. Built in
+    two parts: tracing and lowering (``__init__``, on the caller's thread: it
+    runs the user's ``loss_fn``), then compiling (``compile``, which may run on
+    another thread while the fused loop trains)."""
+
+    def __init__(self, chunks: Chunks, args: Chunk):
+        self.chunks = chunks
+        c = Chunk(*args)
+        self._begin = jax.jit(chunks.begin).trace(c).lower().compile()
+        env, loop = self._begin(c)  # (real arrays: their placement too)
+        fixed_leaves, self.fixed_tree = jtu.tree_flatten(self._fixed(c))
+        env_leaves, self.env_tree = jtu.tree_flatten(env)
+        loop_leaves, self.loop_tree = jtu.tree_flatten(loop)
+        self.n_fixed, self.n_env = len(fixed_leaves), len(env_leaves)
+        n_in = self.n_fixed + self.n_env
+        donate = tuple(range(n_in, n_in + len(loop_leaves)))
+        step = jax.jit(self._flat_step, donate_argnums=donate)
+        self.lowered = (
+            step.trace(*fixed_leaves, *env_leaves, *loop_leaves).lower(),
+            jax.jit(chunks.close).trace(c, loop).lower(),
+        )
+        self._step = self._close = self.placement = None
+        self.lock = threading.Lock()
+
+    def compile(self) -> Stepwise:
+        with self.lock:  # (auto's thread and a run of the same program)
+            if self._step is None:
+                step, close = (lowered.compile() for lowered in self.lowered)
+                # where the call's host values go, once per call (not per step)
+                self.placement = step.input_shardings[0][: self.n_fixed]
+                self._step, self._close, self.lowered = step, close, None
+        return self
+
+    def memory_analysis(self) -> Any:
+        """The step's (``_memory``: a call's need beyond its arguments; the
+        loop's state is donated to it, the call's buffers included)."""
+        return self.compile()._step.memory_analysis()
+
+    @staticmethod
+    def _fixed(c: Chunk) -> Chunk:
+        """What a step reads of the call's arguments (not the state it started
+        from, nor the early-stop carry: the loop's state holds both)."""
+        aux = None if c.aux is None else {**c.aux, "stop": None}
+        return c._replace(leaves=None, aux=aux)
+
+    def _flat_step(self, *flat: Any) -> list:
+        a, b = self.n_fixed, self.n_fixed + self.n_env
+        c = jtu.tree_unflatten(self.fixed_tree, flat[:a])
+        env = jtu.tree_unflatten(self.env_tree, flat[a:b])
+        loop = jtu.tree_unflatten(self.loop_tree, flat[b:])
+        return jtu.tree_leaves(self.chunks.advance(c, env, loop))
+
+    def __call__(self, *args: Any) -> Out:
+        c = Chunk(*args)
+        env, loop = self._begin(c)
+        fixed = [
+            x if isinstance(x, jax.Array) else jax.device_put(x, where)
+            for x, where in zip(jtu.tree_leaves(self._fixed(c)), self.placement)
+        ] + jtu.tree_leaves(env)
+        state = jtu.tree_leaves(loop)
+        step = self._step
+        for _ in range(int(np.max(c.count))):
+            state = step(*fixed, *state)
+        return self._close(c, jtu.tree_unflatten(self.loop_tree, state))
+
+
+def lowered(program: Program, args: Chunk) -> Stepwise:
+    """``program``'s stepwise programs for arguments like ``args``, traced and
+    lowered (compiled if they were before); kept on the program."""
+    signature = program.signature(args)
+    found = program.stepwise.get(signature)
+    if found is None:
+        found = program.stepwise[signature] = Stepwise(program.chunks, args)
+    return found
+
+
+def executable(program: Program, args: Chunk) -> Stepwise:
+    """``program``'s compiled stepwise programs for arguments like ``args``."""
+    return lowered(program, args).compile()

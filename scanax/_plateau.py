@@ -1,0 +1,433 @@
+"""``plateau=``: reduce the learning rate when a monitored metric stops improving,
+as a static description (``Plateau``) plus pure JAX functions on a small state
+that the compiled training loop carries.
+
+The rule is Keras 3's ``keras.callbacks.ReduceLROnPlateau`` (``factor``,
+``patience``, ``min_delta``, ``cooldown``, ``min_lr``, ``mode``), checked on
+device at each evaluation (``_fit_checks.Checks``). What it lowers is a scale of
+the updates, not an optimizer's hyperparameter, so that it works for every optax
+transform as built: each step's update of the trained parameters is multiplied
+by it (``scaled``), inside the model's step, before anything that follows the
+parameters (``ema=``) sees them. Its state joins the training state after the
+model's (``ScaledAdapter``, ``ScaledPopulation``: wrappers of the model's
+adapter and of a population, as ``_ema``'s are), so that checkpoints, resumes
+and a population's per-member selects cover it. The functions are elementwise
+in the state: under ``jax.vmap`` each member of a population has its own scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import PartitionSpec as P
+
+from ._errors import plateau as errors
+from ._stop import MODES, auto_mode
+
+# The history entry of the scale each step's update was multiplied by.
+METRIC = "lr_scale"
+
+
+class PlateauState(NamedTuple):
+    """What ``Plateau`` carries from one evaluation to the next (a pytree).
+
+    Attributes:
+        best: the best monitored value so far (``+inf``/``-inf`` before any).
+        wait: evaluations without improvement since the last improvement or
+            reduction (Keras's ``wait``).
+        cooldown: evaluations left before the rule counts again after a
+            reduction (Keras's ``cooldown_counter``).
+        scale: what each step's update is multiplied by (1 before any
+            reduction).
+    """
+
+    best: jax.Array
+    wait: jax.Array
+    cooldown: jax.Array
+    scale: jax.Array
+
+
+class PlateauCarry(NamedTuple):
+    """What ``fit`` carries of the rule in the training state: its state, and the
+    running sum and count of a monitored training metric since the last check
+    (its mean is the value checked)."""
+
+    rule: PlateauState
+    total: jax.Array
+    seen: jax.Array
+
+
+# Checkpoint names of the carry's leaves (``plateau.lr_scale``...), in order.
+NAMES = [f"plateau.{n}" for n in ("best", "wait", "cooldown", METRIC, "total", "seen")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plateau:
+    """Reduce the learning rate when a monitored metric stops improving
+    (``scanax.fit(..., plateau=Plateau(...))``), for any optimizer: each step's
+    update of the trained parameters is multiplied by a scale that the rule
+    lowers.
+
+    Conceptually equivalent to, at each evaluation (monitored value ``value``;
+    ``scale`` starts at 1)::
+
+        if cooldown_counter > 0:
+            cooldown_counter -= 1
+            wait = 0
+        if value < best - min_delta:  # "max": value > best + min_delta
+            best, wait = value, 0
+        elif cooldown_counter == 0:
+            wait += 1
+            if wait >= patience and scale > min_scale:
+                scale = max(scale * factor, min_scale)
+                cooldown_counter, wait = cooldown, 0
+
+    with every step's parameters ``p_new = p + scale * (p_stepped - p)``
+    (``p_stepped``: the optimizer's step from ``p``), which is
+    ``keras.callbacks.ReduceLROnPlateau(monitor, factor=factor,
+    patience=patience, min_delta=min_delta, cooldown=cooldown, min_lr=min_lr,
+    mode=mode)`` evaluated once per evaluation instead of once per epoch, on an
+    optimizer whose learning rate is ``lr * scale``: for every optax optimizer
+    whose last stage is the learning rate (``optax.sgd``, ``adam``, ``adamw``
+    with its weight decay...), scaling the update is lowering the rate. Only the
+    trained parameters move less: the optimizer's state (Adam's moments, step
+    counts) and the model's other state (BatchNorm statistics) are as they
+    would be, as with a lower learning rate in Keras.
+
+    Differences from Keras: ``min_lr`` bounds the scale (``min_scale =
+    min_lr``) unless ``lr=`` gives the optimizer's learning rate, then the rate
+    ``lr * scale`` (``min_scale = min_lr / lr``); ``mode="auto"`` decides from
+    the name alone, as ``EarlyStop``'s does (see ``direction``); ``min_delta``
+    must be ``>= 0``; a NaN value is never an improvement, even the first. Each
+    ``fit`` call starts the rule again (Keras resets ``best``, ``wait`` and the
+    cooldown at each ``model.fit``) with the scale at 1.
+
+    Unlike ``optax.contrib.reduce_on_plateau``, an optax transform chained
+    after the optimizer that is given each step's training loss
+    (``update(..., value=loss)``) and counts in steps, ``Plateau`` is checked at
+    the evaluations on any monitored metric (``val_loss``, a training metric's
+    mean since the last check, a rollout's), needs nothing in the optimizer, and
+    records its scale in ``history["lr_scale"]``.
+
+    Arguments:
+        monitor: the metric to watch: an evaluation metric ``"val_<name>"``
+            (default ``"val_loss"``), ``"loss"`` or another metric ``loss_fn``
+            returns (its mean over the steps since the last check).
+        factor: what the scale is multiplied by at each reduction, in ``(0, 1)``.
+        patience: evaluations without improvement after which the scale is
+            reduced (``0``: at every evaluation without improvement).
+        min_delta: how much a value must beat the best by to count as an
+            improvement (``>= 0``, in the direction of ``direction``).
+        cooldown: evaluations after a reduction during which the rule does not
+            count evaluations without improvement.
+        min_lr: the rule never reduces below it: a bound on the scale, or with
+            ``lr=`` on the learning rate ``lr * scale``.
+        mode: ``"auto"`` (default: ``"max"`` for accuracies and other scores
+            that grow, by the metric's name, ``"min"`` otherwise; the rule of
+            ``EarlyStop.direction``), ``"min"`` or ``"max"``.
+        lr: the optimizer's learning rate, when ``min_lr`` is one (optional).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import scanax
+        >>> rule = scanax.Plateau("val_loss", factor=0.5, patience=1, min_delta=0.0)
+        >>> state = rule.init()
+        >>> for value in [3.0, 2.0, 2.5, 2.4, 2.6]:
+        ...     state, reduced = rule.update(state, jnp.float32(value))
+        ...     print(value, bool(reduced), float(state.scale))
+        3.0 False 1.0
+        2.0 False 1.0
+        2.5 True 0.5
+        2.4 True 0.25
+        2.6 True 0.125
+    """
+
+    monitor: str = "val_loss"
+    _: dataclasses.KW_ONLY
+    factor: float = 0.1
+    patience: int = 10
+    min_delta: float = 1e-4
+    cooldown: int = 0
+    min_lr: float = 0.0
+    mode: str = "auto"
+    lr: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise errors.monitor_type(self.monitor)
+        for name in ("patience", "cooldown"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise errors.count_type(name, value)
+            if value < 0:
+                raise errors.count_value(name, value)
+        for name in ("factor", "min_lr", "lr"):
+            value = getattr(self, name)
+            if value is None and name == "lr":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise errors.number_type(name, value)
+        if not 0.0 < self.factor < 1.0:
+            raise errors.factor_value(self.factor)
+        if not math.isfinite(self.min_lr) or self.min_lr < 0:
+            raise errors.min_lr_value(self.min_lr)
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise errors.lr_value(self.lr)
+        if isinstance(self.min_delta, bool) or not isinstance(
+            self.min_delta, numbers.Real
+        ):
+            raise errors.min_delta_type(self.min_delta)
+        if not math.isfinite(self.min_delta) or self.min_delta < 0:
+            raise errors.min_delta_value(self.min_delta)
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise errors.bad_mode(self.mode)
+
+    @property
+    def direction(self) -> str:
+        """``"min"`` or ``"max"``: ``mode``, or with ``mode="auto"`` the direction
+        of the metric's name, by ``EarlyStop.direction``'s rule."""
+        return auto_mode(self.monitor) if self.mode == "auto" else self.mode
+
+    @property
+    def min_scale(self) -> float:
+        """The smallest scale the rule reduces to: ``min_lr``, or ``min_lr /
+        lr`` with ``lr=``."""
+        return self.min_lr if self.lr is None else self.min_lr / self.lr
+
+    def check_monitor(self, available: Iterable[str]) -> None:
+        """Raise ``ValueError`` naming the available metrics if ``monitor`` is not
+        among ``available`` (the names the run's history will have: ``loss``,
+        ``loss_fn``'s metrics, ``val_*``). Call it before compiling."""
+        names = list(available)
+        if self.monitor not in names:
+            raise errors.unknown_monitor(self.monitor, names)
+
+    def init(self, dtype: Any = jnp.float32) -> PlateauState:
+        """The state before the first evaluation (values compared in ``dtype``;
+        the scale is float32). For a population, ``jax.vmap`` it over a dummy
+        axis or broadcast it."""
+        worst = jnp.inf if self.direction == "min" else -jnp.inf
+        return PlateauState(
+            best=jnp.asarray(worst, dtype),
+            wait=jnp.asarray(0, jnp.int32),
+            cooldown=jnp.asarray(0, jnp.int32),
+            scale=jnp.asarray(1.0, jnp.float32),
+        )
+
+    def update(
+        self, state: PlateauState, value: jax.Array
+    ) -> tuple[PlateauState, jax.Array]:
+        """One evaluation: ``(new state, reduced)``.
+
+        ``value`` is the monitored metric (a scalar; per member under
+        ``jax.vmap``). ``reduced``: the scale was lowered at this evaluation.
+        Pure and branch-free: usable inside ``lax.while_loop`` and ``jax.vmap``.
+        """
+        value = jnp.asarray(value)
+        if value.ndim != 0:
+            raise errors.monitor_not_scalar(self.monitor, value)
+        with jax.named_scope("scanax.plateau"):
+            value = value.astype(state.best.dtype)
+            delta = jnp.asarray(self.min_delta, state.best.dtype)
+            if self.direction == "min":
+                better = value + delta < state.best
+            else:
+                better = value - delta > state.best
+            improved = ~jnp.isnan(value) & better
+            cooling = state.cooldown > 0
+            cooldown = jnp.where(cooling, state.cooldown - 1, state.cooldown)
+            wait = jnp.where(cooling, 0, state.wait)
+            counts = ~improved & (cooldown == 0)
+            wait = jnp.where(improved, 0, jnp.where(counts, wait + 1, wait))
+            floor = jnp.asarray(self.min_scale, state.scale.dtype)
+            reduced = counts & (wait >= self.patience) & (state.scale > floor)
+            factor = jnp.asarray(self.factor, state.scale.dtype)
+            new = PlateauState(
+                best=jnp.where(improved, value, state.best),
+                wait=jnp.where(reduced, 0, wait),
+                cooldown=jnp.where(reduced, self.cooldown, cooldown).astype(
+                    state.cooldown.dtype
+                ),
+                scale=jnp.where(
+                    reduced, jnp.maximum(state.scale * factor, floor), state.scale
+                ),
+            )
+            return new, reduced
+
+
+# ------------------------------------------------------------ in fit's loop
+
+
+def start(plateau: Plateau) -> PlateauCarry:
+    """The carry of a ``fit`` call before its first check."""
+    return PlateauCarry(
+        plateau.init(), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    )
+
+
+def read(leaves: list, at: int) -> PlateauCarry:
+    """The carry from the training state's flat ``leaves`` (it starts at
+    ``at``)."""
+    return jtu.tree_unflatten(_CARRY_DEF, leaves[at : at + len(NAMES)])
+
+
+def write(leaves: list, at: int, carry: PlateauCarry) -> list:
+    """``leaves`` with the carry at ``at`` replaced by ``carry``."""
+    return [*leaves[:at], *jtu.tree_leaves(carry), *leaves[at + len(NAMES) :]]
+
+
+def scaled(old: list, new: list, where: list[int], scale: jax.Array) -> list:
+    """``new`` with each trained leaf (positions ``where``) moved ``scale`` of
+    the way from ``old``: ``p + scale * (p_new - p)``, in the leaf's dtype."""
+    out = list(new)
+    with jax.named_scope("scanax.plateau"):
+        for i in where:
+            p, q = old[i], new[i]
+            out[i] = (p + scale.astype(q.dtype) * (q - p)).astype(q.dtype)
+    return out
+
+
+def with_scale(metrics: dict, scale: jax.Array) -> dict:
+    """A step's metrics with the scale its update was multiplied by."""
+    if METRIC in metrics:
+        raise errors.metric_name_taken(METRIC)
+    return {**metrics, METRIC: scale}
+
+
+_CARRY_DEF = jtu.tree_structure(
+    PlateauCarry(PlateauState(0, 0, 0, 0), 0, 0)  # (the structure only)
+)
+
+
+class ScaledAdapter:
+    """A model's adapter (``_models``) whose state is ``(model state,
+    PlateauCarry)``: the step multiplies the update of the trained parameters
+    by the carry's scale (``scaled``) and records it (``lr_scale``); the rule
+    itself is updated at the checks (``_fit_checks.Checks``), at ``at`` in the
+    flat state. Wrappers that follow the parameters (``_ema.EmaAdapter``) go
+    around it."""
+
+    def __init__(self, adapter: Any, plateau: Plateau):
+        self.adapter, self.plateau = adapter, plateau
+        self.kind = adapter.kind
+        self.base = getattr(adapter, "base", adapter)  # the model's own
+        self.at = jtu.tree_structure(adapter.state).num_leaves
+        self.where = adapter.trained()
+        self.state = (adapter.state, start(plateau))
+        self.static = ("plateau", adapter.static)
+
+    def fingerprint(self) -> Any:
+        inner = self.adapter.fingerprint()
+        return None if inner is None else ("plateau", inner)
+
+    def start_step(self) -> int | None:
+        return self.adapter.start_step()
+
+    def names(self) -> list[str]:
+        return [*self.adapter.names(), *NAMES]
+
+    def trained(self) -> list[int]:
+        return self.where
+
+    def trained_of(self, model: Any) -> list | None:
+        return self.adapter.trained_of(model)
+
+    def partition_specs(self) -> Any:
+        """The model's annotations; the carry is replicated."""
+        tree = self.adapter.partition_specs()
+        if tree is None:
+            return None
+        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
+        if len(found) != self.at:
+            return None
+        return [*found, *(P() for _ in NAMES)]
+
+    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
+        inner, where = self.adapter.make_step(loss_fn, accumulate), self.where
+
+        def step(state, batch, key):
+            new, loss, metrics, grads = inner(state[0], batch, key)
+            scale = state[1].rule.scale
+            leaves, treedef = jtu.tree_flatten(new)
+            leaves = scaled(jtu.tree_leaves(state[0]), leaves, where, scale)
+            new = jtu.tree_unflatten(treedef, leaves)
+            return (new, state[1]), loss, with_scale(metrics, scale), grads
+
+        return step
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        evaluate = self.adapter.make_eval(loss_fn)
+        return lambda state, batch, key: evaluate(state[0], batch, key)
+
+    def make_call(self, fn: Callable) -> Callable:
+        call = self.adapter.make_call(fn)
+        return lambda state, *args: call(state[0], *args)
+
+    def model_of(self, state: Any) -> Any:
+        return self.adapter.model_of(state[0])
+
+    def finish(self, state: Any) -> tuple[Any, Any]:
+        return self.adapter.finish(state[0])
+
+
+class ScaledPopulation:
+    """A population (``_population.Population``) whose members' state holds
+    their plateau carries too (after the model's leaves, at ``at``): each
+    member's updates multiplied by its own scale, for one ``fit``."""
+
+    def __init__(self, pop: Any, plateau: Plateau):
+        self.pop, self.plateau = pop, plateau
+        self.at = len(pop.state)
+        self.where = pop.adapter(0).trained()
+        self.carry = [
+            jnp.broadcast_to(x, (pop.n, *jnp.shape(x)))
+            for x in jtu.tree_leaves(start(plateau))
+        ]
+        self.names = [*pop.names, *NAMES]
+
+    def __getattr__(self, name: str) -> Any:  # the rest: the population's own
+        return getattr(self.pop, name)
+
+    @property
+    def state(self) -> list:
+        return [*self.pop.state, *self.carry]
+
+    def fingerprint(self) -> Any:
+        inner = self.pop.fingerprint()
+        return None if inner is None else ("plateau", inner)
+
+    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
+        inner, n, where = (
+            self.pop.step_factory(call_for, accumulate),
+            self.at,
+            self.where,
+        )
+
+        def step(leaves, batch, key, hp):
+            new, loss, metrics, grads = inner(leaves[:n], batch, key, hp)
+            scale = read(leaves, n).rule.scale
+            new = [*scaled(leaves[:n], new, where, scale), *leaves[n:]]
+            return new, loss, with_scale(metrics, scale), grads
+
+        return step
+
+    def eval_factory(self, call_for: Callable) -> Callable:
+        evaluate, n = self.pop.eval_factory(call_for), self.at
+        return lambda leaves, batch, key, hp: evaluate(leaves[:n], batch, key, hp)
+
+    def view(self, leaves: list, hp: Any, fn: Callable, *args: Any) -> Any:
+        return self.pop.view(leaves[: self.at], hp, fn, *args)
+
+    def model_of(self, i: int, leaves: list) -> Any:
+        return self.pop.model_of(i, leaves[: self.at])
+
+    def update(self, state: list, stopped: Any, step: int) -> None:
+        self.carry = list(state[self.at :])
+        self.pop.update(state[: self.at], stopped, step)
