@@ -71,9 +71,11 @@ NAMES = [f"plateau.{n}" for n in ("best", "wait", "cooldown", METRIC, "total", "
 @dataclasses.dataclass(frozen=True)
 class Plateau:
     """Reduce the learning rate when a monitored metric stops improving
-    (``scanax.fit(..., plateau=Plateau(...))``), for any optimizer: each step's
-    update of the trained parameters is multiplied by a scale that the rule
-    lowers.
+    (``scanax.fit(..., plateau=Plateau(...))``): each step's update of the
+    trained parameters is multiplied by a scale that the rule lowers, which is
+    lowering the learning rate for optimizers whose last stage is the rate
+    (``sgd``, ``adam``, ``adamw``, ``lion``...; not ``rmsprop(momentum=)``,
+    ``lars``, ``adafactor(momentum=)``: see ``docs/training_features.md``).
 
     Conceptually equivalent to, at each evaluation (monitored value ``value``;
     ``scale`` starts at 1)::

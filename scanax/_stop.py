@@ -31,6 +31,7 @@ MAX_WORDS = (
     "acc", "accuracy", "auc", "precision", "recall", "sensitivity", "specificity",
     "f1", "fbeta", "r2", "iou", "io_u", "similarity", "correlation",
     "miou", "dice", "jaccard", "psnr", "ssim", "bleu", "rouge", "ndcg",
+    "reward", "rewards", "return", "returns",
 )  # fmt: skip
 MIN_WORDS = ("loss", "error", "err")
 
@@ -55,6 +56,8 @@ def auto_mode(monitor: str) -> str:
         ['max', 'max', 'max']
         >>> [auto_mode(n) for n in ("val_loss", "mse", "dice_loss", "accumulated")]
         ['min', 'min', 'min', 'min']
+        >>> [auto_mode(n) for n in ("rollout_return", "rollout_episode_reward")]
+        ['max', 'max']
     """
     name = monitor.lower()
     return "max" if _MAX.search(name) and not _MIN.search(name) else "min"
@@ -177,7 +180,8 @@ class EarlyStop:
         ``specificity``, ``f1``, ``fbeta``, ``r2``, ``iou`` (or Keras's
         ``io_u``), ``similarity``, ``correlation`` (the built-in Keras 3 metrics
         that grow, and the alias ``acc``), ``miou``, ``dice``, ``jaccard``,
-        ``psnr``, ``ssim``, ``bleu``, ``rouge``, ``ndcg``; otherwise ``"min"``.
+        ``psnr``, ``ssim``, ``bleu``, ``rouge``, ``ndcg``, and a rollout's
+        ``reward``, ``rewards``, ``return``, ``returns``; otherwise ``"min"``.
         A word counts where no letter touches it: ``val_top5_acc``, ``acc@1``
         and ``f1_score`` are maximised, ``accumulated`` and ``val_auc_loss``
         minimised. Every name Keras 3's ``mode="auto"`` resolves for its built-in

@@ -368,6 +368,8 @@ def test_auto_mode_is_keras_for_every_builtin_metric(keras):
         *[(n, "max") for n in ("val_top5_acc", "acc@1", "acc1", "Val_Accuracy")],
         *[(n, "max") for n in ("f1_score", "val_mean_io_u", "miou", "PSNR", "ndcg")],
         *[(n, "max") for n in ("recall_at_precision", "val_r2", "dice", "BLEU")],
+        *[(n, "max") for n in ("rollout_return", "rollout_episode_reward")],
+        *[(n, "min") for n in ("returned", "reward_loss")],
         *[(n, "min") for n in ("val_auc_loss", "dice_loss", "top1_err", "mae")],
         *[(n, "min") for n in ("accumulated", "val_mape", "ppl", "f1score")],
         *[(n, "min") for n in ("error", "val_acc_error", "kl_divergence")],
