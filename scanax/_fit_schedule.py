@@ -71,10 +71,16 @@ EXECUTIONS = ("auto", "fused", "stepwise")
 # ``execution="auto"`` tries the stepwise programs only when the steps left would
 # take at least this long fused, and this many times the fused compile: the
 # trial's compile (on another thread) and its one call must be worth it.
-_TRIAL_SECONDS = 2.0
-_TRIAL_COMPILES = 4.0
-# The fused calls' times the trial is compared with: the median of the last few.
+_TRIAL_SECONDS = 5.0
+_TRIAL_COMPILES = 10.0
+# The fused calls' times the trial is compared with: the fastest of the last few
+# (other work on the machine slows some calls; a switch must beat fused at its
+# best, not a slowed call).
 _SAMPLES = 5
+# No trial below this fused step: a dispatched step costs the host ~50-100 us on
+# this CPU (the tiny MLP: 26 us fused, ~4x that stepwise), more than the 10%
+# margin of any smaller step.
+_MIN_STEP_SECONDS = 1e-3
 # Stepwise is chosen only when its measured step is this much faster.
 _MARGIN = 0.9
 # Choices made, by the fused program's text and the backend: what a later
@@ -90,11 +96,14 @@ def choose(fused: float, stepwise: float) -> str:
 
 
 def worth_a_trial(fused: float, steps_left: int, compile_seconds: float) -> bool:
-    """Whether ``steps_left`` steps at ``fused`` seconds each are long enough to
-    try the other execution (whose programs take about ``compile_seconds`` to
-    compile)."""
+    """Whether to try the other execution: a fused step of at least
+    ``_MIN_STEP_SECONDS`` (below it, a dispatched step's own cost on the host
+    would have to be won back from the loop), and ``steps_left`` steps long
+    enough for the trial's compile (about ``compile_seconds``) and its call."""
     left = fused * steps_left
-    return left >= max(_TRIAL_SECONDS, _TRIAL_COMPILES * compile_seconds)
+    return fused >= _MIN_STEP_SECONDS and left >= max(
+        _TRIAL_SECONDS, _TRIAL_COMPILES * compile_seconds
+    )
 
 
 class Execution:
@@ -143,10 +152,8 @@ class Execution:
             return
         self.seconds.setdefault(mode, []).append(seconds / steps)
         if self.deciding and mode == "stepwise" and "fused" in self.seconds:
-            # the trial's call against the fused calls' median (of the last
-            # few: other work on the machine slows some calls)
-            fused = sorted(self.seconds["fused"][-_SAMPLES:])
-            self.decide(choose(fused[len(fused) // 2], self.seconds["stepwise"][-1]))
+            fused = min(self.seconds["fused"][-_SAMPLES:])
+            self.decide(choose(fused, self.seconds["stepwise"][-1]))
 
     def next_mode(self, run: Any, args: Any) -> str:
         """The mode of the call about to be dispatched (``args``): under

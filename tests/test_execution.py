@@ -195,6 +195,7 @@ def test_choose_and_worth_a_trial():
     assert not _fit_schedule.worth_a_trial(5e-6, 1000, 0.3)
     assert _fit_schedule.worth_a_trial(1e-3, 10_000, 0.5)
     assert not _fit_schedule.worth_a_trial(1e-3, 10_000, 5.0)  # a costly compile
+    assert not _fit_schedule.worth_a_trial(2e-4, 10**7, 0.1)  # dispatch would cost
 
 
 class Injected:
