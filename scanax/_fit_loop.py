@@ -426,6 +426,8 @@ class Run:
             if trial and pending is not None:  # (timed alone: nothing overlaps it)
                 self._collect(hooks, *pending)
                 pending = None
+                if self.halted:  # (a stop in the call before: nothing to time)
+                    break
             with self.context():
                 fn = self.compiled(args, mode)
                 began = time.perf_counter()
@@ -457,7 +459,7 @@ class Run:
         now = time.perf_counter()
         since = began if self.collected_at is None else max(began, self.collected_at)
         self.collected_at = now
-        self.execution.ran(mode, end - start, now - since)
+        self.execution.ran(mode, int(np.max(report.ran)), now - since)
         call = self.kind.collect(self, start, end, out, args, report, ys, dispatched)
         for hook in hooks:
             hook.after_call(self, call)

@@ -165,14 +165,17 @@ class Execution:
             if not self.trial[1].done():
                 return "fused"
             if self.trial[1].exception() is not None:  # (fused runs: keep it)
-                self.decide("fused")
+                self.decide("fused", keep=False)
                 return "fused"
             return "stepwise"
         fused = self.seconds.get("fused")
         if fused is not None and worth_a_trial(
             fused[-1], run.end - run.done, self.compile_seconds
         ):
-            self._start_trial(args)
+            try:
+                self._start_trial(args)
+            except Exception:  # noqa: BLE001 - (e.g. out of memory): fused runs
+                self.decide("fused", keep=False)
         return "fused"
 
     def _start_trial(self, args: Any) -> None:
@@ -180,11 +183,14 @@ class Execution:
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.trial = (programs, self.pool.submit(programs.compile))
 
-    def decide(self, mode: str) -> None:
+    def decide(self, mode: str, keep: bool = True) -> None:
+        """Run the rest in ``mode``; ``keep``: a measured choice, kept with the
+        program (and on disk), else this run's only (a trial that failed)."""
         self.mode, self.deciding = mode, False
-        self.program.choice = mode
-        if self.program.digest is not None:
-            _write_choice(self.program.digest, mode)
+        if keep:
+            self.program.choice = mode
+            if self.program.digest is not None:
+                _write_choice(self.program.digest, mode)
 
     def close(self) -> None:
         """(a trial's compile still running is left to finish on its own)"""
@@ -210,7 +216,7 @@ def _read_choice(digest: str) -> str | None:
     try:
         with open(path) as f:  # type: ignore[arg-type]
             found = f.read().strip()
-    except (OSError, TypeError):
+    except (OSError, TypeError, ValueError):  # (missing, or not text)
         return None
     return found if found in ("fused", "stepwise") else None
 

@@ -16,6 +16,7 @@ device, and a call that stopped early costs only its remaining conds.
 from __future__ import annotations
 
 import threading
+import types
 from typing import Any
 
 import jax
@@ -24,14 +25,18 @@ import numpy as np
 
 from ._fit_program import Chunk, Chunks, Out, Program
 
+_SYNC_EVERY = 16
+
 
 class Stepwise:
     """The programs of one argument signature: ``begin`` (the loop's state
     before the first step), ``step`` (one step, donating the state) and
     ``close`` (the call's ``Out``); called like the fused executable. Built in
-    two parts: tracing and lowering (``__init__``, on the caller's thread: it
-    runs the user's ``loss_fn``), then compiling (``compile``, which may run on
-    another thread while the fused loop trains)."""
+    two parts: tracing and lowering, with ``begin`` compiled and run once to
+    learn the state's placement (``__init__``, on the caller's thread: it runs
+    the user's ``loss_fn``), then compiling the step and ``close``
+    (``compile``, which may run on another thread while the fused loop
+    trains)."""
 
     def __init__(self, chunks: Chunks, args: Chunk):
         self.chunks = chunks
@@ -44,7 +49,15 @@ class Stepwise:
         self.n_fixed, self.n_env = len(fixed_leaves), len(env_leaves)
         n_in = self.n_fixed + self.n_env
         donate = tuple(range(n_in, n_in + len(loop_leaves)))
-        step = jax.jit(self._flat_step, donate_argnums=donate)
+        # The state comes out placed as it went in (a population's per-member
+        # counts and buffers are replicated on a members mesh; left to XLA,
+        # they come out split and the next step refuses them).
+        placed = [x.sharding for x in loop_leaves]
+        step = jax.jit(self._flat_step, donate_argnums=donate, out_shardings=placed)
+        # On several devices, the host waits for a step every ``sync`` steps:
+        # XLA:CPU aborts collectives when thousands of steps are in flight.
+        devices = {d for x in loop_leaves for d in x.sharding.device_set}
+        self.sync = _SYNC_EVERY if len(devices) > 1 else 0
         self.lowered = (
             step.trace(*fixed_leaves, *env_leaves, *loop_leaves).lower(),
             jax.jit(chunks.close).trace(c, loop).lower(),
@@ -62,9 +75,18 @@ class Stepwise:
         return self
 
     def memory_analysis(self) -> Any:
-        """The step's (``_memory``: a call's need beyond its arguments; the
-        loop's state is donated to it, the call's buffers included)."""
-        return self.compile()._step.memory_analysis()
+        """A call's need beyond its arguments (``_memory``): ``begin``'s copy
+        of the state and buffers, and the step's temporaries (the state is
+        donated from step to step)."""
+        step = self.compile()._step.memory_analysis()
+        begin = self._begin.memory_analysis()
+        if step is None or begin is None:
+            return None
+        return types.SimpleNamespace(
+            output_size_in_bytes=begin.output_size_in_bytes,
+            alias_size_in_bytes=0,
+            temp_size_in_bytes=max(begin.temp_size_in_bytes, step.temp_size_in_bytes),
+        )
 
     @staticmethod
     def _fixed(c: Chunk) -> Chunk:
@@ -88,9 +110,11 @@ class Stepwise:
             for x, where in zip(jtu.tree_leaves(self._fixed(c)), self.placement)
         ] + jtu.tree_leaves(env)
         state = jtu.tree_leaves(loop)
-        step = self._step
-        for _ in range(int(np.max(c.count))):
+        step, sync = self._step, self.sync
+        for k in range(int(np.max(c.count))):
             state = step(*fixed, *state)
+            if sync and k % sync == sync - 1:
+                state[0].block_until_ready()
         return self._close(c, jtu.tree_unflatten(self.loop_tree, state))
 
 

@@ -163,6 +163,21 @@ def test_stepwise_on_a_mesh_equals_fused():
     leaves_equal(fused.model, step.model)
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")
+def test_stepwise_population_on_a_members_mesh_equals_fused():
+    mesh = jax.make_mesh((4,), ("members",))
+    lrs = np.array([1e-3, 3e-3, 1e-2, 3e-2], np.float32)
+    out = []
+    for execution in ("fused", "stepwise"):
+        pop = scanax.population(make_member, 4, key=KEY, lr=lrs)
+        r = scanax.fit(pop, None, nnx_loss, (X, Y), **RUN, mesh=mesh,
+                       execution=execution)  # fmt: skip
+        out.append(r)
+    same_history(out[0].history, out[1].history)
+    for i in range(4):
+        leaves_equal(nnx.state(out[0].model[i]), nnx.state(out[1].model[i]))
+
+
 def test_stepwise_rollout_equals_fused():
     def init(key):
         return jr.normal(key, (3,))
@@ -276,6 +291,20 @@ def test_auto_choice_kept_on_disk_with_the_compile_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(_fit_schedule, "worth_a_trial", lambda *a: False)
     r2 = scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 12})
     assert r2.execution == "stepwise"
+    forget_programs()
+
+
+def test_a_corrupt_choice_file_is_ignored(monkeypatch, tmp_path):
+    forget_programs()
+    Injected(monkeypatch, 11e-3, 0.9e-3)
+    monkeypatch.setattr(_fit_schedule, "cache_directory", lambda: str(tmp_path))
+    scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 48})
+    (path,) = (tmp_path / "scanax-execution").iterdir()
+    path.write_bytes(b"\xff\xfe\x00")
+    forget_programs()
+    monkeypatch.setattr(_fit_schedule, "worth_a_trial", lambda *a: False)
+    r = scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 12})
+    assert r.execution == "fused"  # (no choice read: fused, no trial)
     forget_programs()
 
 
