@@ -128,6 +128,10 @@ class Execution:
         self.compile_seconds = 0.0
         if requested != "auto":
             self.mode, self.deciding = requested, False
+        elif jax.process_count() > 1:
+            # Every process must run the same programs in the same order, and
+            # a measured choice is each process's own: auto is fused there.
+            self.mode, self.deciding = "fused", False
         else:
             self.mode = program.choice or "fused"
             self.deciding = program.choice is None

@@ -321,3 +321,14 @@ def test_unknown_execution(bad):
     with pytest.raises(kind, match=r"^scanax\.fit: `execution` must be one of 'a"):
         scanax.fit(model, opt, nnx_loss, (X, Y), **RUN, execution=bad)
     leaves_equal(before, nnx.state(model))
+
+
+def test_auto_is_fused_across_processes(monkeypatch):
+    """Each process's timings are its own; the processes of a job must run the
+    same programs: no trial, no choice read."""
+    monkeypatch.setattr(_fit_schedule.jax, "process_count", lambda: 2)
+    program = _fit_program.Program(lambda *a: None)
+    program.choice = "stepwise"  # (even a choice made before)
+    execution = _fit_schedule.Execution(program, "auto")
+    assert execution.mode == "fused" and not execution.deciding
+    assert _fit_schedule.Execution(program, "stepwise").mode == "stepwise"
