@@ -86,8 +86,10 @@ class ArraySource:
             self.key, self.seed, self._orders = key, _seed(key), {}
 
     def sized_automatically(self, steps_per_call: int | None) -> bool:
-        """Calls sized by their speed (no ``steps_per_call`` given)."""
-        return steps_per_call is None
+        """Calls sized by their speed (no ``steps_per_call`` given), in one
+        process: the processes of a ``jax.distributed`` job must run the same
+        steps per call, and each one's measured speed is its own."""
+        return steps_per_call is None and jax.process_count() == 1
 
     def check_mesh(self, mesh: Any) -> None:
         _mesh.check_batch(mesh, self.batch_size, "batch_size")

@@ -143,7 +143,9 @@ def fit(
         steps_per_call: steps run per compiled call; the progress bar, NaN check and
             checkpoints happen between calls. Results do not depend on it. Default:
             array data: sized automatically to about a quarter second per call
-            (8 steps first, at most 1000); an iterable: 100 batches per call
+            (8 steps first, at most 1000; in a multi-process job, where every
+            process must run the same calls, the compiled length: up to 1000);
+            an iterable: 100 batches per call
             (fewer, rounded up to a power of two, when ``steps`` is smaller).
         progress: a tqdm bar with steps/s and the latest loss, updated between
             calls (and, for iterables or a given ``steps_per_call``, from inside
