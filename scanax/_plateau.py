@@ -29,7 +29,7 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec as P
 
 from ._errors import plateau as errors
-from ._stop import MODES, auto_mode
+from ._stop import MODES, auto_mode, beats
 
 # The history entry of the scale each step's update was multiplied by.
 METRIC = "lr_scale"
@@ -237,11 +237,7 @@ class Plateau:
             raise errors.monitor_not_scalar(self.monitor, value)
         with jax.named_scope("scanax.plateau"):
             value = value.astype(state.best.dtype)
-            delta = jnp.asarray(self.min_delta, state.best.dtype)
-            if self.direction == "min":
-                better = value + delta < state.best
-            else:
-                better = value - delta > state.best
+            better = beats(value, state.best, self.min_delta, self.direction)
             improved = ~jnp.isnan(value) & better
             cooling = state.cooldown > 0
             cooldown = jnp.where(cooling, state.cooldown - 1, state.cooldown)

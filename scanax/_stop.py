@@ -224,11 +224,7 @@ class EarlyStop:
             raise errors.monitor_not_scalar(self.monitor, value)
         with jax.named_scope("scanax.early_stop"):
             value = value.astype(state.best.dtype)
-            delta = jnp.asarray(self.min_delta, state.best.dtype)
-            if self.direction == "min":
-                better = value + delta < state.best
-            else:
-                better = value - delta > state.best
+            better = beats(value, state.best, self.min_delta, self.direction)
             first = state.best_step < 0
             live = ~state.stopped
             improved = live & ~jnp.isnan(value) & (first | better)
@@ -250,6 +246,16 @@ class EarlyStop:
                 stopped=stop,
             )
             return new, improved, stop
+
+
+def beats(value: jax.Array, best: jax.Array, min_delta: float, direction: str):
+    """Whether ``value`` improves on ``best`` by more than ``min_delta`` in
+    ``direction`` (``"min"`` or ``"max"``), in ``best``'s dtype; False for NaN
+    (the rule of ``EarlyStop`` and ``Plateau``, as Keras's ``_is_improvement``)."""
+    delta = jnp.asarray(min_delta, best.dtype)
+    if direction == "min":
+        return value + delta < best
+    return value - delta > best
 
 
 def keep_best(best: Any, current: Any, improved: jax.Array) -> Any:
