@@ -32,9 +32,9 @@ class Stepwise:
     """The programs of one argument signature: ``begin`` (the loop's state
     before the first step), ``step`` (one step, donating the state) and
     ``close`` (the call's ``Out``); called like the fused executable. Built in
-    two parts: tracing and lowering, with ``begin`` compiled and run once to
-    learn the state's placement (``__init__``, on the caller's thread: it runs
-    the user's ``loss_fn``), then compiling the step and ``close``
+    two parts: tracing and lowering, with ``begin`` compiled to learn the
+    state's placement (``__init__``, on the caller's thread: it runs the user's
+    ``loss_fn``), then compiling the step and ``close``
     (``compile``, which may run on another thread while the fused loop
     trains)."""
 
@@ -42,7 +42,15 @@ class Stepwise:
         self.chunks = chunks
         c = Chunk(*args)
         self._begin = jax.jit(chunks.begin).trace(c).lower().compile()
-        env, loop = self._begin(c)  # (real arrays: their placement too)
+        # The state's shapes and placements as ``begin`` gives them (without
+        # running it: that would copy the whole state once more).
+        env, loop = jtu.tree_map(
+            lambda s, where: jax.ShapeDtypeStruct(
+                s.shape, s.dtype, sharding=where, weak_type=s.weak_type
+            ),
+            jax.eval_shape(chunks.begin, c),
+            self._begin.output_shardings,
+        )
         fixed_leaves, self.fixed_tree = jtu.tree_flatten(self._fixed(c))
         env_leaves, self.env_tree = jtu.tree_flatten(env)
         loop_leaves, self.loop_tree = jtu.tree_flatten(loop)
