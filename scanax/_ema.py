@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import _population
+from . import _model_step, _population
 from ._errors import fit as errors
 
 
@@ -41,16 +41,17 @@ def check_decay(ema: Any) -> float | None:
     return float(ema)
 
 
-class EmaAdapter:
+class EmaAdapter(_model_step.Wrapper):
     """A model's adapter whose state is ``(model state, average)``: after each
     step ``e = decay * e + (1 - decay) * p`` for every trained parameter
     ``p`` (computed in its own dtype). With ``on_eval``, evaluations (and what
     ``stop=`` monitors of them) use the averaged parameters."""
 
     def __init__(self, adapter: Any, decay: float, on_eval: bool, start: Any = None):
-        self.adapter, self.decay, self.on_eval = adapter, decay, on_eval
-        self.kind = adapter.kind
-        self.base = getattr(adapter, "base", adapter)  # the model's own
+        super().__init__(
+            adapter, ("ema", decay, on_eval), self._averaged if on_eval else None
+        )
+        self.decay, self.on_eval = decay, on_eval
         leaves, self.inner_def = jtu.tree_flatten(adapter.state)
         self.where = adapter.trained()
         average = [leaves[i] for i in self.where]
@@ -63,13 +64,6 @@ class EmaAdapter:
             average = [jnp.asarray(a) for a in given]
         self.state = (adapter.state, average)
         self.static = ("ema", adapter.static, decay, on_eval)
-
-    def fingerprint(self) -> Any:
-        inner = self.adapter.fingerprint()
-        return None if inner is None else ("ema", inner, self.decay, self.on_eval)
-
-    def start_step(self) -> int | None:
-        return self.adapter.start_step()
 
     def names(self) -> list[str]:
         inner = self.adapter.names()
@@ -115,16 +109,6 @@ class EmaAdapter:
             return (new, average), loss, metrics, grads
 
         return step
-
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        evaluate = self.adapter.make_eval(loss_fn)
-        if self.on_eval:
-            return lambda state, batch, key: evaluate(self._averaged(state), batch, key)
-        return lambda state, batch, key: evaluate(state[0], batch, key)
-
-    def make_call(self, fn: Callable) -> Callable:
-        call = self.adapter.make_call(fn)
-        return lambda state, *args: call(state[0], *args)
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         self.ema = self.adapter.model_of(self._averaged(state))

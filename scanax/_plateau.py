@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import PartitionSpec as P
 
+from . import _model_step
 from ._errors import plateau as errors
 from ._stop import MODES, auto_mode, beats
 
@@ -304,7 +305,7 @@ _CARRY_DEF = jtu.tree_structure(
 )
 
 
-class ScaledAdapter:
+class ScaledAdapter(_model_step.Wrapper):
     """A model's adapter (``_models``) whose state is ``(model state,
     PlateauCarry)``: the step multiplies the update of the trained parameters
     by the carry's scale (``scaled``) and records it (``lr_scale``); the rule
@@ -313,29 +314,18 @@ class ScaledAdapter:
     around it."""
 
     def __init__(self, adapter: Any, plateau: Plateau):
-        self.adapter, self.plateau = adapter, plateau
-        self.kind = adapter.kind
-        self.base = getattr(adapter, "base", adapter)  # the model's own
+        super().__init__(adapter, ("plateau",))
+        self.plateau = plateau
         self.at = jtu.tree_structure(adapter.state).num_leaves
         self.where = adapter.trained()
         self.state = (adapter.state, start(plateau))
         self.static = ("plateau", adapter.static)
-
-    def fingerprint(self) -> Any:
-        inner = self.adapter.fingerprint()
-        return None if inner is None else ("plateau", inner)
-
-    def start_step(self) -> int | None:
-        return self.adapter.start_step()
 
     def names(self) -> list[str]:
         return [*self.adapter.names(), *NAMES]
 
     def trained(self) -> list[int]:
         return self.where
-
-    def trained_of(self, model: Any) -> list | None:
-        return self.adapter.trained_of(model)
 
     def partition_specs(self) -> Any:
         """The model's annotations; the carry is replicated."""
@@ -359,17 +349,6 @@ class ScaledAdapter:
             return (new, state[1]), loss, with_scale(metrics, scale), grads
 
         return step
-
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        evaluate = self.adapter.make_eval(loss_fn)
-        return lambda state, batch, key: evaluate(state[0], batch, key)
-
-    def make_call(self, fn: Callable) -> Callable:
-        call = self.adapter.make_call(fn)
-        return lambda state, *args: call(state[0], *args)
-
-    def model_of(self, state: Any) -> Any:
-        return self.adapter.model_of(state[0])
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         return self.adapter.finish(state[0])

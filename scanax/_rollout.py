@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from . import _caller, _fingerprint, _mesh
+from . import _caller, _fingerprint, _mesh, _model_step
 from ._errors import rollout as errors
 from ._tree import is_array
 
@@ -440,15 +440,13 @@ def _avals(tree: Any) -> list:
     return [(jnp.shape(x), jnp.result_type(x)) for x in jtu.tree_leaves(tree)]
 
 
-class FedAdapter:
+class FedAdapter(_model_step.Wrapper):
     """A model's adapter (``_models``) whose state is ``(model state, feed)``:
     the step collects and picks its minibatch first; ``finish`` leaves the feed
     with the ``Rollout`` for the next ``fit``."""
 
     def __init__(self, adapter: Any, source: RolloutSource, start: int):
-        self.adapter, self.rollout = adapter, source.rollout
-        self.kind = adapter.kind
-        self.base = getattr(adapter, "base", adapter)  # the model's own
+        self.rollout = source.rollout
         inner_def = self.inner_def = jtu.tree_structure(adapter.state)
 
         def view(model, hp, fn, *args):
@@ -462,13 +460,7 @@ class FedAdapter:
         )
         self.state = (adapter.state, feed)
         self.static = ("rollout", adapter.static, self.collector.feed_def)
-
-    def fingerprint(self) -> Any:
-        inner = self.adapter.fingerprint()
-        return None if inner is None else ("rollout", inner, self.collector.feed_def)
-
-    def start_step(self) -> int | None:
-        return self.adapter.start_step()
+        super().__init__(adapter, ("rollout", self.collector.feed_def))
 
     def names(self) -> list[str]:
         return [*self.adapter.names(), *self.collector.names()]
@@ -493,14 +485,6 @@ class FedAdapter:
             return jtu.tree_unflatten(outer_def, new), loss, metrics, grads
 
         return step
-
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        evaluate = self.adapter.make_eval(loss_fn)
-        return lambda state, batch, key: evaluate(state[0], batch, key)
-
-    def make_call(self, fn: Callable) -> Callable:
-        call = self.adapter.make_call(fn)
-        return lambda state, *args: call(state[0], *args)
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         """The model holding ``state``; the feed goes with it to the Rollout
