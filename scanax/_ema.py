@@ -122,35 +122,25 @@ def _update(decay: float, average: list, params: list) -> list:
     ]
 
 
-class EmaPopulation:
+class EmaPopulation(_population.Wrapped):
     """A population (``_population.Population``) whose members' state holds
     their averages too (after the model's leaves), for one ``fit``."""
 
     def __init__(self, pop: Any, decay: float, on_eval: bool, start: Any = None):
-        self.pop, self.decay, self.on_eval = pop, decay, on_eval
-        self.n_model = len(pop.state)
-        self.where = pop.adapter(0).trained()
-        self.average = [pop.state[i] for i in self.where]
+        where = pop.adapter(0).trained()
+        average = [pop.state[i] for i in where]
         if start is not None:  # ema_state=: an earlier population fit's result.ema
             given = getattr(start, "leaves", None)
             same = given is not None and [
                 (jnp.shape(a), jnp.result_type(a)) for a in given
-            ] == [(jnp.shape(a), jnp.result_type(a)) for a in self.average]
+            ] == [(jnp.shape(a), jnp.result_type(a)) for a in average]
             if not same:
                 raise errors.ema_state_mismatch()
-            self.average = list(given)
-        self.names = [*pop.names, *(f"ema.{pop.names[i]}" for i in self.where)]
-
-    def __getattr__(self, name: str) -> Any:  # the rest: the population's own
-        return getattr(self.pop, name)
-
-    @property
-    def state(self) -> list:
-        return [*self.pop.state, *self.average]
-
-    def fingerprint(self) -> Any:
-        inner = self.pop.fingerprint()
-        return None if inner is None else ("ema", inner, self.decay, self.on_eval)
+            average = list(given)
+        names = [f"ema.{pop.names[i]}" for i in where]
+        view = self._averaged if on_eval else None
+        super().__init__(pop, ("ema", decay, on_eval), average, names, view)
+        self.decay, self.on_eval, self.where = decay, on_eval, where
 
     def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
         inner, n, where = (
@@ -172,21 +162,8 @@ class EmaPopulation:
             out[i] = e
         return out
 
-    def eval_factory(self, call_for: Callable) -> Callable:
-        evaluate, n = self.pop.eval_factory(call_for), self.n_model
-        if self.on_eval:
-            return lambda leaves, b, k, hp: evaluate(self._averaged(leaves), b, k, hp)
-        return lambda leaves, b, k, hp: evaluate(leaves[:n], b, k, hp)
-
-    def view(self, leaves: list, hp: Any, fn: Callable, *args: Any) -> Any:
-        return self.pop.view(leaves[: self.n_model], hp, fn, *args)
-
-    def update(self, state: list, stopped: Any, step: int) -> None:
-        self.average = list(state[self.n_model :])
-        self.pop.update(state[: self.n_model], stopped, step)
-
     def result(self) -> EmaMembers:
-        return EmaMembers(self.pop, self.where, self.average)
+        return EmaMembers(self.pop, self.where, self.own)
 
 
 class EmaMembers(Sequence):

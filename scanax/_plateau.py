@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import PartitionSpec as P
 
-from . import _model_step
+from . import _model_step, _population
 from ._errors import plateau as errors
 from ._stop import MODES, auto_mode, beats
 
@@ -354,31 +354,19 @@ class ScaledAdapter(_model_step.Wrapper):
         return self.adapter.finish(state[0])
 
 
-class ScaledPopulation:
+class ScaledPopulation(_population.Wrapped):
     """A population (``_population.Population``) whose members' state holds
     their plateau carries too (after the model's leaves, at ``at``): each
     member's updates multiplied by its own scale, for one ``fit``."""
 
     def __init__(self, pop: Any, plateau: Plateau):
-        self.pop, self.plateau = pop, plateau
-        self.at = len(pop.state)
-        self.where = pop.adapter(0).trained()
-        self.carry = [
+        carry = [
             jnp.broadcast_to(x, (pop.n, *jnp.shape(x)))
             for x in jtu.tree_leaves(start(plateau))
         ]
-        self.names = [*pop.names, *NAMES]
-
-    def __getattr__(self, name: str) -> Any:  # the rest: the population's own
-        return getattr(self.pop, name)
-
-    @property
-    def state(self) -> list:
-        return [*self.pop.state, *self.carry]
-
-    def fingerprint(self) -> Any:
-        inner = self.pop.fingerprint()
-        return None if inner is None else ("plateau", inner)
+        super().__init__(pop, ("plateau",), carry, list(NAMES))
+        self.plateau, self.at = plateau, self.n_model
+        self.where = pop.adapter(0).trained()
 
     def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
         inner, n, where = (
@@ -394,17 +382,3 @@ class ScaledPopulation:
             return new, loss, with_scale(metrics, scale), grads
 
         return step
-
-    def eval_factory(self, call_for: Callable) -> Callable:
-        evaluate, n = self.pop.eval_factory(call_for), self.at
-        return lambda leaves, batch, key, hp: evaluate(leaves[:n], batch, key, hp)
-
-    def view(self, leaves: list, hp: Any, fn: Callable, *args: Any) -> Any:
-        return self.pop.view(leaves[: self.at], hp, fn, *args)
-
-    def model_of(self, i: int, leaves: list) -> Any:
-        return self.pop.model_of(i, leaves[: self.at])
-
-    def update(self, state: list, stopped: Any, step: int) -> None:
-        self.carry = list(state[self.at :])
-        self.pop.update(state[: self.at], stopped, step)

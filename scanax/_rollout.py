@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from . import _caller, _fingerprint, _mesh, _model_step
+from . import _caller, _fingerprint, _mesh, _model_step, _population
 from ._errors import rollout as errors
 from ._tree import is_array
 
@@ -502,45 +502,30 @@ class FedAdapter(_model_step.Wrapper):
             self.rollout.step = step
 
 
-class FedPopulation:
+class FedPopulation(_population.Wrapped):
     """A population (``_population.Population``) whose members' state holds
     their feeds too (after the model's leaves): what ``_fit_population`` sees
     of it for one ``fit``."""
 
     def __init__(self, pop: Any, source: RolloutSource, keys: Any):
-        self.pop, self.rollout = pop, source.rollout
-        self.n_model = len(pop.state)
-        self.collector = Collector(source.rollout, pop.view, self.n_model)
-        hp = pop.hp()
+        collector = Collector(source.rollout, pop.view, len(pop.state))
         feed = start_feed(
-            source, self.collector, list(pop.state), hp, pop.step, keys,
+            source, collector, list(pop.state), pop.hp(), pop.step, keys,
             identity=pop.fingerprint(),
         )  # fmt: skip
-        self.feed = jtu.tree_leaves(feed)
-        self.names = [*pop.names, *self.collector.names()]
-
-    def __getattr__(self, name: str) -> Any:  # the rest: the population's own
-        return getattr(self.pop, name)
-
-    @property
-    def state(self) -> list:
-        return [*self.pop.state, *self.feed]
-
-    def fingerprint(self) -> Any:
-        inner = self.pop.fingerprint()
-        return None if inner is None else ("rollout", inner, self.collector.feed_def)
+        super().__init__(
+            pop,
+            ("rollout", collector.feed_def),
+            jtu.tree_leaves(feed),
+            collector.names(),
+            on_update=self._keep,
+        )
+        self.rollout, self.collector = source.rollout, collector
 
     def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
         return self.collector.step(self.pop.step_factory(call_for, accumulate))
 
-    def eval_factory(self, call_for: Callable) -> Callable:
-        evaluate, n = self.pop.eval_factory(call_for), self.n_model
-        return lambda leaves, batch, key, hp: evaluate(leaves[:n], batch, key, hp)
-
-    def update(self, state: list, stopped: Any, step: int) -> None:
-        n = self.n_model
-        self.feed = list(state[n:])
-        treedef = self.collector.feed_def
-        self.rollout.state = jtu.tree_unflatten(treedef, self.feed)
+    def _keep(self, feed: list, step: int) -> None:
+        """The members' feeds stay with the ``Rollout`` for the next ``fit``."""
+        self.rollout.state = jtu.tree_unflatten(self.collector.feed_def, feed)
         self.rollout.members, self.rollout.step = self.pop.n, step
-        self.pop.update(state[:n], stopped, step)
