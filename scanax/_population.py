@@ -382,9 +382,9 @@ class Wrapped:
         self.eval_view = eval_view or (lambda leaves: leaves[: self.n_model])
         self.on_update = on_update
 
+    pop: Any = None  # (before ``__init__`` sets it: lookups fail, not recurse)
+
     def __getattr__(self, name: str) -> Any:  # the rest: the population's own
-        if name == "pop":  # (not set yet: no population to ask)
-            raise AttributeError(name)
         return getattr(self.pop, name)
 
     @property
