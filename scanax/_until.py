@@ -4,15 +4,17 @@ steps it takes.
 The loop runs as a ``lax.while_loop`` that stops at the stop step, wrapped in a
 ``jax.custom_jvp`` (on the closure-converted body: values it closes over are
 explicit, differentiable inputs). The JVP rule runs the same while loop, storing
-the carry entering each step (with ``remat="sqrt"``: every ``c``-th, ``c = √T``) in
-a preallocated buffer, and returns its tangents as a linear map of the input
+each step's linearization (its varying residuals; with ``remat=True`` the carry
+entering each step, with ``remat="sqrt"`` every ``c``-th, ``c = √T``) in
+preallocated buffers, and returns its tangents as a linear map of the input
 tangents with a hand-written transpose:
 
 * forward (``_until_grad.tangents``, for ``jax.jvp``): a while loop over the
   steps taken that pushes tangents through each step (``jax.jvp`` of the step);
 * transpose (``_until_grad.cotangents``, for ``jax.grad``): a while loop from the
-  stop step down to 0 that pulls cotangents back through each step, ``jax.vjp`` of
-  the step at its stored carry (with ``"sqrt"``: one segment of ``c`` carries
+  stop step down to 0 that pulls cotangents back through each step, its stored
+  linearization (with ``remat=True``: ``jax.vjp`` of the step at its stored
+  carry; with ``"sqrt"``: one segment of ``c`` carries
   recomputed at a time), accumulating the cotangents of the carry, of the
   broadcast/closed-over values, and of ``xs`` (written at each step's index).
 
@@ -86,12 +88,14 @@ def scan_until(
 
     The loop is a ``lax.while_loop``: the steps after the stop never run, with or
     without gradients. Reverse mode (``jax.grad``, with respect to ``init``,
-    ``xs``, broadcast inputs or values ``f`` closes over) stores the carry entering
-    each step taken and runs back from the stop, recomputing each step's VJP:
-    about one more forward pass than a ``lax.scan`` of the steps taken, in memory
-    ``length`` carries (``remat="sqrt"``: about ``2√length``). Forward mode
-    (``jax.jvp``) runs the steps taken once more with their tangents. Derivatives
-    are first order only (``jax.hessian`` through it raises).
+    ``xs``, broadcast inputs or values ``f`` closes over) stores each step taken's
+    linearization (its residuals, as ``lax.scan`` does; values the step only reads
+    once) and runs back from the stop: about a ``lax.scan`` of the steps taken, in
+    memory ``length`` steps' residuals. ``remat=True`` stores only the carry
+    entering each step and recomputes each step going back (``remat="sqrt"``:
+    about ``2√length`` carries). Forward mode (``jax.jvp``) runs the steps taken
+    once more with their tangents. Derivatives are first order only (a derivative
+    of a derivative, e.g. ``jax.hessian``, raises a ``TypeError``).
 
     ``scanax.scan`` has no ``until=``, so that it always returns the pair
     ``(carry, ys)`` of ``jax.lax.scan``.
@@ -104,9 +108,10 @@ def scan_until(
             boolean (a Python bool or a ``bool[]`` array).
         progress: as in ``scanax.scan``: the bar's total is ``length`` and it ends
             (and closes) at the stop step. Under ``vmap``, one bar for the batch.
-        remat: as in ``scanax.scan``: ``"sqrt"`` stores every ``⌈√length⌉``-th
-            carry and recomputes one segment at a time under ``grad``; ``True`` or a
-            policy changes nothing, as the gradient already stores only carries.
+        remat: as in ``scanax.scan``: ``False`` stores each step's residuals under
+            ``grad``; ``True`` (or a policy: treated as ``True``) only the carry
+            entering each step, recomputing the step going back; ``"sqrt"`` every
+            ``⌈√length⌉``-th carry, recomputing one segment at a time.
         keep_every, keep: as in ``scanax.scan``, over the steps run: with
             ``keep="all"`` the kept outputs of steps not run are zeros; the
             reductions (``"last"``, ``"sum"``, ``"mean"``, a function) see only the
@@ -179,16 +184,21 @@ def scan_until(
 
     n = loop.length
     stride = _remat.chunk_size(n) if remat == "sqrt" else 1
+    # remat=False: each step's linearization stored, not recomputed going back;
+    # True (or a policy) and "sqrt" store carries and recompute each step.
+    saving = remat is None or remat is False
     ticker = _Ticker(spec, n) if spec is not None and n > 0 else None
 
     def lowering():
         with jax.named_scope("scanax.until"):
             if keep in ("all",):
                 return run_until(
-                    step, init_arrays, loop.xs, n, reverse, stride, keep_every, ticker
+                    step, init_arrays, loop.xs, n, reverse, stride, keep_every,
+                    ticker, saving,
                 )
             return _run_reduced(
-                step, init_arrays, loop.xs, n, reverse, stride, keep_every, keep, ticker
+                step, init_arrays, loop.xs, n, reverse, stride, keep_every, keep,
+                ticker, saving,
             )
 
     dynamic, ys, steps = call_lowering(codec, f, lowering)
@@ -227,6 +237,7 @@ def run_until(
     stride: int = 1,
     keep_every: int = 1,
     ticker: Any = None,
+    saving: bool = True,
 ) -> tuple[Any, Any, jax.Array]:
     """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``."""
     converted, consts = jax.closure_convert(step, init, _x_example(xs))
@@ -235,7 +246,7 @@ def run_until(
         ys = _until_grad.stacked(0, y_shape)
         return init, ys, jnp.zeros((), jnp.int32)
     plan = _until_grad.Plan(
-        converted, y_shape, length, reverse, stride, keep_every, ticker
+        converted, y_shape, length, reverse, stride, keep_every, ticker, saving
     )
     return _until_grad.early_exit(plan)(init, xs, tuple(consts))
 
@@ -243,7 +254,9 @@ def run_until(
 # ------------------------------------------------------------------ keep= reductions
 
 
-def _run_reduced(step, init, xs, length, reverse, stride, keep_every, keep, ticker):
+def _run_reduced(
+    step, init, xs, length, reverse, stride, keep_every, keep, ticker, saving
+):
     """``keep`` a reduction: an accumulator (and a count of kept outputs) carried
     next to the carry, folded with each kept output of a step run."""
     x0 = _x_example(xs)
@@ -262,7 +275,7 @@ def _run_reduced(step, init, xs, length, reverse, stride, keep_every, keep, tick
     state0 = (init, acc0, jnp.zeros((), jnp.int32))
     with_t = (xs, jnp.arange(length, dtype=jnp.int32))
     (carry, acc, count), _, steps = run_until(
-        reduced, state0, with_t, length, reverse, stride, 1, ticker
+        reduced, state0, with_t, length, reverse, stride, 1, ticker, saving
     )
     if keep == "mean":
         denom = jnp.maximum(count, 1)

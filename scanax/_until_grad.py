@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import Literal
+
+from ._errors import long as errors
 
 # ------------------------------------------------------------------ the loop plan
 
@@ -46,6 +49,7 @@ class Plan:
     stride: int
     keep_every: int
     ticker: Any = None
+    saving: bool = False  # store each step's linearization (remat=False)
 
     @property
     def rows(self) -> int:  # kept outputs, plus the scratch row when thinned
@@ -187,18 +191,28 @@ def loop(plan: Plan, body: Callable, state: Any, ticker: Any = None) -> Any:
     return state
 
 
-def forward(plan: Plan, init: Any, xs: Any, consts: Any, store: bool) -> State:
-    """Run until the stop; with ``store``, keep the carries for the gradient."""
+def forward(
+    plan: Plan, init: Any, xs: Any, consts: Any, store: bool, saved: Any = None
+) -> State:
+    """Run until the stop; with ``store``, keep the carries for the gradient (with
+    a ``Saved`` layout: each step's linearization, its varying residuals)."""
 
     def body(s):
         t = plan.index(s.i)
-        stored = s.stored
-        if store:
-            stored = put(stored, s.carry, plan.slot(s.i))
-        carry, y, stop = plan.step(s.carry, take(xs, t), *consts)
+        stored, x = s.stored, take(xs, t)
+        if saved is not None:
+            (carry, y, stop), leaves = saved.linearize(s.carry, x)
+            stored = put(stored, saved.varying(leaves), s.i)
+        else:
+            if store:
+                stored = put(stored, s.carry, plan.slot(s.i))
+            carry, y, stop = plan.step(s.carry, x, *consts)
         return State(s.i + 1, stop, carry, put(s.ys, y, plan.row(t)), stored)
 
-    stored = stacked(plan.slots, init) if store else None
+    if saved is not None:
+        stored = stacked(plan.slots, saved.buffers)
+    else:
+        stored = stacked(plan.slots, init) if store else None
     zero = jnp.zeros((), jnp.int32)
     state = State(
         zero, jnp.zeros((), bool), init, stacked(plan.rows, plan.y_shape), stored
@@ -214,11 +228,13 @@ def early_exit(plan: Plan) -> Callable:
 
     @ft.partial(fn.defjvp, symbolic_zeros=True)
     def fn_jvp(primals, tangents):
-        s = forward(plan, *primals, store=True)
-        out = (s.carry, plan.trim(s.ys))
+        primals = first_order(primals)
         active = Active.of(primals, tangents)
-        res = Residuals(*primals, s.stored, s.i, active)
         t_in = active.tangents(tangents)
+        saved = Saved.of(plan, primals, active) if plan.saving and t_in else None
+        s = forward(plan, *primals, store=True, saved=saved)
+        out = (s.carry, plan.trim(s.ys))
+        res = Residuals(*primals, s.stored, s.i, active, saved)
         t_out = [jnp.zeros_like(a) for a in floats(out)]
         if t_in:
             with jax.named_scope("scanax.until_grad"):
@@ -227,6 +243,21 @@ def early_exit(plan: Plan) -> Callable:
         return (*out, s.i), (t_carry, t_ys, np.zeros((), jax.dtypes.float0))
 
     return fn
+
+
+@jax.custom_jvp
+def first_order(primals: Any) -> Any:
+    """``primals``, unchanged; differentiated (the rule's inputs carrying
+    tangents of an outer differentiation: a second-order derivative), a named
+    error instead of ``custom_linear_solve``'s."""
+    return primals
+
+
+@ft.partial(first_order.defjvp, symbolic_zeros=True)
+def _first_order_jvp(primals, tangents):
+    if any(not isinstance(t, SymbolicZero) for t in jtu.tree_leaves(tangents)):
+        raise errors.until_second_order()
+    return primals, tangents
 
 
 def linear(plan: Plan, res: Any, t_in: list[Any], like_out: list[Any]) -> Any:
@@ -255,6 +286,97 @@ class Residuals(NamedTuple):
     stored: Any
     steps: jax.Array
     active: Active
+    saved: Any = None  # a ``Saved`` layout: ``stored`` holds residuals
+
+
+class Saved:
+    """The layout of one step's linearization, stored for the backward loop
+    (``remat=False``): the leaves of ``jax.vjp``'s function of the step (its
+    residuals), those that vary from step to step stored per step, those that
+    depend only on the broadcast values computed once.
+
+    Which are which is read from the jaxpr of the step's linearization: a
+    residual varies if it depends on the carry or the step's ``x``.
+    """
+
+    def __init__(self, plan, primals, active, treedef, mask, fixed, buffers):
+        self.plan, self.primals, self.active = plan, primals, active
+        self.treedef, self.mask, self.fixed = treedef, mask, fixed
+        self.buffers = buffers  # ShapeDtypeStructs of the varying leaves
+
+    @staticmethod
+    def of(plan: Plan, primals: Any, active: Active) -> Saved:
+        init, xs, consts = primals
+        x0 = take(xs, 0)
+        k = floats(consts, active.consts)
+        holder = []
+
+        def leaves(carry, x, k):
+            out, vjp = _vjp(plan, active, consts, carry, x, k)
+            flat, treedef = jtu.tree_flatten(vjp)
+            holder.append(treedef)
+            return flat
+
+        closed = jax.make_jaxpr(leaves)(init, x0, k)
+        jaxpr = closed.jaxpr
+        n_vary = len(jtu.tree_leaves(init)) + len(jtu.tree_leaves(x0))
+        vary = set(jaxpr.invars[:n_vary])
+        for eqn in jaxpr.eqns:
+            if any(_var(v) and v in vary for v in eqn.invars):
+                vary.update(eqn.outvars)
+        mask = [_var(v) and v in vary for v in jaxpr.outvars]
+        # The fixed leaves, once, from the equations they need only (not the
+        # step, whose callbacks would run once more).
+        outs = [v for v, m in zip(jaxpr.outvars, mask) if not m]
+        needed = {v for v in outs if _var(v)}
+        kept = []
+        for eqn in reversed(jaxpr.eqns):
+            if any(v in needed for v in eqn.outvars):
+                kept.append(eqn)
+                needed.update(v for v in eqn.invars if _var(v))
+        pruned = jaxpr.replace(eqns=kept[::-1], outvars=outs)
+        args = jtu.tree_leaves((init, x0, k))
+        fixed = jax.core.eval_jaxpr(pruned, closed.consts, *args)
+        buffers = [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v, m in zip(jaxpr.outvars, mask)
+            if m
+        ]
+        return Saved(plan, primals, active, holder[0], mask, fixed, buffers)
+
+    def linearize(self, carry: Any, x: Any) -> tuple[Any, list[Any]]:
+        """One step and the leaves of its linearization."""
+        k = floats(self.primals[2], self.active.consts)
+        out, vjp = _vjp(self.plan, self.active, self.primals[2], carry, x, k)
+        return out, jtu.tree_leaves(vjp)
+
+    def varying(self, leaves: list[Any]) -> list[Any]:
+        return [a for a, m in zip(leaves, self.mask) if m]
+
+    def vjp(self, varying: list[Any]) -> Callable:
+        """The step's ``jax.vjp`` function from its stored varying residuals."""
+        fixed, vary = iter(self.fixed), iter(varying)
+        leaves = [next(vary) if m else next(fixed) for m in self.mask]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+def _var(v: Any) -> bool:
+    return not isinstance(v, Literal)
+
+
+def _vjp(plan: Plan, active: Active, consts: Any, carry: Any, x: Any, k: Any):
+    """``(step outputs, jax.vjp function)`` of the step at ``carry``, ``x``, as a
+    function of the inexact leaves of the carry and the active leaves of ``x``
+    and the consts (``k``, those of the consts)."""
+
+    def fn(c, x_, k_):
+        new, y, stop = plan.step(
+            merged(carry, c), merged(x, x_, active.xs), *merged(consts, k_, active.consts)
+        )
+        return (floats(new), floats(y)), (new, y, stop)
+
+    _, vjp, out = jax.vjp(fn, floats(carry), floats(x, active.xs), k, has_aux=True)
+    return out, vjp
 
 
 # ------------------------------------------------------------------ the derivatives
@@ -334,9 +456,12 @@ class Back:
         def body(s):
             j, (g, g_xs, g_k) = s
             t = plan.index(j)
-            carry, x = take(carries, j - offset), take(res.xs, t)
-            fn, primals = float_step(plan, res, carry, x)
-            _, vjp, _ = jax.vjp(fn, *primals, has_aux=True)
+            if res.saved is not None:  # the step's stored linearization
+                vjp = res.saved.vjp(take(carries, j - offset))
+            else:  # the step recomputed from its stored carry
+                carry, x = take(carries, j - offset), take(res.xs, t)
+                fn, primals = float_step(plan, res, carry, x)
+                _, vjp, _ = jax.vjp(fn, *primals, has_aux=True)
             g, g_x, g_kj = vjp((g, take(self.ct_ys, plan.row(t))))
             g_xs = put(g_xs, g_x, t)
             g_k = [a + b for a, b in zip(g_k, g_kj)]

@@ -155,6 +155,62 @@ def test_remat_sqrt_lowers_gradient_memory():
     np.testing.assert_allclose(sqrt(h0, w), plain(h0, w), rtol=1e-5)
 
 
+def test_stored_linearization_keeps_broadcast_values_once():
+    """remat=False stores each step's linearization; a value the step only reads
+    (a 64×64 weight, closed over) is kept once, not once per step: temp memory
+    of the gradient far under T copies of it, gradients equal remat=True's
+    (which stores carries and recomputes each step)."""
+    h0 = jnp.full((8, 64), 0.01)
+    w = jnp.eye(64) * 0.5 + 0.01
+
+    def grad_fn(remat):
+        def value(h0, w):
+            def body(h, x):
+                return jnp.tanh(h @ w + x), None
+
+            h, _, _ = scanax.scan_until(
+                body,
+                h0,
+                jnp.ones((1000, 64)) * 1e-3,
+                until=lambda h: jnp.mean(h) > 10.0,
+                remat=remat,
+            )
+            return jnp.sum(h**2)
+
+        return jax.jit(jax.grad(value, argnums=(0, 1))).lower(h0, w).compile()
+
+    saved, recomputed = grad_fn(False), grad_fn(True)
+    temp = saved.memory_analysis().temp_size_in_bytes
+    # Per step: the carry and the step's own residuals (a few carries' worth),
+    # not the weight (eight carries' worth).
+    assert temp < 1000 * 4 * h0.nbytes < 1000 * w.nbytes
+    close(saved(h0, w), recomputed(h0, w))
+
+
+@pytest.mark.parametrize(
+    "order",
+    ["hessian", "grad of grad", "jacfwd of jacfwd", "jvp of grad", "vmap hessian"],
+)
+def test_second_order_derivatives_raise_a_named_error(order):
+    """Derivatives are first order: a derivative of a derivative gets scanax's
+    TypeError, before compiling, instead of custom_linear_solve's."""
+
+    def value(h):
+        carry, _, _ = ours((h, jnp.float32(0.0)), inputs(10)[1])
+        return jnp.sum(carry[0] ** 2)
+
+    h = inputs(10)[0][0]
+    run = {
+        "hessian": lambda: jax.hessian(value)(h),
+        "grad of grad": lambda: jax.grad(lambda x: jnp.sum(jax.grad(value)(x)))(h),
+        "jacfwd of jacfwd": lambda: jax.jacfwd(jax.jacfwd(value))(h),
+        "jvp of grad": lambda: jax.jvp(jax.grad(value), (h,), (h,)),
+        "vmap hessian": lambda: jax.vmap(jax.hessian(value))(jnp.stack([h, h])),
+    }[order]
+    with pytest.raises(TypeError, match=r"^scanax\.scan_until: its derivatives are"):
+        run()
+
+
 def test_bad_remat():
     with pytest.raises(ValueError, match=r"^scanax\.scan_until: `remat` must be False"):
         ours(*inputs(3), remat="sqr")
@@ -326,6 +382,7 @@ exact = ft.partial(helpers.close, rtol=1e-6, atol=1e-6, structure=False)
         (False, "sqrt", True),
         (True, False, True),
         (True, "sqrt", False),
+        (True, True, False),
     ],
 )
 def test_gradients_equal_the_masked_scan(x64, remat, reverse):
@@ -395,11 +452,13 @@ def test_forward_mode_equals_the_masked_scan():
     exact(got, want)
 
 
-@pytest.mark.parametrize("remat, passes", [(False, 2), ("sqrt", 3)])
+@pytest.mark.parametrize("remat, passes", [(False, 1), (True, 2), ("sqrt", 3)])
 def test_gradient_runs_only_the_steps_taken(remat, passes):
-    """The body runs once per step taken forward, and once more per step taken
-    backward (twice with remat="sqrt": the segment's recomputation, then its
-    VJP), never for the steps after the stop."""
+    """The body runs once per step taken forward (remat=False: its linearization
+    stored, so the backward pass does not run it again), with remat=True once
+    more per step taken backward (recomputed from the stored carry), twice with
+    remat="sqrt" (the segment's recomputation, then its VJP); never for the steps
+    after the stop."""
     (h, s), (a, w) = inputs(30)
     calls = []
 

@@ -88,6 +88,18 @@ def until_not_bool(out: Any) -> TypeError:
     )
 
 
+def until_second_order() -> TypeError:
+    return TypeError(
+        f"{UNTIL}: its derivatives are first order, and a derivative of a "
+        "derivative reached it (jax.hessian, jax.jacfwd(jax.grad(...)), "
+        "jax.grad(jax.grad(...)), a jvp of a gradient).\nFix: for second-order "
+        "derivatives run the loop as a masked scanax.scan over all `length` steps "
+        "(`new = jnp.where(done, carry, step(carry))`, with `done` carried), "
+        "which costs every step; first derivatives of scan_until (grad, jvp, "
+        "vmap) cost only the steps taken."
+    )
+
+
 def out_axes_reduced(call: str, name: str, out_axes: Any) -> ValueError:
     return ValueError(
         f"{call}: `out_axes` places the step axis of stacked outputs, but "
