@@ -10,10 +10,11 @@
 * ``scanax.scan_until``'s gradient (issue 27): an ODE event (a damped pendulum,
   RK4, dt = 1e-3, until theta < 0, at most 10,000 steps), the gradient of
   |y(t_stop)|² with respect to y0 and the damping, against a masked ``lax.scan``
-  of the steps taken (target ≤ 2), the masked ``lax.scan`` of all 10,000 steps,
-  and ``diffrax.diffeqsolve`` with an ``Event`` (when installed); compiled temp
-  memory against the masked full scan (target ≤ 1); float32 and float64, with and
-  without ``remat="sqrt"``.
+  of the steps taken (target ≤ 2; with ``remat=True``/``"sqrt"``, against the same
+  scan with a ``jax.checkpoint`` body, the recomputation ``lax.scan`` does), the
+  masked ``lax.scan`` of all 10,000 steps, and ``diffrax.diffeqsolve`` with an
+  ``Event`` (when installed); compiled temp memory against the masked full scan
+  (target ≤ 1); float32 and float64.
 
 Timings are interleaved medians under ``jax.jit``. Bars draw to stderr.
 Run alone with ``python -m benchmarks.bench_long``.
@@ -206,13 +207,14 @@ def _event_losses(dtype):
         )
         return jnp.sum(y**2)
 
-    def masked_loss(y0, damping, length):
+    def masked_loss(y0, damping, length, checkpoint=False):
         def body(state, _):
             y, done = state
             new = _rk4(y, damping)
             y = jnp.where(done, y, new)
             return (y, done | (y[0] < 0)), None
 
+        body = jax.checkpoint(body) if checkpoint else body
         (y, _), _ = jax.lax.scan(body, (y0, jnp.zeros((), bool)), length=length)
         return jnp.sum(y**2)
 
@@ -233,7 +235,11 @@ def _event_losses(dtype):
     losses = {
         "scan_until": until_loss,
         'scan_until, remat="sqrt"': lambda y, d: until_loss(y, d, "sqrt"),
+        "scan_until, remat=True": lambda y, d: until_loss(y, d, True),
         "masked lax.scan, steps taken": lambda y, d: masked_loss(y, d, steps),
+        "masked lax.scan, steps taken, jax.checkpoint body": lambda y, d: (
+            masked_loss(y, d, steps, checkpoint=True)
+        ),
         "lax.scan, steps taken (no mask)": lambda y, d: plain_loss(y, d, steps),
         f"masked lax.scan, {_T} steps": lambda y, d: masked_loss(y, d, _T),
     }
@@ -285,10 +291,13 @@ def _event(quick: bool, repeats: int) -> list[dict]:
                 for k, g in grads.items()
             }
         case = f"pendulum event, RK4, {dtype}, stops at step {steps} of {_T}"
-        for ours in ("scan_until", 'scan_until, remat="sqrt"'):
+        for ours in ("scan_until", "scan_until, remat=True", 'scan_until, remat="sqrt"'):
             label = f"{case}, {ours}"
+            remat = ours != "scan_until"
             for base, target in (
-                ("masked lax.scan, steps taken", 2.0),
+                ("masked lax.scan, steps taken", None if remat else 2.0),
+                # remat against the same recomputation done by lax.scan
+                ("masked lax.scan, steps taken, jax.checkpoint body", 2.0 if remat else None),
                 ("lax.scan, steps taken (no mask)", None),
                 (f"masked lax.scan, {_T} steps", None),
                 ("diffrax.Event", None),

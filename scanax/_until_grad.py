@@ -305,7 +305,10 @@ class Saved:
         self.buffers = buffers  # ShapeDtypeStructs of the varying leaves
 
     @staticmethod
-    def of(plan: Plan, primals: Any, active: Active) -> Saved:
+    def of(plan: Plan, primals: Any, active: Active) -> Saved | None:
+        """The layout; None where its ``length`` rows would take more than
+        ``BUDGET`` bytes (the loops then store carries and recompute each step,
+        as with ``remat=True``)."""
         init, xs, consts = primals
         x0 = take(xs, 0)
         k = floats(consts, active.consts)
@@ -320,11 +323,16 @@ class Saved:
         closed = jax.make_jaxpr(leaves)(init, x0, k)
         jaxpr = closed.jaxpr
         n_vary = len(jtu.tree_leaves(init)) + len(jtu.tree_leaves(x0))
-        vary = set(jaxpr.invars[:n_vary])
-        for eqn in jaxpr.eqns:
-            if any(_var(v) and v in vary for v in eqn.invars):
-                vary.update(eqn.outvars)
-        mask = [_var(v) and v in vary for v in jaxpr.outvars]
+        flags = [i < n_vary for i in range(len(jaxpr.invars))]
+        mask = _varying(jaxpr, flags)
+        buffers = [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v, m in zip(jaxpr.outvars, mask)
+            if m
+        ]
+        row = sum(b.size * b.dtype.itemsize for b in buffers)
+        if row * plan.slots > BUDGET:
+            return None
         # The fixed leaves, once, from the equations they need only (not the
         # step, whose callbacks would run once more).
         outs = [v for v, m in zip(jaxpr.outvars, mask) if not m]
@@ -337,11 +345,6 @@ class Saved:
         pruned = jaxpr.replace(eqns=kept[::-1], outvars=outs)
         args = jtu.tree_leaves((init, x0, k))
         fixed = jax.core.eval_jaxpr(pruned, closed.consts, *args)
-        buffers = [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-            for v, m in zip(jaxpr.outvars, mask)
-            if m
-        ]
         return Saved(plan, primals, active, holder[0], mask, fixed, buffers)
 
     def linearize(self, carry: Any, x: Any) -> tuple[Any, list[Any]]:
@@ -360,8 +363,50 @@ class Saved:
         return jtu.tree_unflatten(self.treedef, leaves)
 
 
+# The most bytes the stored linearizations of one call may take (their
+# ``length`` rows, zeroed on each call): beyond it, carries are stored instead.
+BUDGET = 256 * 2**20
+
+# Primitives that apply one jaxpr to their inputs, one to one (``jit``, calls,
+# ``jax.checkpoint``, custom derivatives' primal): which of their outputs vary
+# is read inside. Loops (``while``, ``scan``) and ``cond`` are not: their
+# outputs are taken to vary with any varying input.
+_CALLS = {
+    "jit", "pjit", "closed_call", "core_call", "checkpoint", "remat",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+}  # fmt: skip
+
+
 def _var(v: Any) -> bool:
     return not isinstance(v, Literal)
+
+
+def _varying(jaxpr: Any, flags: list[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` depend on the inputs ``flags`` marks."""
+    vary = {v for v, f in zip(jaxpr.invars, flags) if f}
+    for eqn in jaxpr.eqns:
+        ins = [_var(v) and v in vary for v in eqn.invars]
+        if not any(ins):
+            continue
+        inner = _inner(eqn)
+        outs = [True] * len(eqn.outvars) if inner is None else _varying(inner, ins)
+        vary.update(v for v, f in zip(eqn.outvars, outs) if f)
+    return [_var(v) and v in vary for v in jaxpr.outvars]
+
+
+def _inner(eqn: Any) -> Any:
+    """The jaxpr a call-like equation applies to its inputs, or None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for param in eqn.params.values():
+        inner = getattr(param, "jaxpr", param)  # (a ClosedJaxpr's own)
+        if (
+            hasattr(inner, "eqns")
+            and len(inner.invars) == len(eqn.invars)
+            and len(inner.outvars) == len(eqn.outvars)
+        ):
+            return inner
+    return None
 
 
 def _vjp(plan: Plan, active: Active, consts: Any, carry: Any, x: Any, k: Any):
@@ -371,7 +416,9 @@ def _vjp(plan: Plan, active: Active, consts: Any, carry: Any, x: Any, k: Any):
 
     def fn(c, x_, k_):
         new, y, stop = plan.step(
-            merged(carry, c), merged(x, x_, active.xs), *merged(consts, k_, active.consts)
+            merged(carry, c),
+            merged(x, x_, active.xs),
+            *merged(consts, k_, active.consts),
         )
         return (floats(new), floats(y)), (new, y, stop)
 

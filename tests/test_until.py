@@ -187,6 +187,71 @@ def test_stored_linearization_keeps_broadcast_values_once():
     close(saved(h0, w), recomputed(h0, w))
 
 
+def test_a_weight_read_inside_a_jitted_layer_is_kept_once():
+    """The residuals of a ``jax.jit``-wrapped layer that depend only on its
+    weight are found inside the jit and kept once (memory as lax.scan's
+    gradient, not T copies of the weight); gradients equal the masked scan's."""
+    w = jnp.eye(128) * 0.5 + 0.001
+
+    @jax.jit
+    def layer(h, w):
+        return jnp.tanh(h @ (2.0 * w))
+
+    def value(h0, w, until_fn):
+        h, _, _ = until_fn(h0, w)
+        return jnp.sum(h**2)
+
+    def ours(h0, w):
+        return scanax.scan_until(
+            lambda h, _: (layer(h, w), None), h0, length=100,
+            until=lambda h: jnp.mean(h) > 10.0,
+        )  # fmt: skip
+
+    h0 = jnp.full((2, 128), 0.01)
+    grad = jax.jit(jax.grad(lambda h, w: value(h, w, ours), argnums=(0, 1)))
+    temp = grad.lower(h0, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 10 * w.nbytes  # (T copies would be 100)
+
+    def masked(h0, w):
+        h, _ = jax.lax.scan(lambda h, _: (layer(h, w), None), h0, length=100)
+        return jnp.sum(h**2)
+
+    close(grad(h0, w), jax.grad(masked, argnums=(0, 1))(h0, w))
+
+
+def test_linearizations_over_the_budget_store_carries(monkeypatch):
+    """Where the ``length`` rows of stored linearizations would exceed the
+    budget, the gradient stores carries and recomputes each step (the body runs
+    once more per step taken), with the same values."""
+    from scanax import _until_grad
+
+    monkeypatch.setattr(_until_grad, "BUDGET", 64)
+    (h, s), (a, w) = inputs(30)
+    calls = []
+
+    def counted(c, x):  # (nonlinear: its linearization has residuals to store)
+        jax.debug.callback(lambda: calls.append(1))
+        (h, s), (_, y) = step(c, x)
+        return (jnp.sin(h), s), (jnp.sum(h), y)
+
+    def value(init):
+        carry, ys, _ = scanax.scan_until(
+            counted, init, (a, w), until=until, in_axes=(0, None)
+        )
+        return jnp.sum(carry[0]) + jnp.sum(ys[1])
+
+    jax.block_until_ready(jax.jit(value)((h, s)))  # forward only: one call a step
+    steps = len(calls)
+    assert 1 < steps < 30
+    calls.clear()
+    g = jax.block_until_ready(jax.jit(jax.grad(value))((h, s)))
+    assert len(calls) == 2 * steps
+    monkeypatch.undo()
+    calls.clear()
+    close(g, jax.jit(jax.grad(value))((h, s)))
+    assert len(calls) == steps
+
+
 @pytest.mark.parametrize(
     "order",
     ["hessian", "grad of grad", "jacfwd of jacfwd", "jvp of grad", "vmap hessian"],
