@@ -191,15 +191,10 @@ def scan_until(
 
     def lowering():
         with jax.named_scope("scanax.until"):
+            args = (step, init_arrays, loop.xs, n, reverse, stride, keep_every)
             if keep in ("all",):
-                return run_until(
-                    step, init_arrays, loop.xs, n, reverse, stride, keep_every,
-                    ticker, saving,
-                )
-            return _run_reduced(
-                step, init_arrays, loop.xs, n, reverse, stride, keep_every, keep,
-                ticker, saving,
-            )
+                return run_until(*args, ticker, saving)
+            return _run_reduced(*args, keep, ticker, saving)
 
     dynamic, ys, steps = call_lowering(codec, f, lowering)
     if keep != "all":
