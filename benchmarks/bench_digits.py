@@ -32,7 +32,10 @@ split evaluated and its accuracy printed.
 Every process writes its logs and checkpoints in a new temporary directory, and
 prints one JSON line: its phases (imports, data, construction, fit, evaluate,
 with the backend compile time and program count of each, from
-``jax.monitoring``), the epochs run, the test accuracy. The processes run round
+``jax.monitoring``), the epochs run, the test accuracy, and how long its
+training thread spent keeping the best model (Keras: ``ModelCheckpoint``'s
+``_save_model``; scanax: the ``best_dir`` hook, ``_fit_hooks.BestSaver``,
+whose saves run on a thread of their own). The processes run round
 robin (Keras, scanax, Keras, scanax, ...), several rounds; ``XLA_FLAGS`` is the
 same for all. Rows: each variant's median wall time (parent-side: interpreter
 start to exit) ÷ Keras's, with the range of the per-round ratios, and the fit
@@ -90,6 +93,16 @@ def _phase(name):{BENCH}
         jax.monitoring.register_event_duration_secs_listener(_compile){BENCH}
 os.chdir(tempfile.mkdtemp(prefix="scanax-bench-digits-")){BENCH}
 _out["workdir"] = os.getcwd(){BENCH}
+_out["best_s"] = 0.0{BENCH}
+def _timed(cls, *names):{BENCH}
+    for name in [n for n in names if hasattr(cls, n)]:{BENCH}
+        def timed(*a, _f=getattr(cls, name), **k):{BENCH}
+            t = time.perf_counter(){BENCH}
+            try:{BENCH}
+                return _f(*a, **k){BENCH}
+            finally:{BENCH}
+                _out["best_s"] += time.perf_counter() - t{BENCH}
+        setattr(cls, name, timed){BENCH}
 """
 
 _DATA = """
@@ -109,6 +122,7 @@ import keras
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 _phase("imports")  # bench
+_timed(keras.callbacks.ModelCheckpoint, "_save_model")  # bench
 __POLICY__
 """
     + _DATA
@@ -162,6 +176,8 @@ import scanax
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 _phase("imports")  # bench
+from scanax import _fit_hooks  # bench
+_timed(_fit_hooks.BestSaver, "start", "after_call", "end", "close")  # bench
 """
     + _DATA
     + """
@@ -342,7 +358,8 @@ def breakdown(name: str, runs: list[dict]) -> str:
         + ", ".join(parts)
         + f"; epochs {statistics.median(r['epochs'] for r in runs):g} "
         f"({statistics.median(r['phases']['fit'] / r['epochs'] for r in runs):.3f}"
-        " s of fit each), "
+        " s of fit each), best-model saving on the training thread "
+        f"{_med(runs, 'best_s'):.2f} s, "
         f"test accuracy {statistics.median(r['accuracy'] for r in runs):.4f}"
     )
 

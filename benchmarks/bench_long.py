@@ -237,8 +237,8 @@ def _event_losses(dtype):
         'scan_until, remat="sqrt"': lambda y, d: until_loss(y, d, "sqrt"),
         "scan_until, remat=True": lambda y, d: until_loss(y, d, True),
         "masked lax.scan, steps taken": lambda y, d: masked_loss(y, d, steps),
-        "masked lax.scan, steps taken, jax.checkpoint body": lambda y, d: (
-            masked_loss(y, d, steps, checkpoint=True)
+        "masked lax.scan, steps taken, jax.checkpoint body": lambda y, d: masked_loss(
+            y, d, steps, checkpoint=True
         ),
         "lax.scan, steps taken (no mask)": lambda y, d: plain_loss(y, d, steps),
         f"masked lax.scan, {_T} steps": lambda y, d: masked_loss(y, d, _T),
@@ -291,13 +291,18 @@ def _event(quick: bool, repeats: int) -> list[dict]:
                 for k, g in grads.items()
             }
         case = f"pendulum event, RK4, {dtype}, stops at step {steps} of {_T}"
-        for ours in ("scan_until", "scan_until, remat=True", 'scan_until, remat="sqrt"'):
+        checkpointed = "masked lax.scan, steps taken, jax.checkpoint body"
+        for ours in (
+            "scan_until",
+            "scan_until, remat=True",
+            'scan_until, remat="sqrt"',
+        ):
             label = f"{case}, {ours}"
             remat = ours != "scan_until"
             for base, target in (
                 ("masked lax.scan, steps taken", None if remat else 2.0),
                 # remat against the same recomputation done by lax.scan
-                ("masked lax.scan, steps taken, jax.checkpoint body", 2.0 if remat else None),
+                (checkpointed, 2.0 if remat else None),
                 ("lax.scan, steps taken (no mask)", None),
                 (f"masked lax.scan, {_T} steps", None),
                 ("diffrax.Event", None),

@@ -1,12 +1,14 @@
 """What ``fit``'s per-step options cost: ``ema=`` (a moving average of the
-parameters kept in the loop) and ``precision="bfloat16"`` (the loss computed in
-bfloat16 on cast copies), each ÷ the same ``fit`` without it.
+parameters kept in the loop), ``precision="bfloat16"`` (the loss computed in
+bfloat16 on cast copies) and ``precision="float16"`` (the same in float16, with
+dynamic loss scaling: a select per state leaf each step), each ÷ the same
+``fit`` without it.
 
 The small MLP 784→256→10 (batch 64, softmax cross-entropy, Adam 1e-3) and the
 tiny MLP 32→32→1 (batch 8, MSE), 1000 steps per call, compiled (each call
 continues the same model), interleaved in one process. Targets: ``ema=`` ≤ 1.05
-on the small MLP; bfloat16 measured (on CPU it is emulated: it buys memory, not
-speed).
+on the small MLP; bfloat16 and float16 measured (on CPU they are emulated: they
+buy memory, not speed).
 
 Run alone with ``python -m benchmarks.bench_options``.
 """
@@ -65,6 +67,7 @@ def _fns(name: str, steps: int) -> dict:
         "plain": make(),
         "ema": make(ema=0.999),
         "bf16": make(precision="bfloat16"),
+        "f16": make(precision="float16"),
     }
 
 
@@ -91,6 +94,15 @@ def run(quick: bool = False) -> list[dict]:
                 "fit options",
                 f'precision="bfloat16", {desc}',
                 t["bf16"],
+                "the same fit in float32",
+                t["plain"],
+            )  # fmt: skip
+        )
+        rows.append(
+            _timing.row(
+                "fit options",
+                f'precision="float16" (loss scaling), {desc}',
+                t["f16"],
                 "the same fit in float32",
                 t["plain"],
             )  # fmt: skip

@@ -13,7 +13,8 @@ from ._fit import FitResult as FitResult, fit as fit
 from ._fit_checks import Ratio as Ratio
 from ._linear_scan import linear_scan as linear_scan
 from ._log import CSV as CSV, TensorBoard as TensorBoard
-from ._plateau import Plateau as Plateau
+from ._loss_scale import LossScale as LossScale
+from ._plateau import Plateau as Plateau, PlateauState as PlateauState
 from ._population import Population as Population, population as population
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn

@@ -11,7 +11,9 @@ checkpoints intact; the newest few are kept.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import operator
 import os
 import warnings
 from typing import Any
@@ -36,13 +38,24 @@ def _ocp():
     return ocp
 
 
-def _is_key(x: Any) -> bool:
+def require_orbax(option: str) -> None:
+    """Refuse ``option`` (``"best_dir"``) without orbax, without importing it
+    (the import, a fifth of a second, is left to the thread that writes)."""
+    try:
+        found = importlib.util.find_spec("orbax.checkpoint") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise errors.no_orbax(option)
+
+
+def is_key(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def describe(x: Any) -> list:
     """``[shape, dtype]`` of a leaf as saved (keys are saved as their key data)."""
-    if _is_key(x):
+    if is_key(x):
         data = jr.key_data(x)
         return [list(data.shape), f"key<{jr.key_impl(x)}>"]
     return [list(x.shape), np.dtype(x.dtype).name]
@@ -99,8 +112,13 @@ class Checkpoints:
             if self.reader is not None:
                 self.reader.close()
                 self.reader = None
+            # A best-only store writes synchronously (on its own thread, see
+            # ``_fit_hooks.BestWriter``): no finalize thread of orbax's.
             options = self.ocp.CheckpointManagerOptions(
-                max_to_keep=None, create=True, cleanup_tmp_directories=True
+                max_to_keep=None,
+                create=True,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=self.keep is None,
             )
             self.manager = self.ocp.CheckpointManager(
                 self.directory, options=options, item_names=_ITEMS
@@ -111,10 +129,11 @@ class Checkpoints:
         self, step: int, leaves: list, key: Any, history: dict, data: Any = None
     ) -> None:
         """Save checkpoint ``step``; ``data``: the data iterator's state then
-        (``IterSource.state_at``), if it keeps one."""
-        if step == self.last_saved or step == 0:
+        (``IterSource.state_at``), if it keeps one. A best-only store saves
+        whatever it is given (its caller knows what changed)."""
+        if self.keep is None and (step == self.last_saved or step == 0):
             return
-        saved = [jr.key_data(x) if _is_key(x) else x for x in leaves]
+        saved = [jr.key_data(x) if is_key(x) else x for x in leaves]
         # (orbax saves no zero-size array: an empty leaf is rebuilt from its
         # type on restore, an empty history entry from the meta)
         state = {"leaves": [x for x in saved if x.size], "key": _key_data(key)}
@@ -223,6 +242,19 @@ class Checkpoints:
             return int(meta["step"]), restored, new_key, history
         return None
 
+    def newest_meta(self) -> dict | None:
+        """The meta of the newest checkpoint whose meta reads, or None."""
+        ocp = self.ocp
+        for step in sorted(self._steps(), reverse=True):
+            try:
+                out = self.reader.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )
+            except Exception:  # noqa: BLE001 - ``restore`` warns about it
+                continue
+            return out["meta"]
+        return None
+
     def _read(self, step: int, meta: dict, leaves: list, key: Any) -> tuple:
         """The leaves, key and history of checkpoint ``step``."""
         ocp = self.ocp
@@ -242,7 +274,7 @@ class Checkpoints:
         for t in leaves:
             r = next(stored) if _size(t) else np.zeros(t.shape, _stored_dtype(t))
             restored.append(
-                jr.wrap_key_data(r, impl=jr.key_impl(t)) if _is_key(t) else r
+                jr.wrap_key_data(r, impl=jr.key_impl(t)) if is_key(t) else r
             )
         new_key = _wrap_key(out["state"]["key"], key)
         history = {k: np.asarray(v) for k, v in (out["history"] or {}).items()}
@@ -313,25 +345,25 @@ def _write_index(directory: str, starts: dict[int, int]) -> None:
 
 def _size(x: Any) -> int:
     """The number of stored elements of a leaf (a key's: its key data's)."""
-    return int(np.prod(jr.key_data(x).shape if _is_key(x) else x.shape))
+    return int(np.prod(jr.key_data(x).shape if is_key(x) else x.shape))
 
 
 def _stored_dtype(x: Any) -> Any:
-    return jr.key_data(x).dtype if _is_key(x) else x.dtype
+    return jr.key_data(x).dtype if is_key(x) else x.dtype
 
 
 def _key_data(key: Any) -> Any:
-    return jr.key_data(key) if _is_key(key) else key
+    return jr.key_data(key) if is_key(key) else key
 
 
 def _wrap_key(data: Any, template: Any) -> Any:
-    if _is_key(template):
+    if is_key(template):
         return jr.wrap_key_data(data, impl=jr.key_impl(template))
     return jnp.asarray(data, template.dtype)
 
 
 def _abstract(x: Any) -> Any:
-    if _is_key(x):
+    if is_key(x):
         x = jr.key_data(x)
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -366,12 +398,21 @@ def strong(leaves: list) -> list:
 BEST = {"kind": "best"}  # what a best-only store records as its data
 
 
+def best_data(members: int | None) -> dict:
+    """What a best-only store records as its data: ``BEST`` for one model, and
+    the number of members for a population's (its leaves ``[members, ...]``,
+    its history each member's best step and value, ``-1``/NaN: none)."""
+    return BEST if members is None else {**BEST, "members": int(members)}
+
+
 def best_key() -> Any:
     """The key a best-only store saves (the key is the run's business)."""
     return jax.random.PRNGKey(0)
 
 
-def load_best(directory: Any, model: Any, optimizer: Any = None) -> tuple[Any, Any]:
+def load_best(
+    directory: Any, model: Any, optimizer: Any = None, *, member: Any = None
+) -> tuple[Any, Any]:
     """The best state that ``fit(..., best_dir=directory)`` saved, in a model of
     the same structure: ``(model, optimizer)`` as ``fit`` takes them (NNX: the
     objects passed in, updated in place; an optax pair: the model and its optax
@@ -380,16 +421,25 @@ def load_best(directory: Any, model: Any, optimizer: Any = None) -> tuple[Any, A
     Arguments:
         directory: the ``best_dir`` of a ``fit``.
         model, optimizer: a pair of the structure trained (new objects: only
-            their structure is read, every array is replaced).
+            their structure is read, every array is replaced). For a
+            population's ``best_dir``: one member's pair (what its ``make``
+            returns).
+        member: for a population's ``best_dir``, the member whose best to load
+            (``-1``: the last); None for one model's.
 
     Returns:
-        ``(model, optimizer)`` holding the best state (its step is the fit's
-        ``result.best_step`` when ``stop=`` restores the best, and the best
-        ``val_step`` of its history).
+        ``(model, optimizer)`` holding the best state, by ``stop=``'s monitor
+        (its step is the fit's ``result.best_step`` (member ``i``'s:
+        ``result.best_step[i]``) when ``stop=`` restores the best, and the best
+        ``val_step`` of its history; its step counts are those of that step).
 
     Raises:
-        FileNotFoundError: no best state in ``directory``.
-        TypeError: a model of another structure (the leaves that differ named).
+        FileNotFoundError: no best state in ``directory`` (or none for
+            ``member``).
+        TypeError: a model of another structure (the leaves that differ named);
+            ``member=`` missing for a population's directory, or given for one
+            model's.
+        IndexError: ``member`` out of range.
     """
     from . import _models
 
@@ -398,8 +448,51 @@ def load_best(directory: Any, model: Any, optimizer: Any = None) -> tuple[Any, A
     leaves = strong(leaves)
     path = os.path.abspath(os.fspath(directory))
     store = Checkpoints(path, None, adapter.names(), BEST, 0, keep=1)
-    found = None if store.reader is None else store.restore(leaves, best_key(), 1 << 62)
-    store.close()
+    try:
+        meta = store.newest_meta()
+        members = None if meta is None else meta.get("data", {}).get("members")
+        if members is None and member is not None and meta is not None:
+            raise errors.best_not_population(path, member)
+        if members is not None:
+            if member is None:
+                raise errors.best_member_needed(path, members)
+            member = _member(member, members)
+            store.data = best_data(members)
+            leaves = [_stacked(x, members) for x in leaves]
+        found = None
+        if store.reader is not None:
+            found = store.restore(leaves, best_key(), 1 << 62)
+    finally:
+        store.close()
     if found is None:
         raise errors.no_best_state(path)
-    return adapter.finish(jax.tree_util.tree_unflatten(treedef, found[1]))
+    state = found[1]
+    if members is not None:
+        if int(found[3]["step"][member]) < 0:
+            raise errors.best_member_none(path, member)
+        state = [x[member] for x in state]
+    return adapter.finish(jax.tree_util.tree_unflatten(treedef, state))
+
+
+def _member(i: Any, n: int) -> int:
+    """Member index ``i`` of ``n`` (negative counts from the end), checked."""
+    if isinstance(i, bool):
+        raise errors.best_member_index(i, n)
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise errors.best_member_index(i, n) from None
+    if not -n <= i < n:
+        raise errors.best_member_index(i, n)
+    return i % n
+
+
+def _stacked(x: Any, n: int) -> Any:
+    """What a population's best-only store holds for a member's leaf ``x``:
+    ``[n, ...]`` (shapes and types only, but for a key: its key data)."""
+    if is_key(x):
+        data = jr.key_data(x)
+        stacked = jnp.zeros((n, *data.shape), data.dtype)
+        return jr.wrap_key_data(stacked, impl=jr.key_impl(x))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)

@@ -94,11 +94,10 @@ class ArraySource:
     def check_mesh(self, mesh: Any) -> None:
         _mesh.check_batch(mesh, self.batch_size, "batch_size")
 
-    def arguments(self, mesh: Any) -> tuple[Any, Any]:
-        """``(data, key)`` for the compiled loop, on the devices."""
-        if mesh is None:
-            return jax.device_put(self.data), self.key
-        return _mesh.place_data(mesh, self.data), _mesh.replicate(mesh, self.key)
+    def arguments(self, place: Any) -> tuple[Any, Any]:
+        """``(data, key)`` for the compiled loop, on the devices (``place``: a
+        ``_mesh.Placement``)."""
+        return place.put(self.data), place.replicate(self.key)
 
     def accumulate(self, k: int) -> None:
         """Step ``t`` takes the ``k`` batches of data steps ``t*k ... t*k+k-1``
@@ -142,33 +141,31 @@ class ArraySource:
     def state_at(self, steps: int) -> None:
         """(nothing to save)"""
 
-    def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
+    def calls(self, start: int, end: int, schedule: Any, place: Any) -> Iterator:
         """``(start, end, xs)`` of each call (``schedule.want(start, end)`` steps):
         the batches are drawn inside, ``xs`` holds the example orders (shuffled
         data) of the epochs the call may reach."""
         while start < end:
-            count = _mesh.fewest(mesh, schedule.want(start, end))  # across processes
+            count = place.fewest(schedule.want(start, end))  # across processes
             orders = None
             if self.shuffle:
                 k = self.micro
-                orders = self._placed(start * k, schedule.length * k, count * k, mesh)
+                orders = self._placed(start * k, schedule.length * k, count * k, place)
             yield start, start + count, orders
             start += count
 
-    def _placed(self, start: int, length: int, count: int, mesh: Any) -> Any:
+    def _placed(self, start: int, length: int, count: int, place: Any) -> Any:
         """``orders`` on the devices; the last one placed is kept (small ones
         only): the short calls of an epoch loop ask for the same rows again."""
         first = start // self.per_epoch
         last = (start + count - 1) // self.per_epoch
         seeds = self.seed if self.members is None else self.members
-        key = (repr(seeds), first, last, length, self.n, self.per_epoch, mesh)
+        key = (repr(seeds), first, last, length, self.n, self.per_epoch, place.mesh)
         found = _PLACED.get(key)
         if found is not None:
             return found
         orders = self.orders(start, length, count)
-        placed = (
-            jax.device_put(orders) if mesh is None else _mesh.replicate(mesh, orders)
-        )
+        placed = place.replicate(orders)
         _PLACED.clear()
         if orders.nbytes <= _PLACED_BYTES:
             _PLACED[key] = placed
@@ -315,10 +312,8 @@ class IterSource:
         """Checked per chunk (``_mesh.put_chunk``): the batch size is the
         iterable's."""
 
-    def arguments(self, mesh: Any) -> tuple[Any, Any]:
-        if mesh is None:
-            return None, self.key
-        return None, _mesh.replicate(mesh, self.key)
+    def arguments(self, place: Any) -> tuple[Any, Any]:
+        return None, place.replicate(self.key)
 
     def accumulate(self, k: int) -> None:
         """Each step takes ``k`` consecutive batches (stacked on a leading axis)."""
@@ -329,26 +324,23 @@ class IterSource:
         out = {"kind": "iter"}
         return {**out, "accumulate": self.micro} if self.micro > 1 else out
 
-    def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
+    def calls(self, start: int, end: int, schedule: Any, place: Any) -> Iterator:
         """``(start, end, xs)`` of each call, with its batches stacked (padded to
         ``schedule.length``) and put on the devices (for the next call, while
         the previous one trains)."""
         k = self.micro  # batches per step (accumulate)
         while start < end:
             taken = self.take(
-                _mesh.fewest(mesh, schedule.want(start, end)) * k, schedule.length * k
+                place.fewest(schedule.want(start, end)) * k, schedule.length * k
             )
             # Across processes: as many steps as the shortest iterable gave.
-            count = _mesh.fewest(mesh, 0 if taken is None else taken[1] // k)
+            count = place.fewest(0 if taken is None else taken[1] // k)
             if not count:
                 return
             xs = taken[0]
             if k > 1:  # [length * k, ...] -> [length, k, ...]
                 xs = jtu.tree_map(lambda a: a.reshape(-1, k, *a.shape[1:]), xs)
-            if mesh is not None:
-                xs = _mesh.put_chunk(mesh, xs, 2 if k > 1 else 1)
-            else:
-                xs = jax.device_put(xs)
+            xs = place.put_chunk(xs, 2 if k > 1 else 1)
             yield start, start + count, self.on_device(xs)
             start += count
 

@@ -122,9 +122,7 @@ def evaluate(
     _check_key(key)
     if takes[1] and key is None:
         raise errors.key_missing(_CALL, "eval_fn")
-    place = None
-    if mesh is not None:
-        mesh, place = _on_mesh(mesh, target, b)
+    place = _placement(mesh, target, b)
     trainstate = target.trainstate
     identity = _fit_program.identity(
         target.identity,
@@ -135,7 +133,7 @@ def evaluate(
         trainstate,
         n,
         b,
-        mesh,
+        place.mesh,
     )
     call = _call(eval_fn, *takes)
 
@@ -149,20 +147,17 @@ def evaluate(
                     out = out[:2]  # (a TrainState loss_fn's updates)
                 return _model_step.split_loss(_CALL, out, "eval_fn")
 
-            return _fit_checks.over_dataset(batch_metrics, data, n, b, key, place)
+            return _fit_checks.over_dataset(
+                batch_metrics, data, n, b, key, place.constrain_even
+            )
 
         return jax.vmap(one, in_axes=(0, 0, None, None)) if target.members else one
 
     program = _fit_program.program(identity, build)
     leaves, hp = target.leaves, target.hp
-    if mesh is not None:
-        leaves, data = _mesh.place_data(mesh, leaves), _mesh.place_data(mesh, data)
-        key = None if key is None else _mesh.replicate(mesh, key)
+    leaves, data, key = place.put(leaves), place.put(data), place.replicate(key)
     out = program.jitted(leaves, hp, data, key)
-    if mesh is None:
-        host = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
-    else:
-        host = {k: _mesh.host_value(v) for k, v in out.items()}
+    host = place.host(out)
     names = ["loss", *(k for k in host if k != "loss")]  # (the rest by name)
     return {k: float(host[k]) if host[k].ndim == 0 else host[k] for k in names}
 
@@ -442,9 +437,11 @@ def _check_key(key: Any) -> None:
     raise errors.key_type(_CALL, key)
 
 
-def _on_mesh(mesh: Any, target: Target, b: int) -> tuple[Any, Callable | None]:
-    """The mesh (its axes ``Auto``, as ``fit`` uses it) and each batch's
-    placement: split over ``"data"``."""
+def _placement(mesh: Any, target: Target, b: int) -> _mesh.Placement:
+    """Where the evaluation runs: the default device, or ``mesh`` (checked; its
+    axes ``Auto``, as ``fit`` uses it) with each batch split over ``"data"``."""
+    if mesh is None:
+        return _mesh.Placement()
     if not isinstance(mesh, jax.sharding.Mesh):
         raise errors.mesh_type(_CALL, mesh)
     if target.members:
@@ -454,12 +451,4 @@ def _on_mesh(mesh: Any, target: Target, b: int) -> tuple[Any, Callable | None]:
     size = _mesh.data_size(mesh)
     if b % size:
         raise errors.batch_not_divisible(_CALL, b, size)
-    mesh = _mesh.auto(mesh)
-
-    def place(batch):
-        sizes = {x.shape[0] for x in jtu.tree_leaves(batch)}
-        if any(s % size for s in sizes):  # (a remainder: as XLA places it)
-            return batch
-        return _mesh.batch_constraint(mesh, batch)
-
-    return mesh, place
+    return _mesh.Placement(_mesh.auto(mesh))

@@ -25,6 +25,7 @@ from . import (
     _fit_program,
     _fit_schedule,
     _log,
+    _loss_scale,
     _mesh,
     _models,
     _plateau,
@@ -73,6 +74,7 @@ def fit(
     eval_batch_size: int | None = None,
     stop: Any = None,
     plateau: Any = None,
+    plateau_state: Any = None,
     log: Any = None,
     log_every: int = 10,
     accumulate: int = 1,
@@ -80,6 +82,7 @@ def fit(
     ema_eval: bool = False,
     ema_state: Any = None,
     precision: str | None = None,
+    loss_scale_state: Any = None,
     best_dir: Any = None,
     execution: str = "auto",
 ) -> FitResult:
@@ -161,7 +164,10 @@ def fit(
             the newest best only), saved after each call that improved on it;
             ``scanax.load_best(best_dir, model, optimizer)`` loads it back into
             a pair of the same structure. Needs ``stop=scanax.EarlyStop(...)``
-            (``patience=None``: never stop, only keep the best). One model.
+            (``patience=None``: never stop, only keep the best). A population:
+            each member's best, ``load_best(..., member=i)``. Saves run on a
+            thread of their own while training goes on; ``fit`` returns once
+            the last is on disk (see ``docs/training_features.md``).
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
             over; see ``docs/multi_device.md``. A population: a ``"members"``
             axis to split the members over (and optionally ``"data"``).
@@ -190,6 +196,10 @@ def fit(
             lowers (``history["lr_scale"]``: each step's); its state is saved
             in checkpoints. A population: per member. See
             ``docs/training_features.md``.
+        plateau_state: ``result.plateau`` of an earlier call with the same
+            ``plateau=``: this call's rule continues from it (its scale, best
+            value, wait and cooldown) instead of starting at scale 1, as an
+            epoch loop of ``fit`` calls needs. A population's: per member.
         log, log_every: a sink (``scanax.TensorBoard``, ``scanax.CSV``, or any
             ``sink(step, metrics)``) or a list of them, given the metrics'
             means over each window of ``log_every`` steps and the evaluations,
@@ -208,8 +218,20 @@ def fit(
             bfloat16, on a copy of the model whose floating parameters and on
             batches whose floating leaves are cast; the gradient, the update,
             the parameters and the optimizer state stay float32; loss and
-            metrics are float32. Default None: as given. (``"float16"``, which
-            needs loss scaling, is refused.)
+            metrics are float32. ``"float16"``: the same in float16, with
+            dynamic loss scaling (Keras's ``LossScaleOptimizer``): the gradient
+            of ``scale * loss``, divided by ``scale``; a step whose gradients
+            are not finite is skipped and halves the scale (down to 1), 2000
+            good steps in a row double it; it starts at 2**15 in each call
+            unless continued (``loss_scale_state``; ``history["loss_scale"]``:
+            each step's; checkpoints save it). A non-finite loss, or non-finite
+            gradients at scale 1, stop training as usual. Default None: as
+            given. See ``docs/training_features.md``.
+        loss_scale_state: ``result.loss_scale`` of an earlier call with
+            ``precision="float16"``: this call's loss scale continues from it
+            (its scale and count of good steps) instead of 2**15, so that an
+            epoch loop of calls skips no step twice to find it. A
+            population's: per member.
         execution: how each call runs its steps. ``"fused"``: one compiled
             ``lax.while_loop`` per call; ``"stepwise"``: each step one
             dispatched compiled call, as a Python loop of ``jax.jit`` steps
@@ -293,6 +315,11 @@ def fit(
     if takes_key and key is None:
         raise errors.loss_key_without_key()
     low = _precision.check(precision)
+    if loss_scale_state is not None:
+        if not _precision.needs_scaling(low):
+            raise errors.loss_scale_state_without_float16(precision)
+        members = None if pop is None else pop.n
+        loss_scale_state = _loss_scale.checked_state(loss_scale_state, members)
     ema = _ema.check_decay(ema)
     if ema is None and (ema_eval or ema_state is not None):
         raise errors.ema_option_without_ema("ema_eval" if ema_eval else "ema_state")
@@ -303,8 +330,6 @@ def fit(
     if not isinstance(execution, str) or execution not in _fit_schedule.EXECUTIONS:
         raise execution_errors.unknown_execution(execution, _fit_schedule.EXECUTIONS)
     if best_dir is not None:
-        if pop is not None:
-            raise errors.best_dir_population()
         if stop is None:
             raise errors.best_dir_without_stop()
         _checkpoint_options(best_dir, None)
@@ -313,32 +338,32 @@ def fit(
         ) == os.path.abspath(os.fspath(checkpoint_dir)):
             raise errors.best_dir_is_checkpoint_dir(best_dir)
     _mesh.check_shard(shard, mesh, pop is not None)
-    if mesh is not None:
-        if pop is None:
-            _mesh.check(mesh)
-        else:
-            _mesh.check_population(mesh, members_per_call or pop.n)
-        mesh = _mesh.auto(mesh)
-        source.check_mesh(mesh)
-        _mesh.check_processes(
-            mesh,
-            data,
-            steps=steps,
-            batch_size=batch_size,
-            key=key,
-            shard=shard,
-            steps_per_call=steps_per_call,
-            checkpoint_every=checkpoint_every,
-        )
-    spec = _mesh.bar_here(mesh, _progress.resolve(_CALL, progress))
+    place = _mesh.Placement.of(mesh, None if pop is None else members_per_call or pop.n)
+    place.check_source(source)
+    place.check_processes(
+        data,
+        steps=steps,
+        batch_size=batch_size,
+        key=key,
+        shard=shard,
+        steps_per_call=steps_per_call,
+        checkpoint_every=checkpoint_every,
+    )
+    spec = place.bar(_progress.resolve(_CALL, progress))
     rules = stop
+    if plateau_state is not None and plateau is None:
+        raise plateau_errors.state_without_plateau()
+    scaled = None
     if plateau is not None:  # its carry joins the training state, after the model's
         if not isinstance(plateau, _plateau.Plateau):
             raise plateau_errors.plateau_type(plateau)
+        if plateau_state is not None:
+            members = None if pop is None else pop.n
+            plateau_state = _plateau.checked_state(plateau_state, members)
         if pop is None:
-            adapter = scaled = _plateau.ScaledAdapter(adapter, plateau)
+            adapter = scaled = _plateau.ScaledAdapter(adapter, plateau, plateau_state)
         else:
-            pop = scaled = _plateau.ScaledPopulation(pop, plateau)
+            pop = scaled = _plateau.ScaledPopulation(pop, plateau, plateau_state)
         rules = _fit_checks.Rules(stop, plateau, scaled.at)
     checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, rules)
     checks, eval_arrays, eval_call = _checks(
@@ -358,7 +383,7 @@ def fit(
         source.length(steps, steps_per_call),
         checkpoint_dir,
         checkpoint_every,
-        mesh,
+        place,
         shard,
         spec,
         checks,
@@ -369,6 +394,7 @@ def fit(
         None if ema is None else (ema, bool(ema_eval), ema_state),
         best_dir,
         execution,
+        loss_scale_state,
     )
     if pop is None:
         result = _fit_model(adapter, opt_state, setup)
@@ -384,6 +410,8 @@ def fit(
         )
     if epochs is not None:
         result.history["epoch"] = source.epoch_of(result.history["step"])
+    if scaled is not None:
+        result.plateau = scaled.final
     return result
 
 
@@ -462,29 +490,24 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
                 errors.no_step_count(), RuntimeWarning, stacklevel=_caller.user_level()
             )
         start = 0
-    mesh, source, spec = setup.mesh, setup.source, setup.spec
-    averaged = None
+    place, source, spec = setup.place, setup.source, setup.spec
+    averaged = scaler = None
     if setup.ema is not None:  # the average joins the state
         adapter = averaged = _ema.EmaAdapter(adapter, *setup.ema)
+    if _precision.needs_scaling(setup.precision):  # float16's loss scale too
+        adapter = scaler = _loss_scale.LossScaledAdapter(
+            adapter, setup.loss_scale_state
+        )
     if isinstance(source, _rollout.RolloutSource):  # the feed too
         adapter = _rollout.FedAdapter(adapter, source, start)
     leaves, treedef = jtu.tree_flatten(adapter.state)
     leaves = _checkpoint.strong(leaves)
-    shardings = None
-    if mesh is not None:
-        shardings = tuple(_mesh.state_shardings(mesh, adapter, leaves, setup.shard))
-        leaves = _mesh.place(leaves, shardings)
+    leaves, shardings = place.state(adapter, leaves, setup.shard)
     # In-loop bar reports only where calls are not sized to a quarter second:
     # host batches, or a steps_per_call of the user's.
-    ticks = spec is not None and mesh is None
+    ticks = spec is not None and place.local
     ticks = ticks and not source.sized_automatically(setup.steps_per_call)
-    eval_arrays = setup.eval_arrays
-    if eval_arrays is not None:
-        eval_arrays = (
-            jax.device_put(eval_arrays)
-            if mesh is None
-            else _mesh.replicate(mesh, eval_arrays)
-        )
+    eval_arrays = place.replicate(setup.eval_arrays)
     program = _model_program(adapter, treedef, setup, shardings, ticks)
     bar_every = spec.every if spec is not None and not ticks else None
     schedule = _fit_schedule.Schedule(
@@ -495,18 +518,15 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         setup.checkpoint_every,
         bar_every,
     )
-    how = _fit_loop.How(start, start + setup.steps, spec, mesh, ticks, setup.execution)
+    how = _fit_loop.How(start, start + setup.steps, spec, place, ticks, setup.execution)
     best = None
     if setup.best_dir is not None:  # the model's own leaves, first in the state
         n = jtu.tree_structure(getattr(adapter, "base", adapter).state).num_leaves
-        names = adapter.names()[:n]
-        store = _checkpoint.Checkpoints(
-            setup.best_dir, None, names, _checkpoint.BEST, start, keep=1
-        )
-        pick = None  # ema_eval: the best judged on the average, saved as such
+        writer = _fit_hooks.BestWriter(setup.best_dir, adapter.names()[:n], None)
+        view = list  # ema_eval: the best judged on the average, saved as such
         if averaged is not None and averaged.on_eval:
-            pick = averaged.averaged_leaves
-        best = _fit_hooks.BestSaver(store, n, pick)
+            view = averaged.averaged_leaves
+        best = _fit_hooks.BestSaver(writer, lambda leaves: view(leaves)[:n])
     extras = _fit_loop.Extras(setup.checks, eval_arrays, setup.logger, best)
     kind = _fit_loop.Model(adapter, treedef)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
@@ -523,6 +543,8 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         fed.commit(handed_back=True, step=run.done)
     if averaged is not None:
         result.ema = averaged.ema
+    if scaler is not None:
+        result.loss_scale = scaler.final
     if setup.logger is not None:
         setup.logger.sinks.raise_pending(result)
     return result
@@ -556,7 +578,7 @@ def _model_program(
         lanes = _fit_program.Solo(
             _solo_step(adapter, treedef, call, setup.accumulate),
             sampler,
-            setup.mesh,
+            setup.place,
             shardings,
             takes_key,
             _with_eval(checks, adapter, treedef, setup.precision),

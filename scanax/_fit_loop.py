@@ -4,7 +4,6 @@ program from ``_fit_program``."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -60,6 +59,16 @@ class FitResult:
             ``best_step`` when the best state is restored); else None.
         execution: how the last call ran its steps, ``"fused"`` or
             ``"stepwise"`` (``fit(execution=)``; ``"auto"``'s choice).
+        plateau: with ``fit(..., plateau=)``: the rule's state in the state
+            returned (a ``PlateauState``; a population's: leaves ``[members]``;
+            with a restored best state, that step's);
+            ``fit(..., plateau_state=result.plateau)`` continues it; else None.
+        loss_scale: with ``fit(..., precision="float16")``: the dynamic loss
+            scale in the state returned (a ``LossScale``: the scale and the
+            count of good steps since it last changed; a population's: leaves
+            ``[members]``; with a restored best state, that step's);
+            ``fit(..., loss_scale_state=result.loss_scale)`` continues it; else
+            None.
 
     For a population (``scanax.population``): ``model[i]`` and ``optimizer[i]``
     are member ``i`` as ordinary objects of its kind; ``history`` arrays other
@@ -77,6 +86,8 @@ class FitResult:
     best_step: Any = None
     ema: Any = None
     execution: str = "fused"
+    plateau: Any = None
+    loss_scale: Any = None
 
     def plot(self, path: Any = None) -> Any:
         """Train loss (raw and smoothed) and every validation metric against the
@@ -153,7 +164,7 @@ class Setup(NamedTuple):
     length: int  # the compiled call's buffers
     checkpoint_dir: Any
     checkpoint_every: int | None
-    mesh: Any
+    place: Any  # ``_mesh.Placement``: the default device, or a mesh
     shard: str | None
     spec: Any  # the progress bar's ``_progress.Progress``, or None
     checks: Any  # ``_fit_checks.Checks`` (evaluation, early stop), or None
@@ -164,6 +175,7 @@ class Setup(NamedTuple):
     ema: Any  # ``(decay, on_eval, ema_state)`` (``_ema``), or None
     best_dir: Any  # ``best_dir=``, or None
     execution: str = "auto"  # ``execution=``: "auto", "fused" or "stepwise"
+    loss_scale_state: Any = None  # ``loss_scale_state=`` (checked), or None
 
 
 class How(NamedTuple):
@@ -172,7 +184,7 @@ class How(NamedTuple):
     start: int  # the global step it starts from
     end: int  # the global step it ends at, unless something stops it
     spec: Any  # the bar's ``_progress.Progress``, or None
-    mesh: Any
+    place: Any  # ``_mesh.Placement``
     ticks: bool  # in-loop bar reports
     execution: str = "fused"  # ``fit(execution=)``: "auto", "fused", "stepwise"
 
@@ -251,12 +263,12 @@ class Run:
         self.kind, self.source, self.program = kind, source, program
         self.schedule, self.leaves = schedule, leaves
         self.start, self.end, self.spec = how.start, how.end, how.spec
-        self.mesh, self.ticks = how.mesh, how.ticks
+        self.place, self.ticks = how.place, how.ticks
         # fused or stepwise calls, and auto's choice (``_fit_schedule.Execution``)
         self.execution = _fit_schedule.Execution(program, how.execution)
         # evaluation/early stop (``_fit_checks.Checks``), eval data, log=
         self.checks, self.eval_data, self.logger, self.best = extras
-        self.data, self.key = source.arguments(self.mesh)
+        self.data, self.key = source.arguments(self.place)
         self.extra = None  # the early-stop carry
         self.stopped = false()
         kind.init(self)
@@ -274,11 +286,8 @@ class Run:
         self.nxt: Any = None
 
     def context(self) -> Any:
-        """The mesh as context while tracing: NNX Variables with sharding
-        annotations need one when the step merges them."""
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self.mesh)
+        """The mesh as context while tracing (``_mesh.Placement.context``)."""
+        return self.place.context()
 
     # ------------------------------------------------------------ resume
 
@@ -338,7 +347,7 @@ class Run:
         """The first call's batches, and its program compiled: every refusal
         found while tracing ``loss_fn``/``eval_fn`` comes here, before any file,
         sink, model or optimizer changes."""
-        self.chunks = self.source.calls(self.done, self.end, self.schedule, self.mesh)
+        self.chunks = self.source.calls(self.done, self.end, self.schedule, self.place)
         self.nxt = None if self.halted else next(self.chunks, None)
         if self.nxt is not None:
             began = time.perf_counter()

@@ -31,6 +31,7 @@ from . import (
     _fit_loop,
     _fit_program,
     _fit_schedule,
+    _loss_scale,
     _memory,
     _mesh,
     _population,
@@ -68,7 +69,7 @@ def fit_population(
         k, prepared = _fitting_groups(
             pop.n,
             lambda k: sweep.run(k, list(range(k))),
-            setup.mesh,
+            setup.place,
             setup.logger,
             setup.checkpoint_dir,
         )
@@ -87,9 +88,13 @@ class Sweep:
         source, key = setup.source, setup.key
         self.per_member = not shared and getattr(source, "shuffle", False)
         self.keys = jr.split(key if key is not None else _data.unused_key(), pop.n)
-        self.ema = None
+        self.ema = self.scaler = None
         if setup.ema is not None:  # the averages join the state
             self.pop = pop = self.ema = _ema.EmaPopulation(pop, *setup.ema)
+        if _precision.needs_scaling(setup.precision):  # the loss scales too
+            self.pop = pop = self.scaler = _loss_scale.LossScaledPopulation(
+                pop, setup.loss_scale_state
+            )
         if isinstance(source, _rollout.RolloutSource):  # the feeds too
             self.pop = pop = _rollout.FedPopulation(pop, source, self.keys)
         self.call_for = _call_for(
@@ -99,11 +104,21 @@ class Sweep:
         if self.checks is not None:
             self._evaluation(setup.eval_call, eval_takes)
         self.programs: dict[int, Any] = {}  # (fingerprints take milliseconds)
+        self.best = self.pick = None  # best_dir=: one writer for every group
+        if setup.best_dir is not None:  # the members' own leaves, first
+            base = pop
+            while isinstance(base, _population.Wrapped):
+                base = base.pop
+            n = len(base.state)
+            self.best = _fit_hooks.BestWriter(setup.best_dir, base.names[:n], base.n)
+            # (ema_eval: the best judged on the average, saved as such)
+            view = list if self.ema is None else self.ema.eval_view
+            self.pick = lambda leaves: view(leaves)[:n]
 
     def _evaluation(self, eval_fn: Any, eval_takes: Any) -> None:
         """Each member's evaluation (``eval_fn`` None: early stop on a
         training metric only)."""
-        checks, mesh = self.checks, self.setup.mesh
+        checks = self.checks
         if eval_fn is not None:
             evaluate = self.pop.eval_factory(
                 _call_for(eval_fn, *eval_takes, self.pop.kind, self.setup.precision)
@@ -111,12 +126,7 @@ class Sweep:
             self.checks = _fit_checks.Checks(
                 checks.every, evaluate, checks.n, checks.batch_size, checks.stop
             )
-            arrays = self.setup.eval_arrays
-            self.eval_arrays = (
-                jax.device_put(arrays)
-                if mesh is None
-                else _mesh.replicate(mesh, arrays)
-            )
+            self.eval_arrays = self.setup.place.replicate(self.setup.eval_arrays)
         fingerprint = None if eval_fn is None else _fingerprint.of(eval_fn)
         self.eval_key = (
             checks.key(),
@@ -129,7 +139,7 @@ class Sweep:
         found = self.programs.get(k)
         if found is not None:
             return found
-        pop, setup, mesh = self.pop, self.setup, self.setup.mesh
+        pop, setup, place = self.pop, self.setup, self.setup.place
         identity = _fit_program.identity(
             pop.fingerprint(),
             pop.make,
@@ -142,7 +152,7 @@ class Sweep:
             self.per_member,
             setup.precision,
             k,
-            None if mesh is None else (mesh.shape_tuple, mesh.device_ids.tobytes()),
+            place.fingerprint(),
             self.eval_key,
         )
         sampler = setup.source.sampler()
@@ -151,11 +161,11 @@ class Sweep:
             lanes = Members(
                 pop.step_factory(self.call_for, setup.accumulate),
                 sampler,
-                mesh,
+                place,
                 setup.takes_key,
                 setup.accumulate,
                 0 if self.per_member else None,
-                None if mesh is None else _mesh.MEMBERS,
+                place.members_axis,
                 self.checks,
             )
             return _fit_program.build_chunk(lanes, sampler, setup.length, False)
@@ -186,9 +196,12 @@ class Sweep:
             leaves = [x[idx] for x in pop.state]
         kind = Group(pop, idx, len(members), self.keys[idx])
         how = _fit_loop.How(
-            pop.step, pop.step + setup.steps, spec, setup.mesh, False, setup.execution
+            pop.step, pop.step + setup.steps, spec, setup.place, False, setup.execution
         )
-        extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.logger)
+        best = None
+        if self.best is not None:
+            best = _fit_hooks.BestSaver(self.best, self.pick, np.asarray(members))
+        extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.logger, best)
         return _fit_loop.Run(kind, setup.source, program, schedule, leaves, how, extras)
 
     def train(self, k: int, prepared: _fit_loop.Run | None) -> _fit_loop.FitResult:
@@ -265,17 +278,18 @@ class Sweep:
             best,
             None if self.ema is None else self.ema.result(),
             results[-1].execution,
+            loss_scale=None if self.scaler is None else self.scaler.final,
         )
 
 
 def _fitting_groups(
-    n: int, first_run: Callable, mesh: Any, logger: Any, directory: Any
+    n: int, first_run: Callable, place: Any, logger: Any, directory: Any
 ) -> tuple[int, Any]:
     """The members per call: all ``n`` if the first call of all fits in the
     devices' free memory, else the largest groups that do (a warning says so);
     a ``MemoryError`` where groups cannot follow or nothing fits. Returned with
     the first group's run, compiled and checked."""
-    multiple = 1 if mesh is None else dict(mesh.shape).get(_mesh.MEMBERS, 1)
+    multiple = place.members_multiple
     k, first = n, None
     while True:
         try:
@@ -411,14 +425,13 @@ class Members(_fit_program.Lanes):
     """
 
     def __init__(
-        self, step, sampler, mesh, takes_key, accumulate, xs_axis, members, checks
+        self, step, sampler, place, takes_key, accumulate, xs_axis, members, checks
     ):
-        self.mesh, self.checks = mesh, checks
+        self.place, self.checks = place, checks
 
         def one(leaves, key, xs, hp, perm, data, t, i):
             batch = sampler.batch(perm, data, xs, t, i)
-            if mesh is not None and _mesh.has_data_axis(mesh):
-                batch = _mesh.batch_constraint(mesh, batch, 1 if accumulate > 1 else 0)
+            batch = place.constrain_batch(batch, 1 if accumulate > 1 else 0)
             key_t = None
             if takes_key:
                 key_t = _fit_program.step_key(jr.split(key)[1], t, accumulate)
@@ -476,14 +489,11 @@ class Members(_fit_program.Lanes):
     def finish(self, c, i, carry, bufs):
         leaves, stopped, extra, applied = carry
         report = _fit_program.Report(applied, i, stopped, _ended(extra))
-        if self.mesh is not None:
-            # What the host reads after the call, readable by every process
-            # (members split over processes' devices are gathered).
-            report, bufs = _mesh.everywhere(self.mesh, (report, bufs))
-            # (the carry keeps its placement: host copies are not it)
-            leaves, stopped, extra = _mesh.keep_by_member(
-                self.mesh, (leaves, stopped, extra)
-            )
+        # What the host reads after the call, readable by every process (members
+        # split over processes' devices gathered); the carry keeps its placement.
+        (report, bufs), (leaves, stopped, extra) = self.place.readable(
+            (report, bufs), (leaves, stopped, extra)
+        )
         return _fit_program.Out(leaves, stopped, report, bufs, extra)
 
 
@@ -531,14 +541,15 @@ class Group:
         run.key = self.keys
         run.stopped = jnp.asarray(self.mask)
         if run.checks is not None and run.checks.stop is not None:
-            keep = run.checks.stop.restore_best  # (else no copy of the state)
+            # (else no copy of the state; best_dir= saves it)
+            keep = run.checks.stop.restore_best or run.best is not None
             run.extra = jax.vmap(lambda x: run.checks.init(x if keep else []))(
                 run.leaves
             )
-        if run.mesh is not None:  # population parallelism: members over devices
-            run.leaves, run.key, self.hp, run.stopped, run.extra = _mesh.by_member(
-                run.mesh, (run.leaves, run.key, self.hp, run.stopped, run.extra)
-            )
+        # population parallelism: members split over devices (on a mesh)
+        run.leaves, run.key, self.hp, run.stopped, run.extra = run.place.by_member(
+            (run.leaves, run.key, self.hp, run.stopped, run.extra)
+        )
 
     def shared_shuffle(self, run: Any) -> bool:
         """Shared batches of shuffled array data: their order comes from fit's
@@ -675,15 +686,11 @@ def check_memory(run: Any) -> None:
     """Compile a group's first call and raise ``TooBig`` if it would not fit in
     the devices' free memory, before anything runs or is written (array data:
     drawing its call's orders changes nothing)."""
-    first = next(run.source.calls(run.done, run.end, run.schedule, run.mesh))
+    first = next(run.source.calls(run.done, run.end, run.schedule, run.place))
     with run.context():
         need = _memory.call_bytes(run.compiled(run.args(*first)))
     if need is None:
         return
-    if run.mesh is not None:
-        devices = list(run.mesh.devices.flat)
-    else:
-        devices = list(getattr(run.leaves[0], "devices", jax.devices)())[:1]
-    free = _memory.free_bytes(devices)
+    free = _memory.free_bytes(run.place.devices(run.leaves[0]))
     if free is not None and not _memory.fits(need, free):
         raise TooBig(need, free)

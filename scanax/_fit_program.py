@@ -17,7 +17,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _conv_layout, _fingerprint, _mesh, _progress, _rollout
+from . import _conv_layout, _fingerprint, _progress, _rollout
 from ._errors import fit as errors
 
 _CALL = errors.CALL
@@ -217,8 +217,8 @@ class Solo(Lanes):
     early-stop rule (which may end the loop too) and the plateau rule after
     each step."""
 
-    def __init__(self, step, sampler, mesh, shardings, takes_key, checks, accumulate):
-        self.fn, self.sampler, self.mesh = step, sampler, mesh
+    def __init__(self, step, sampler, place, shardings, takes_key, checks, accumulate):
+        self.fn, self.sampler, self.place = step, sampler, place
         self.shardings, self.takes_key = shardings, takes_key
         self.checks, self.accumulate = checks, accumulate
 
@@ -230,10 +230,7 @@ class Solo(Lanes):
     def step(self, c, env, carry, perm, t, i):
         leaves, _, extra, _ = carry
         batch = self.sampler.batch(perm, c.data, c.xs, t, i)
-        if self.mesh is not None:
-            batch = _mesh.batch_constraint(
-                self.mesh, batch, 1 if self.accumulate > 1 else 0
-            )
+        batch = self.place.constrain_batch(batch, 1 if self.accumulate > 1 else 0)
         key_t = step_key(env, t, self.accumulate) if self.takes_key else None
         leaves, loss, metrics, grads = self.fn(leaves, batch, key_t, c.hp)
         loss_ok, grads_ok = finite(loss, grads)

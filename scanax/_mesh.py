@@ -15,6 +15,7 @@ store (``agree``), so that every process runs the same compiled calls.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import warnings
@@ -277,6 +278,155 @@ def _put(x: Any, sharding: Any) -> Any:
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(sharding, x, x.shape)
     return jax.device_put(x, sharding)
+
+
+# ---------------------------------------------------------------- the placement
+
+
+class Placement:
+    """Where the arrays of a ``fit`` (or an ``evaluate``) live: the default
+    device (``mesh`` None), or a mesh with a ``data`` axis (batches split over
+    it), a ``members`` axis (a population's members split over it), or both, over
+    one process or many. Every "on a mesh or not" decision of the fit wing is one
+    of its methods; the module's functions above are what they call on a mesh.
+    """
+
+    def __init__(self, mesh: Any = None):
+        self.mesh = mesh
+
+    @staticmethod
+    def of(mesh: Any, members: int | None = None) -> Placement:
+        """``fit``'s ``mesh=`` checked (a population's: ``members`` per call) and
+        made ``Auto``."""
+        if mesh is None:
+            return Placement()
+        if members is None:
+            check(mesh)
+        else:
+            check_population(mesh, members)
+        return Placement(auto(mesh))
+
+    @property
+    def local(self) -> bool:
+        """No mesh: one device, whose host callbacks from inside a compiled loop
+        run once (the in-loop bar reports)."""
+        return self.mesh is None
+
+    def fingerprint(self) -> Any:
+        """What a compiled program depends on: the mesh's shape and devices."""
+        if self.mesh is None:
+            return None
+        return (self.mesh.shape_tuple, self.mesh.device_ids.tobytes())
+
+    def context(self) -> Any:
+        """The mesh as context while tracing: NNX Variables with sharding
+        annotations need one when the step merges them."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
+
+    # ------------------------------------------------------------ arguments
+
+    def check_source(self, source: Any) -> None:
+        """The data source fits the mesh (batch sizes the ``data`` axis divides;
+        a rollout takes no mesh)."""
+        if self.mesh is not None:
+            source.check_mesh(self.mesh)
+
+    def check_processes(self, data: Any, **arguments: Any) -> None:
+        if self.mesh is not None:
+            check_processes(self.mesh, data, **arguments)
+
+    def bar(self, spec: Any) -> Any:
+        return bar_here(self.mesh, spec)
+
+    def fewest(self, count: int) -> int:
+        return fewest(self.mesh, count)
+
+    # ------------------------------------------------------------ placing
+
+    def put(self, tree: Any) -> Any:
+        """Array data onto the devices (on a mesh: global arrays keep their
+        spec, the rest replicated)."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return place_data(self.mesh, tree)
+
+    def replicate(self, tree: Any) -> Any:
+        """``tree`` on every device (None stays None)."""
+        if tree is None:
+            return None
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return replicate(self.mesh, tree)
+
+    def put_chunk(self, chunk: Any, axis: int) -> Any:
+        """A host chunk of batches onto the devices, its batch axis ``axis``
+        split over ``data``."""
+        if self.mesh is None:
+            return jax.device_put(chunk)
+        return put_chunk(self.mesh, chunk, axis)
+
+    def state(self, adapter: Any, leaves: list, shard: str | None) -> tuple:
+        """The training state's leaves placed, and their shardings (None
+        without a mesh: where they already are)."""
+        if self.mesh is None:
+            return leaves, None
+        shardings = tuple(state_shardings(self.mesh, adapter, leaves, shard))
+        return place(leaves, shardings), shardings
+
+    def devices(self, leaf: Any) -> list:
+        """The devices whose memory a call uses."""
+        if self.mesh is not None:
+            return list(self.mesh.devices.flat)
+        return list(getattr(leaf, "devices", jax.devices)())[:1]
+
+    def host(self, tree: Any) -> Any:
+        """Every leaf's whole value on this host (across processes: gathered)."""
+        if self.mesh is None:
+            return jtu.tree_map(np.asarray, jax.device_get(tree))
+        return jtu.tree_map(host_value, tree)
+
+    # ------------------------------------------------------------ inside a call
+
+    def constrain_even(self, batch: Any) -> Any:
+        """Inside a compiled evaluation: a batch split over ``data`` on its
+        leading axis where the axis size divides every leaf's (a remainder batch
+        is left as XLA places it)."""
+        if self.mesh is None:
+            return batch
+        size = data_size(self.mesh)
+        if any(x.shape[0] % size for x in jtu.tree_leaves(batch)):
+            return batch
+        return batch_constraint(self.mesh, batch)
+
+    def constrain_batch(self, batch: Any, axis: int) -> Any:
+        """Inside the compiled loop: a batch split over ``data`` on ``axis``."""
+        if self.mesh is None or not has_data_axis(self.mesh):
+            return batch
+        return batch_constraint(self.mesh, batch, axis)
+
+    # ------------------------------------------------------------ populations
+
+    @property
+    def members_axis(self) -> str | None:
+        return None if self.mesh is None else MEMBERS
+
+    @property
+    def members_multiple(self) -> int:
+        """What a group's size must be a multiple of: the ``members`` axis."""
+        return 1 if self.mesh is None else dict(self.mesh.shape).get(MEMBERS, 1)
+
+    def by_member(self, tree: Any) -> Any:
+        return tree if self.mesh is None else by_member(self.mesh, tree)
+
+    def readable(self, report: Any, kept: Any) -> tuple[Any, Any]:
+        """Inside a population's call: ``report`` readable on every process's
+        host (members split over processes' devices gathered), ``kept`` (the
+        carry) left split by member."""
+        if self.mesh is None:
+            return report, kept
+        return everywhere(self.mesh, report), keep_by_member(self.mesh, kept)
 
 
 # ---------------------------------------------------------------- several processes

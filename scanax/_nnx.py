@@ -59,13 +59,16 @@ def merge(graphdef: Any, state: Any) -> list[Any]:
     return _nnx().merge(graphdef, state)
 
 
-def with_params(model: Any, cast: Any) -> tuple[Any, Any]:
+def with_params(model: Any, cast: Any, other: Any = None) -> tuple[Any, Any]:
     """A copy of the NNX ``model`` whose ``nnx.Param`` values are ``cast(value)``
-    (differentiable: the copy's parameters are functions of the model's), and a
-    function that writes the copy's other Variables back into ``model`` (what a
-    call changed: BatchNorm statistics, RNG counts; they keep their dtype)."""
+    (and its other Variables' ``other(value)``, when given; differentiable: the
+    copy's values are functions of the model's), and a function that writes the
+    copy's other Variables back into ``model`` (what a call changed: BatchNorm
+    statistics, RNG counts; they keep their dtype)."""
     nnx = _nnx()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if other is not None:
+        rest = jtu.tree_map(other, rest)
     copy = nnx.merge(graphdef, jtu.tree_map(cast, params), rest)
 
     def write_back() -> None:

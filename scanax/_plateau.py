@@ -26,9 +26,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import _model_step, _population
+from . import _model_step, _population, _tree
 from ._errors import plateau as errors
 from ._stop import MODES, auto_mode, beats
 
@@ -109,8 +110,10 @@ class Plateau:
     ``lr * scale`` (``min_scale = min_lr / lr``); ``mode="auto"`` decides from
     the name alone, as ``EarlyStop``'s does (see ``direction``); ``min_delta``
     must be ``>= 0``; a NaN value is never an improvement, even the first. Each
-    ``fit`` call starts the rule again (Keras resets ``best``, ``wait`` and the
-    cooldown at each ``model.fit``) with the scale at 1.
+    ``fit`` call starts the rule again with the scale at 1 unless it is given
+    the previous call's ``plateau_state=result.plateau`` (Keras resets
+    ``best``, ``wait`` and the cooldown at each ``model.fit`` and keeps the
+    lowered rate).
 
     Unlike ``optax.contrib.reduce_on_plateau``, an optax transform chained
     after the optimizer that is given each step's training loss
@@ -264,10 +267,36 @@ class Plateau:
 # ------------------------------------------------------------ in fit's loop
 
 
-def start(plateau: Plateau) -> PlateauCarry:
-    """The carry of a ``fit`` call before its first check."""
-    return PlateauCarry(
-        plateau.init(), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+def start(plateau: Plateau, state: PlateauState | None = None) -> PlateauCarry:
+    """The carry of a ``fit`` call before its first check: the rule's initial
+    state, or ``state`` (``plateau_state=``: an earlier call's, checked), with
+    an empty window of the monitored training metric."""
+    rule = plateau.init() if state is None else state
+    return PlateauCarry(rule, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def checked_state(state: Any, members: int | None = None) -> PlateauState:
+    """``plateau_state=``: an earlier ``result.plateau`` (a ``PlateauState`` of
+    numbers; a population's: each leaf ``[members]``), checked, as arrays of
+    the rule's dtypes."""
+    shape = () if members is None else (members,)
+    each = "a number" if members is None else f"[{members}] numbers, one per member"
+    if not isinstance(state, PlateauState):
+        raise errors.state_type(state, f"a PlateauState of {each}")
+    best, wait, cooldown, scale = (
+        _tree.real_numbers(x, shape, lambda n=name, v=x: errors.state_field(n, v, each))
+        for name, x in state._asdict().items()
+    )
+    if np.isnan(best).any():
+        raise errors.state_value("best", state.best, "a number or ±inf, not NaN")
+    for name, a in (("wait", wait), ("cooldown", cooldown)):
+        if not ((a >= 0).all() and (a == np.floor(a)).all()):
+            raise errors.state_value(name, getattr(state, name), "a whole number >= 0")
+    if not (np.isfinite(scale).all() and (scale > 0).all() and (scale <= 1).all()):
+        raise errors.state_value("scale", state.scale, "in (0, 1]")
+    like = Plateau().init()
+    return PlateauState(
+        *(jnp.asarray(a, y.dtype) for a, y in zip((best, wait, cooldown, scale), like))
     )
 
 
@@ -313,13 +342,14 @@ class ScaledAdapter(_model_step.Wrapper):
     flat state. Wrappers that follow the parameters (``_ema.EmaAdapter``) go
     around it."""
 
-    def __init__(self, adapter: Any, plateau: Plateau):
+    def __init__(self, adapter: Any, plateau: Plateau, state: Any = None):
         super().__init__(adapter, ("plateau",))
         self.plateau = plateau
         self.at = jtu.tree_structure(adapter.state).num_leaves
         self.where = adapter.trained()
-        self.state = (adapter.state, start(plateau))
+        self.state = (adapter.state, start(plateau, state))
         self.static = ("plateau", adapter.static)
+        self.final: PlateauState | None = None  # the rule's state at the end
 
     def names(self) -> list[str]:
         return [*self.adapter.names(), *NAMES]
@@ -351,6 +381,7 @@ class ScaledAdapter(_model_step.Wrapper):
         return step
 
     def finish(self, state: Any) -> tuple[Any, Any]:
+        self.final = PlateauState(*(jax.device_get(x) for x in state[1].rule))
         return self.adapter.finish(state[0])
 
 
@@ -359,14 +390,22 @@ class ScaledPopulation(_population.Wrapped):
     their plateau carries too (after the model's leaves, at ``at``): each
     member's updates multiplied by its own scale, for one ``fit``."""
 
-    def __init__(self, pop: Any, plateau: Plateau):
+    def __init__(self, pop: Any, plateau: Plateau, state: Any = None):
         carry = [
             jnp.broadcast_to(x, (pop.n, *jnp.shape(x)))
             for x in jtu.tree_leaves(start(plateau))
         ]
+        if state is not None:  # each member's own rule state, an empty window
+            carry[: len(state)] = list(state)
         super().__init__(pop, ("plateau",), carry, list(NAMES))
         self.plateau, self.at = plateau, self.n_model
         self.where = pop.adapter(0).trained()
+
+    @property
+    def final(self) -> PlateauState:
+        """Each member's rule state (leaves ``[members]``), as the run left it."""
+        rule = read(self.state, self.at).rule
+        return PlateauState(*(jax.device_get(x) for x in rule))
 
     def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
         inner, n, where = (

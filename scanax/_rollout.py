@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from . import _caller, _fingerprint, _mesh, _model_step, _population
+from . import _caller, _fingerprint, _model_step, _population
 from ._errors import rollout as errors
 from ._tree import is_array
 
@@ -177,7 +177,7 @@ class RolloutSource:
     def check_mesh(self, mesh: Any) -> None:
         raise errors.option("mesh")
 
-    def arguments(self, mesh: Any) -> tuple[Any, Any]:
+    def arguments(self, place: Any) -> tuple[Any, Any]:
         return None, self.key
 
     def accumulate(self, k: int) -> None:
@@ -196,9 +196,9 @@ class RolloutSource:
     def state_at(self, steps: int) -> None:
         """(the feed is saved with the state)"""
 
-    def calls(self, start: int, end: int, schedule: Any, mesh: Any) -> Iterator:
+    def calls(self, start: int, end: int, schedule: Any, place: Any) -> Iterator:
         while start < end:
-            count = _mesh.fewest(mesh, schedule.want(start, end))
+            count = place.fewest(schedule.want(start, end))
             yield start, start + count, None
             start += count
 

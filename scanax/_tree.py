@@ -94,3 +94,18 @@ def partition(
     ``pick`` holds marked to be replaced (the arrays, by default)."""
     leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_leaf)
     return Partition(treedef, leaves, [i for i, x in enumerate(leaves) if pick(x)])
+
+
+def real_numbers(x: Any, shape: tuple, fail: Callable[[], Exception]) -> np.ndarray:
+    """``x`` (a Python number or an array) as a NumPy array of real numbers of
+    ``shape``, else ``fail()`` raised (what a state handed back to ``fit``, e.g.
+    ``plateau_state=``, holds in each field)."""
+    a = np.asarray(x) if isinstance(x, (int, float, np.number)) or is_array(x) else None
+    if (
+        a is None
+        or a.shape != shape
+        or not np.issubdtype(a.dtype, np.number)
+        or np.issubdtype(a.dtype, np.complexfloating)
+    ):
+        raise fail()
+    return a

@@ -71,6 +71,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_rollout",
             "_ema",
             "_precision",
+            "_loss_scale",
             "_plateau",
         },
     ),
@@ -362,3 +363,26 @@ def test_the_fit_wing_has_one_training_loop():
             ):
                 sites.append(f"{name}:{node.lineno}")
     assert len(sites) == 1 and sites[0].startswith("_fit_program:"), sites
+
+
+def test_one_placement_object_decides_mesh_or_not():
+    """Whether on a mesh or not is decided by ``_mesh.Placement`` (put, replicate,
+    constrain, state shardings, host values, members): no module of the fit
+    wing, nor the data sources or ``evaluate``, compares a mesh with None."""
+    sites = []
+    names = {*FIT_WING, "_data", "_rollout", "_evaluate"} - {"_mesh"}
+    for name in sorted(names):
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare) or len(node.comparators) != 1:
+                continue
+            left, right = node.left, node.comparators[0]
+            is_none = isinstance(right, ast.Constant) and right.value is None
+            names_mesh = (isinstance(left, ast.Name) and left.id == "mesh") or (
+                isinstance(left, ast.Attribute) and left.attr == "mesh"
+            )
+            if is_none and names_mesh and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+                sites.append(f"{name}:{node.lineno}")
+    # evaluate's own argument check (a mesh given or not, before it is placed)
+    assert [s for s in sites if not s.startswith("_evaluate:")] == [], sites
+    assert len(sites) <= 1, sites

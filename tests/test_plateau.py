@@ -614,6 +614,80 @@ def test_a_checkpoint_resumes_the_rule_exactly(optax_run, tmp_path):
     assert again.history["lr_scale"][0] == 1.0
 
 
+def test_plateau_state_continues_the_rule_across_calls(optax_run):
+    """Two calls of half the steps, the second given the first's
+    ``result.plateau`` (and its optimizer state): the one call's scales,
+    losses and parameters, exactly; ``result.plateau`` is the rule's state."""
+    half = STEPS // 2
+    assert half % EVERY == 0  # (a call boundary at a check: windows align)
+    first = plateau_fit(params0(), optax.adam(LR), linear_loss, steps=half)
+    state = first.plateau
+    assert isinstance(state, _plateau.PlateauState)
+    assert float(state.scale) == first.history["lr_scale"][-1] < 1
+    second = plateau_fit(
+        first.model, optax.adam(LR), linear_loss, steps=half,
+        opt_state=first.optimizer, plateau_state=state,
+    )  # fmt: skip
+    scales = np.concatenate([first.history["lr_scale"], second.history["lr_scale"]])
+    np.testing.assert_array_equal(scales, optax_run.history["lr_scale"])
+    losses = np.concatenate([first.history["loss"], second.history["loss"]])
+    np.testing.assert_array_equal(losses, optax_run.history["loss"])
+    close(second.model, optax_run.model, rtol=0, atol=0)
+    np.testing.assert_array_equal(
+        np.asarray(second.plateau.scale), np.asarray(optax_run.plateau.scale)
+    )
+    assert optax_run.plateau.wait == second.plateau.wait
+
+
+def test_plateau_state_continues_each_population_member():
+    """A population continues in its own object; with ``plateau_state`` each
+    member's rule continues too: two calls equal one."""
+    lrs = np.array([LR, 0.05], np.float32)
+
+    def pop():
+        return scanax.population(adam_member, 2, key=jr.key(0), lr=lrs)
+
+    whole = plateau_fit(pop(), None, linear_loss)
+    half, members = STEPS // 2, pop()
+    first = plateau_fit(members, None, linear_loss, steps=half)
+    assert np.shape(first.plateau.scale) == (2,)
+    second = plateau_fit(
+        members, None, linear_loss, steps=half, plateau_state=first.plateau
+    )
+    scales = np.concatenate(
+        [first.history["lr_scale"], second.history["lr_scale"]], axis=1
+    )
+    np.testing.assert_array_equal(scales, whole.history["lr_scale"])
+    assert scales[1, -1] < 1 and scales[0, -1] < 1
+    for i in range(2):
+        close(second.model[i], whole.model[i], rtol=0, atol=0)
+
+
+def test_plateau_state_errors_and_the_keras_recipe():
+    with pytest.raises(TypeError, match=r"`plateau_state` was given without"):
+        fit(params0(), optax.adam(LR), linear_loss, plateau_state=1)
+    state = _plateau.PlateauState(1.0, 0, 0, 1.0)
+    for bad, message in (
+        (1.0, r"`plateau_state` must be the"),
+        ({"scale": 1.0}, r"`plateau_state` must be the"),
+        (state._replace(scale=jnp.ones(2)), r"`plateau_state.scale` must be a"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            plateau_fit(params0(), optax.adam(LR), linear_loss, steps=2,
+                        plateau_state=bad)  # fmt: skip
+    for field, value in (("scale", 0.0), ("scale", 5.0), ("scale", np.nan),
+                         ("best", np.nan), ("wait", -1), ("cooldown", 0.5)):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"`plateau_state.{field}` must be"):
+            plateau_fit(params0(), optax.adam(LR), linear_loss, steps=2,
+                        plateau_state=state._replace(**{field: value}))  # fmt: skip
+    # the docs' recipe for Keras's behaviour: the rate kept, the rest reset
+    first = plateau_fit(params0(), optax.adam(LR), linear_loss, steps=24)
+    keras_like = first.plateau._replace(best=float("inf"), wait=0, cooldown=0)
+    again = plateau_fit(first.model, optax.adam(LR), linear_loss, steps=4,
+                        opt_state=first.optimizer, plateau_state=keras_like)  # fmt: skip
+    assert again.history["lr_scale"][0] == first.history["lr_scale"][-1] < 1
+
+
 class Traced(Exception):
     """Raised instead of compiling: the program was traced."""
 

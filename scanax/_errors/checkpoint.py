@@ -13,11 +13,11 @@ _CHECKPOINT_FIX = (
 )
 
 
-def no_orbax() -> ImportError:
+def no_orbax(option: str = "checkpoint_dir") -> ImportError:
     return ImportError(
-        f"{CALL}: checkpoint_dir needs orbax-checkpoint, which is not "
+        f"{CALL}: {option} needs orbax-checkpoint, which is not "
         "installed.\nFix: `pip install orbax-checkpoint` (or "
-        "`scanax[checkpoint]`), or pass checkpoint_dir=None."
+        f"`scanax[checkpoint]`), or pass {option}=None."
     )
 
 
@@ -147,4 +147,44 @@ def no_best_state(path: str) -> FileNotFoundError:
         f"scanax.load_best: no best state saved in {path!r}.\nFix: pass the "
         "best_dir of a fit that evaluated at least once (its stop= monitor "
         "improved at least once)."
+    )
+
+
+_LOAD_BEST = "scanax.load_best"
+
+
+def best_member_needed(path: str, n: int) -> TypeError:
+    return TypeError(
+        f"{_LOAD_BEST}: {path!r} holds the best states of a population of {n} "
+        "members, and no member= was given.\nFix: pass member=i (0 <= i < "
+        f"{n}) with a model and optimizer of one member's structure (what "
+        "make(key, ...) returns)."
+    )
+
+
+def best_not_population(path: str, member: Any) -> TypeError:
+    return TypeError(
+        f"{_LOAD_BEST}: member={member!r} was given, but {path!r} holds one "
+        "model's best state (a fit of one model, not of a population).\nFix: "
+        "drop member=."
+    )
+
+
+def best_member_index(member: Any, n: int) -> Exception:
+    if isinstance(member, int) and not isinstance(member, bool):
+        return IndexError(
+            f"{_LOAD_BEST}: member={member} of a population of {n}.\nFix: pass "
+            f"member=i with -{n} <= i < {n}."
+        )
+    return TypeError(
+        f"{_LOAD_BEST}: member= takes an int, got {short_type(member)}.\nFix: "
+        "pass the member's index, member=i."
+    )
+
+
+def best_member_none(path: str, member: int) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{_LOAD_BEST}: member {member} has no best state in {path!r}: its "
+        "stop= monitor never improved (no evaluation, or none finite).\nFix: "
+        "pick another member (result.best_step[i] >= 0), or train longer."
     )

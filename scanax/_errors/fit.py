@@ -481,17 +481,52 @@ def iterator_state_type(state: Any) -> TypeError:
 
 def precision_value(precision: Any) -> ValueError:
     return ValueError(
-        f"{CALL}: precision={precision!r} is not one fit knows.\nFix: pass "
-        "precision='bfloat16' (compute in bfloat16, float32 parameters and "
-        "optimizer state), or None (float32)."
+        f"{CALL}: precision={precision!r} is not one fit knows: expected "
+        "'bfloat16', 'float16' or None.\nFix: pass precision='bfloat16' (compute "
+        "in bfloat16, float32 parameters and optimizer state), 'float16' (the "
+        "same in float16, with dynamic loss scaling) or None (float32)."
     )
 
 
-def precision_float16() -> ValueError:
+def loss_scale_metric_taken(name: str) -> ValueError:
     return ValueError(
-        f"{CALL}: precision='float16' needs dynamic loss scaling, which fit does "
-        "not do yet (float16 gradients underflow without it).\nFix: use "
-        "precision='bfloat16' (float32's range: no loss scaling needed)."
+        f"{CALL}: loss_fn returns a metric named {name!r}, the name under which "
+        "precision='float16' records each step's loss scale in the history.\n"
+        "Fix: rename that metric."
+    )
+
+
+def loss_scale_state_without_float16(precision: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_scale_state` continues float16's dynamic loss scale, "
+        f"but precision={precision!r}.\nFix: pass precision='float16' (as in the "
+        "call whose `result.loss_scale` this is), or drop `loss_scale_state`."
+    )
+
+
+def loss_scale_state_type(state: Any, want: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_scale_state` must be the `result.loss_scale` of an "
+        f"earlier fit with precision='float16' ({want}), got "
+        f"{short_type(state)}.\nFix: pass `loss_scale_state=result.loss_scale` "
+        "of the previous call to continue its scale and count of good steps."
+    )
+
+
+def loss_scale_state_field(name: str, value: Any, want: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_scale_state.{name}` must be {want}, got "
+        f"{short_type(value)}.\nFix: pass `loss_scale_state=result.loss_scale` "
+        "of an earlier call (of the same model, or population of as many "
+        "members), or change only its values with `._replace(...)`."
+    )
+
+
+def loss_scale_state_value(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: `loss_scale_state.{name}` must be {rule}, got {value!r}.\n"
+        "Fix: pass `loss_scale_state=result.loss_scale` of an earlier call, or "
+        "a scale between 1 and 2**15 and a count of good steps >= 0."
     )
 
 
@@ -500,14 +535,6 @@ def best_dir_without_stop() -> TypeError:
         f"{CALL}: best_dir= keeps the best model by a monitored metric, and "
         "none is given.\nFix: pass stop=scanax.EarlyStop(monitor, patience=...) "
         "too (patience=None: never stop, only keep the best), with eval_every=."
-    )
-
-
-def best_dir_population() -> TypeError:
-    return TypeError(
-        f"{CALL}: best_dir= is not supported for a population yet.\nFix: "
-        "drop it; stop=EarlyStop(..., restore_best=True) keeps each member's "
-        "best in result.model."
     )
 
 

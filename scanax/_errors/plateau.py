@@ -131,3 +131,38 @@ def metric_name_taken(name: str) -> ValueError:
         "plateau= records the scale of each step's update in the history.\nFix: "
         "rename that metric."
     )
+
+
+def state_without_plateau() -> TypeError:
+    return TypeError(
+        f"{FIT}: `plateau_state` was given without `plateau=`.\nFix: pass the "
+        "same `plateau=scanax.Plateau(...)` as the call whose `result.plateau` "
+        "this is, or drop `plateau_state`."
+    )
+
+
+def state_type(state: Any, want: str) -> TypeError:
+    return TypeError(
+        f"{FIT}: `plateau_state` must be the `result.plateau` of an earlier fit "
+        f"with `plateau=` ({want}), got {short_type(state)}.\nFix: pass "
+        "`plateau_state=result.plateau` of the previous call to continue its "
+        "scale, best value, wait and cooldown."
+    )
+
+
+def state_field(name: str, value: Any, want: str) -> TypeError:
+    return TypeError(
+        f"{FIT}: `plateau_state.{name}` must be {want}, got "
+        f"{short_type(value)}.\nFix: pass `plateau_state=result.plateau` of an "
+        "earlier call (of the same model, or population of as many members), "
+        "or change only its values with `._replace(...)`."
+    )
+
+
+def state_value(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(
+        f"{FIT}: `plateau_state.{name}` must be {rule}, got {value!r}.\nFix: "
+        "pass `plateau_state=result.plateau` of an earlier call, or a value "
+        "the rule can reach (the scale only falls from 1; wait and cooldown "
+        "count evaluations)."
+    )
