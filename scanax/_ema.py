@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -39,6 +39,14 @@ def check_decay(ema: Any) -> float | None:
     if not 0.0 <= float(ema) < 1.0:
         raise errors.ema_value(ema)
     return float(ema)
+
+
+class Options(NamedTuple):
+    """``fit``'s ``ema=``, ``ema_eval=`` and ``ema_state=``, checked."""
+
+    decay: float
+    on_eval: bool  # ``ema_eval``: evaluations (and their rules) see the average
+    start: Any = None  # ``ema_state``: an earlier call's ``result.ema``, or None
 
 
 class EmaAdapter(_model_step.Wrapper):

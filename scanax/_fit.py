@@ -391,7 +391,7 @@ def fit(
         eval_call,
         logger,
         low,
-        None if ema is None else (ema, bool(ema_eval), ema_state),
+        None if ema is None else _ema.Options(ema, bool(ema_eval), ema_state),
         best_dir,
         execution,
         loss_scale_state,

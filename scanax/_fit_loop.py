@@ -172,7 +172,7 @@ class Setup(NamedTuple):
     eval_call: Any  # eval_fn (or loss_fn) as given, with evaluation
     logger: Any  # ``_fit_checks.Logger``, or None
     precision: Any  # the dtype to compute in (``_precision``), or None
-    ema: Any  # ``(decay, on_eval, ema_state)`` (``_ema``), or None
+    ema: Any  # ``_ema.Options``, or None
     best_dir: Any  # ``best_dir=``, or None
     execution: str = "auto"  # ``execution=``: "auto", "fused" or "stepwise"
     loss_scale_state: Any = None  # ``loss_scale_state=`` (checked), or None
