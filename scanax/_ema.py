@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import _model_step, _population
 from ._errors import fit as errors
@@ -79,13 +78,8 @@ class EmaAdapter(_model_step.Wrapper):
 
     def partition_specs(self) -> Any:
         """The model's annotations, the average's those of its parameters."""
-        tree = self.adapter.partition_specs()
-        if tree is None:
-            return None
-        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
-        if len(found) != self.inner_def.num_leaves:
-            return None
-        return [*found, *(found[i] for i in self.where)]
+        found = self.inner_specs(self.inner_def.num_leaves)
+        return None if found is None else [*found, *(found[i] for i in self.where)]
 
     def averaged_leaves(self, leaves: list) -> list:
         """The model's own leaves, the average in place of the parameters, from

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import _model_step, _population, _tree
 from ._errors import fit as errors
@@ -183,13 +182,7 @@ class LossScaledAdapter(_model_step.Wrapper):
 
     def partition_specs(self) -> Any:
         """The inner adapter's annotations; the loss scale is replicated."""
-        tree = self.adapter.partition_specs()
-        if tree is None:
-            return None
-        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
-        if len(found) != self.at:
-            return None
-        return [*found, *(P() for _ in NAMES)]
+        return self.replicated_after(self.at, len(NAMES))
 
     def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         adapter, period, names = self.adapter, self.period, self.adapter.names()

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ._errors import models as errors
 from ._errors.fit import CALL as _CALL
@@ -172,3 +173,18 @@ class Wrapper:
     def make_call(self, fn: Callable) -> Callable:
         call = self.adapter.make_call(fn)
         return lambda state, *args: call(state[0], *args)
+
+    def inner_specs(self, n: int) -> list | None:
+        """The inner adapter's sharding annotations, one per leaf of its ``n``
+        leaves, or None (none, or not one per leaf)."""
+        tree = self.adapter.partition_specs()
+        if tree is None:
+            return None
+        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
+        return found if len(found) == n else None
+
+    def replicated_after(self, n: int, k: int) -> list | None:
+        """The inner adapter's annotations (``n`` leaves), then ``k`` replicated
+        leaves of this wrapper's own (a small carry: a rule's state)."""
+        found = self.inner_specs(n)
+        return None if found is None else [*found, *(P() for _ in range(k))]

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import _model_step, _population, _tree
 from ._errors import plateau as errors
@@ -359,13 +358,7 @@ class ScaledAdapter(_model_step.Wrapper):
 
     def partition_specs(self) -> Any:
         """The model's annotations; the carry is replicated."""
-        tree = self.adapter.partition_specs()
-        if tree is None:
-            return None
-        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
-        if len(found) != self.at:
-            return None
-        return [*found, *(P() for _ in NAMES)]
+        return self.replicated_after(self.at, len(NAMES))
 
     def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         inner, where = self.adapter.make_step(loss_fn, accumulate), self.where
