@@ -19,6 +19,7 @@ the steps it skips are ``_loss_scale``'s.
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -127,37 +128,31 @@ def _float32(x: Any) -> Any:
     return x
 
 
-@jax.custom_vjp
-def _scaled(loss: Any, scale: Any) -> Any:
-    """``loss``, whose cotangent is multiplied by ``scale``."""
-    return loss
-
-
-def _scaled_fwd(loss: Any, scale: Any) -> tuple:
-    return loss, scale
-
-
-def _scaled_bwd(scale: Any, ct: Any) -> tuple:
-    with jax.named_scope("scanax.loss_scale"):
-        return ct * scale.astype(ct.dtype), jnp.zeros_like(scale)
-
-
-_scaled.defvjp(_scaled_fwd, _scaled_bwd)
-
-
-@jax.custom_vjp
-def _unscaled(x: Any, scale: Any) -> Any:
-    """``x``, whose cotangent is divided by ``scale`` (in ``x``'s dtype)."""
+@ft.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rescaled(x: Any, scale: Any, divide: bool) -> Any:
+    """``x``, whose cotangent is multiplied by ``scale`` (``divide``: divided by
+    it), in the cotangent's dtype."""
     return x
 
 
-def _unscaled_fwd(x: Any, scale: Any) -> tuple:
+def _rescaled_fwd(x: Any, scale: Any, divide: bool) -> tuple:
     return x, scale
 
 
-def _unscaled_bwd(scale: Any, ct: Any) -> tuple:
+def _rescaled_bwd(divide: bool, scale: Any, ct: Any) -> tuple:
     with jax.named_scope("scanax.loss_scale"):
-        return ct / scale.astype(ct.dtype), jnp.zeros_like(scale)
+        s = scale.astype(ct.dtype)
+        return (ct / s if divide else ct * s), jnp.zeros_like(scale)
 
 
-_unscaled.defvjp(_unscaled_fwd, _unscaled_bwd)
+_rescaled.defvjp(_rescaled_fwd, _rescaled_bwd)
+
+
+def _scaled(loss: Any, scale: Any) -> Any:
+    """``loss``, whose cotangent is multiplied by ``scale``."""
+    return _rescaled(loss, scale, False)
+
+
+def _unscaled(x: Any, scale: Any) -> Any:
+    """``x``, whose cotangent is divided by ``scale`` (in ``x``'s dtype)."""
+    return _rescaled(x, scale, True)
