@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import operator
 import os
 import warnings
 from typing import Any
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from . import _caller
+from . import _caller, _tree
 from ._errors import checkpoint as errors
 
 _FORMAT = 1
@@ -476,15 +475,7 @@ def load_best(
 
 def _member(i: Any, n: int) -> int:
     """Member index ``i`` of ``n`` (negative counts from the end), checked."""
-    if isinstance(i, bool):
-        raise errors.best_member_index(i, n)
-    try:
-        i = operator.index(i)
-    except TypeError:
-        raise errors.best_member_index(i, n) from None
-    if not -n <= i < n:
-        raise errors.best_member_index(i, n)
-    return i % n
+    return _tree.index_in(i, n, lambda: errors.best_member_index(i, n))
 
 
 def _stacked(x: Any, n: int) -> Any:

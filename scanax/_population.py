@@ -20,7 +20,14 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _fingerprint, _models, _models_nnx, _models_optax, _models_trainstate
+from . import (
+    _fingerprint,
+    _models,
+    _models_nnx,
+    _models_optax,
+    _models_trainstate,
+    _tree,
+)
 from ._errors import population as errors, short_type
 
 _CALL = errors.CALL
@@ -344,13 +351,7 @@ def _is_key(x: Any) -> bool:
 
 def member_index(i: Any, n: int) -> int:
     """Member index ``i`` of ``n`` (negative counts from the end), checked."""
-    try:
-        i = operator.index(i)
-    except TypeError:
-        raise errors.member_index(i, n) from None
-    if not -n <= i < n:
-        raise errors.member_index(i, n)
-    return i % n
+    return _tree.index_in(i, n, lambda: errors.member_index(i, n))
 
 
 def is_population(x: Any) -> bool:

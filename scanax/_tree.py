@@ -10,6 +10,7 @@ rebuild it with new values in the first ones' places: ``partition`` and ``splice
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -109,3 +110,17 @@ def real_numbers(x: Any, shape: tuple, fail: Callable[[], Exception]) -> np.ndar
     ):
         raise fail()
     return a
+
+
+def index_in(i: Any, n: int, fail: Callable[[], Exception]) -> int:
+    """Index ``i`` of ``n`` items (negative counts from the end; an int-like
+    object, not a bool), as ``0 <= i < n``, else ``fail()`` raised."""
+    if isinstance(i, bool):
+        raise fail()
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise fail() from None
+    if not -n <= i < n:
+        raise fail()
+    return i % n
