@@ -88,3 +88,9 @@ def ts_apply(params, x):
 def ts_loss(state, batch):
     x, y = batch
     return jnp.mean((state.apply_fn(state.params, x) - y) ** 2)
+
+
+def joined(parts, name):
+    """``history[name]`` of consecutive ``fit`` calls, joined along the steps
+    (the last axis: a population's is ``[members, steps]``)."""
+    return np.concatenate([p.history[name] for p in parts], axis=-1)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from fit_helpers import MLP, X, Y, batch_at, nnx, nnx_loss, optax, train_state
+from fit_helpers import MLP, X, Y, batch_at, joined, nnx, nnx_loss, optax, train_state
 from helpers import close
 
 import scanax
@@ -628,9 +628,9 @@ def test_plateau_state_continues_the_rule_across_calls(optax_run):
         first.model, optax.adam(LR), linear_loss, steps=half,
         opt_state=first.optimizer, plateau_state=state,
     )  # fmt: skip
-    scales = np.concatenate([first.history["lr_scale"], second.history["lr_scale"]])
+    scales = joined([first, second], "lr_scale")
     np.testing.assert_array_equal(scales, optax_run.history["lr_scale"])
-    losses = np.concatenate([first.history["loss"], second.history["loss"]])
+    losses = joined([first, second], "loss")
     np.testing.assert_array_equal(losses, optax_run.history["loss"])
     close(second.model, optax_run.model, rtol=0, atol=0)
     np.testing.assert_array_equal(
@@ -654,9 +654,7 @@ def test_plateau_state_continues_each_population_member():
     second = plateau_fit(
         members, None, linear_loss, steps=half, plateau_state=first.plateau
     )
-    scales = np.concatenate(
-        [first.history["lr_scale"], second.history["lr_scale"]], axis=1
-    )
+    scales = joined([first, second], "lr_scale")
     np.testing.assert_array_equal(scales, whole.history["lr_scale"])
     assert scales[1, -1] < 1 and scales[0, -1] < 1
     for i in range(2):

@@ -22,6 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
+from fit_helpers import joined
 
 import scanax
 from scanax import _loss_scale
@@ -575,9 +576,9 @@ def test_loss_scale_state_continues_the_scale_across_calls():
         first.model, optax.adam(LR), linear_loss, steps=half,
         opt_state=first.optimizer, loss_scale_state=state,
     )  # fmt: skip
-    scales = np.concatenate([first.history["loss_scale"], second.history["loss_scale"]])
+    scales = joined([first, second], "loss_scale")
     np.testing.assert_array_equal(scales, whole.history["loss_scale"])
-    losses = np.concatenate([first.history["loss"], second.history["loss"]])
+    losses = joined([first, second], "loss")
     np.testing.assert_array_equal(losses, whole.history["loss"])
     equal((second.model, second.optimizer), (whole.model, whole.optimizer))
     assert int(second.loss_scale.good_steps) == int(whole.loss_scale.good_steps)
@@ -601,9 +602,7 @@ def test_loss_scale_state_continues_each_population_member():
     first = fit16(members, None, loss, steps=half)
     assert np.shape(first.loss_scale.scale) == (2,)
     second = fit16(members, None, loss, steps=half, loss_scale_state=first.loss_scale)
-    scales = np.concatenate(
-        [first.history["loss_scale"], second.history["loss_scale"]], axis=1
-    )
+    scales = joined([first, second], "loss_scale")
     np.testing.assert_array_equal(scales, whole.history["loss_scale"])
     for i in range(2):
         equal(second.model[i], whole.model[i])
