@@ -296,12 +296,13 @@ class Saved:
     depend only on the broadcast values computed once.
 
     Which are which is read from the jaxpr of the step's linearization: a
-    residual varies if it depends on the carry or the step's ``x``.
+    residual varies if it depends on the carry or the step's ``x``. The loop
+    replays that jaxpr (``linearize``): the user's step is traced once.
     """
 
-    def __init__(self, plan, primals, active, treedef, mask, fixed, buffers):
-        self.plan, self.primals, self.active = plan, primals, active
-        self.treedef, self.mask, self.fixed = treedef, mask, fixed
+    def __init__(self, closed, out_tree, treedef, mask, fixed, buffers, k):
+        self.closed, self.out_tree, self.treedef = closed, out_tree, treedef
+        self.mask, self.fixed, self.k = mask, fixed, k
         self.buffers = buffers  # ShapeDtypeStructs of the varying leaves
 
     @staticmethod
@@ -314,20 +315,22 @@ class Saved:
         k = floats(consts, active.consts)
         holder = []
 
-        def leaves(carry, x, k):
+        def leaves(carry, x, k):  # the step's outputs, then its residuals
             out, vjp = _vjp(plan, active, consts, carry, x, k)
             flat, treedef = jtu.tree_flatten(vjp)
             holder.append(treedef)
-            return flat
+            return out, flat
 
-        closed = jax.make_jaxpr(leaves)(init, x0, k)
+        closed, (out_shape, _) = jax.make_jaxpr(leaves, return_shape=True)(init, x0, k)
         jaxpr = closed.jaxpr
+        out_tree = jtu.tree_structure(out_shape)
+        residuals = jaxpr.outvars[out_tree.num_leaves :]
         n_vary = len(jtu.tree_leaves(init)) + len(jtu.tree_leaves(x0))
         flags = [i < n_vary for i in range(len(jaxpr.invars))]
-        mask = _varying(jaxpr, flags)
+        mask = _varying(jaxpr.replace(outvars=residuals), flags)
         buffers = [
             jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-            for v, m in zip(jaxpr.outvars, mask)
+            for v, m in zip(residuals, mask)
             if m
         ]
         row = sum(b.size * b.dtype.itemsize for b in buffers)
@@ -335,7 +338,7 @@ class Saved:
             return None
         # The fixed leaves, once, from the equations they need only (not the
         # step, whose callbacks would run once more).
-        outs = [v for v, m in zip(jaxpr.outvars, mask) if not m]
+        outs = [v for v, m in zip(residuals, mask) if not m]
         needed = {v for v in outs if _var(v)}
         kept = []
         for eqn in reversed(jaxpr.eqns):
@@ -345,13 +348,15 @@ class Saved:
         pruned = jaxpr.replace(eqns=kept[::-1], outvars=outs)
         args = jtu.tree_leaves((init, x0, k))
         fixed = jax.core.eval_jaxpr(pruned, closed.consts, *args)
-        return Saved(plan, primals, active, holder[0], mask, fixed, buffers)
+        return Saved(closed, out_tree, holder[0], mask, fixed, buffers, k)
 
     def linearize(self, carry: Any, x: Any) -> tuple[Any, list[Any]]:
-        """One step and the leaves of its linearization."""
-        k = floats(self.primals[2], self.active.consts)
-        out, vjp = _vjp(self.plan, self.active, self.primals[2], carry, x, k)
-        return out, jtu.tree_leaves(vjp)
+        """One step and the leaves of its linearization (the traced jaxpr
+        replayed)."""
+        args = jtu.tree_leaves((carry, x, self.k))
+        flat = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *args)
+        n = self.out_tree.num_leaves
+        return jtu.tree_unflatten(self.out_tree, flat[:n]), list(flat[n:])
 
     def varying(self, leaves: list[Any]) -> list[Any]:
         return [a for a, m in zip(leaves, self.mask) if m]
