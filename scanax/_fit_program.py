@@ -8,6 +8,7 @@ import abc
 import collections
 import functools
 import hashlib
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,8 +29,9 @@ _CACHE_SIZE = 32
 # same-structured model with the same loss code reuses them, even when every
 # object was rebuilt.
 PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-# Compiled executables keyed on their lowered program: what a new structure that
-# traces to an already compiled program (a re-defined model class) reuses.
+# Compiled executables keyed on their lowered program, with the seconds their
+# tracing and compile took: what a new structure that traces to an already
+# compiled program (a re-defined model class) reuses.
 EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
 
 
@@ -68,6 +70,10 @@ class Program:
         # (the choice's key on disk)
         self.choice: str | None = None
         self.digest: str | None = None
+        # the longest this program took to trace and compile (by this fit or
+        # the one that compiled it first): what auto's trial of the stepwise
+        # programs is expected to cost, also when a later call finds it compiled
+        self.compile_seconds = 0.0
 
     def executable(self, args: tuple) -> Callable:
         """The compiled program for arguments like ``args``: one already compiled
@@ -75,18 +81,22 @@ class Program:
         signature = self.signature(args)
         exe = self.executables.get(signature)
         if exe is None:
+            began = time.perf_counter()
             lowered = self.jitted.trace(*args).lower()
             text = lowered.as_text()
             self.digest = hashlib.sha256(text.encode()).hexdigest()
             if "callback" in text:  # host callbacks: functions the text cannot show
-                exe = lowered.compile()
+                exe, seconds = lowered.compile(), None
             else:
                 key = (hashlib.sha256(text.encode()).digest(), signature)
-                exe = EXECUTABLES.get(key)
+                exe, seconds = EXECUTABLES.get(key, (None, None))
                 if exe is None:
-                    exe = EXECUTABLES[key] = lowered.compile()
+                    exe = lowered.compile()
+                    EXECUTABLES[key] = (exe, time.perf_counter() - began)
                     while len(EXECUTABLES) > _CACHE_SIZE:
                         EXECUTABLES.popitem(last=False)
+            seconds = time.perf_counter() - began if seconds is None else seconds
+            self.compile_seconds = max(self.compile_seconds, seconds)
             self.executables[signature] = exe
         return exe
 

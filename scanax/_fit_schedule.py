@@ -144,7 +144,9 @@ class Execution:
     def compiled(self, seconds: float) -> None:
         """The first call's program compiled in ``seconds``; with the compile
         cache on, a choice made by an earlier process for it applies."""
-        self.compile_seconds = seconds
+        # (a program found compiled costs nothing now, but a trial of the
+        # stepwise programs costs about what compiling it did)
+        self.compile_seconds = max(seconds, self.program.compile_seconds)
         if self.deciding and self.program.digest is not None:
             found = _read_choice(self.program.digest)
             if found is not None:

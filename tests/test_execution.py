@@ -279,6 +279,36 @@ def test_auto_chooses_by_measured_times(monkeypatch, times, chosen):
     forget_programs()
 
 
+def test_a_program_found_compiled_still_counts_its_compile_for_a_trial(monkeypatch):
+    """A second ``fit`` finds the fused program compiled (no compile now), but a
+    trial would compile the stepwise programs, about as long as the fused one
+    took: the trial's threshold keeps that cost (before, a found program counted
+    as free, and a short second run of a slow-to-compile PPO population started
+    a 20 s compile on a thread, slowing that run and the next)."""
+    forget_programs()
+    scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 12})
+    (program,) = _fit_program.PROGRAMS.values()
+    assert program.compile_seconds > 0
+    program.compile_seconds = 100.0  # (a slow compile, as the PPO population's)
+    calls = []
+    ran = _fit_schedule.Execution.ran
+
+    def two_ms(execution, mode, steps, seconds):  # 48 steps: ~0.1 s left
+        calls.append(mode)
+        ran(execution, mode, steps, 2e-3 * steps)
+
+    monkeypatch.setattr(_fit_schedule.Execution, "ran", two_ms)
+    monkeypatch.setattr(_fit_schedule, "_TRIAL_SECONDS", 0.01)
+    monkeypatch.setattr(_fit_schedule.concurrent.futures, "ThreadPoolExecutor",
+                        Synchronous)  # fmt: skip
+    r = scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 48})
+    assert r.execution == "fused" and set(calls) == {"fused"}  # no trial
+    program.compile_seconds = 1e-4  # (a cheap compile: the same run tries)
+    r = scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 48})
+    assert "stepwise" in calls
+    forget_programs()
+
+
 def test_auto_choice_kept_on_disk_with_the_compile_cache(monkeypatch, tmp_path):
     forget_programs()
     Injected(monkeypatch, 11e-3, 0.9e-3)
