@@ -154,8 +154,10 @@ class Checks:
         its mean over them), and whether the rule checks it now."""
         if monitor in rollout:
             # A rollout's metric: the mean of the collections since the last
-            # check (none since: no check, the rule waits for one).
-            got = out["collected"]
+            # check (none since: no check, the rule waits for one). A NaN
+            # value counts as no collection: what a collect reports when
+            # nothing happened (an episode return where no episode ended).
+            got = out["collected"] & ~jnp.isnan(rollout[monitor])
             value = jnp.where(got, rollout[monitor], 0.0)
             total = total + value.astype(jnp.float32)
             count = count + got.astype(count.dtype)

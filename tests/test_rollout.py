@@ -467,6 +467,55 @@ def test_early_stop_on_a_rollout_metric(solo):
     )
 
 
+def _collect_sometimes_nan(params, carry, key):
+    """``reward`` NaN in the collections below a threshold: a ``return``
+    averaged over the episodes that ended, where none did."""
+    batch, carry, metrics = job.collect(params, carry, key)
+    reward = metrics["reward"]
+    return batch, carry, {"reward": jnp.where(reward > NAN_BELOW, reward, jnp.nan)}
+
+
+NAN_BELOW = 0.0
+
+
+def test_early_stop_on_a_rollout_metric_skips_nan_collections(solo):
+    """A NaN collection counts as no collection: the check's value is the mean
+    of the others since the last check, and a check with none waits (before,
+    one NaN made the check's value NaN, never an improvement: training stopped
+    with no best state)."""
+    global NAN_BELOW
+    rewards = solo[0].history["rollout_reward"]  # collections at 1, 9, 17, ...
+    NAN_BELOW = float(np.sort(rewards[:6])[2])  # half of the first six are NaN
+    masked = np.where(rewards > NAN_BELOW, rewards, np.nan)
+    stop = scanax.EarlyStop("rollout_reward", patience=1, mode="max")
+    out = scanax.fit(
+        job.params0(), TX, job.loss_fn, rollout(collect=_collect_sometimes_nan),
+        steps=48, key=KEY, progress=False, eval_every=16, stop=stop,
+    )  # fmt: skip
+    np.testing.assert_array_equal(
+        out.history["rollout_reward"], masked[: len(out.history["rollout_reward"])]
+    )
+    best, misses, at, pending = -np.inf, 0, None, []
+    steps = 48
+    for i, window in enumerate((masked[0:2], masked[2:4], masked[4:6])):
+        pending.extend(window[~np.isnan(window)])
+        if not pending:
+            continue  # (no collection with a value since the last check)
+        value, pending = np.mean(pending), []
+        if value > best:
+            best, at, misses = value, 16 * (i + 1), 0
+        else:
+            misses += 1
+            if misses >= 1:
+                steps = 16 * (i + 1)
+                break
+    assert at is not None and out.best_step == at
+    assert out.steps == steps
+    np.testing.assert_array_equal(
+        out.history["loss"], solo[0].history["loss"][: out.steps]
+    )
+
+
 def test_a_new_rollout_reuses_the_compiled_init_and_a_reused_one_warns():
     traced = []
 
