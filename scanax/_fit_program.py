@@ -329,15 +329,15 @@ class Chunks:
 
     def advance(self, c: Chunk, env: Any, loop: tuple) -> tuple:
         """The loop's state after its next step, or as it is when the loop would
-        have ended (a ``lax.cond``: the host dispatches ``max(count)`` of them
-        without reading the device). ``c.leaves`` is unused (None)."""
+        have ended: the fused loop bounded to one iteration (the host dispatches
+        ``max(count)`` of them without reading the device, and XLA compiles the
+        step as the fused loop's body). ``c.leaves`` is unused (None)."""
         with jax.named_scope(_CALL):
             i, carry, perm, _ = loop
             one, _ = self._traced(c, env, carry, perm)
-            return jax.lax.cond(
-                self.running(c, loop),
+            return jax.lax.while_loop(
+                lambda loop: (loop[0] == i) & self.running(c, loop),
                 lambda loop: self._body(c, one, loop),
-                lambda loop: loop,
                 loop,
             )
 

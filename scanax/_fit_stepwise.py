@@ -8,9 +8,12 @@ state: bit-identical results on CPU, every feature of the loop (a non-finite
 step's stop, evaluation and the early-stop rule, accumulation, a population's
 members, meshes, a rollout's feed) unchanged. Between steps the loop's state
 stays on the device as a flat list of arrays, donated to the next step; the host
-flattens nothing per step. Each step is a ``lax.cond`` on whether the loop would
-still run, so the host dispatches ``max(count)`` steps without reading the
-device, and a call that stopped early costs only its remaining conds.
+flattens nothing per step. Each step is a ``lax.while_loop`` of the fused loop's
+own body and condition, bounded to one iteration, so the host dispatches
+``max(count)`` steps without reading the device, a call that stopped early
+costs only its remaining (empty) loops, and XLA compiles the step as the fused
+loop's body: bit for bit the same arithmetic, a population's too (a
+``lax.cond`` compiled a population's step differently in the last bits).
 """
 
 from __future__ import annotations

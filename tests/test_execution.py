@@ -155,6 +155,52 @@ def test_stepwise_population_equals_fused():
         leaves_equal(a, b)
 
 
+def _actor_critic(key):
+    k1, k2, k3 = jr.split(key, 3)
+    init = jax.nn.initializers.lecun_normal()
+    params = {"w": init(k1, (4, 8)), "b": jnp.zeros(8), "pi": 0.01 * init(k2, (8, 2)),
+              "v": init(k3, (8, 1))}  # fmt: skip
+    return params, optax.adam(1e-2)
+
+
+def _ppo_loss(params, mb):
+    """PPO's clipped actor, clipped critic and entropy, normalised advantages."""
+    h = jnp.tanh(mb["obs"] @ params["w"] + params["b"])
+    logits, value = h @ params["pi"], (h @ params["v"])[:, 0]
+    logp_all = jax.nn.log_softmax(logits)
+    logp = logp_all[jnp.arange(mb["act"].shape[0]), mb["act"]]
+    ratio = jnp.exp(logp - mb["logp"])
+    adv = (mb["adv"] - mb["adv"].mean()) / (mb["adv"].std() + 1e-8)
+    actor = -jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.2) * adv).mean()
+    v_clip = mb["value"] + jnp.clip(value - mb["value"], -0.2, 0.2)
+    target = mb["target"]
+    critic = 0.5 * jnp.maximum((value - target) ** 2, (v_clip - target) ** 2).mean()
+    entropy = -(jnp.exp(logp_all) * logp_all).sum(-1).mean()
+    return actor + 0.5 * critic - 0.01 * entropy
+
+
+def test_stepwise_population_of_ppo_agents_equals_fused():
+    """A population's step in a ``lax.cond`` compiled differently from the
+    loop body (the last bits of member 0's Adam moments differed, a reviewer's
+    case); each stepwise step is now a one-step ``while_loop`` of the fused
+    loop's own body."""
+    k = jr.split(jr.key(4), 4)
+    data = {"obs": jr.normal(k[0], (16, 4)), "act": jr.bernoulli(k[1], 0.5, (16,)).astype(jnp.int32),
+            "logp": jnp.full((16,), -0.69), "adv": jr.normal(k[2], (16,)),
+            "value": 0.1 * jr.normal(k[3], (16,))}  # fmt: skip
+    data["target"] = data["adv"] + data["value"]
+    out = []
+    for execution in ("fused", "stepwise"):
+        pop = scanax.population(_actor_critic, 3, key=jr.key(0))
+        r = scanax.fit(pop, None, _ppo_loss, data, steps=12, batch_size=8, key=jr.key(1),
+                       progress=False, execution=execution)  # fmt: skip
+        out.append((r, pop))
+    (fused, fp), (step, sp) = out
+    same_history(fused.history, step.history)
+    for a, b in zip(fp.state, sp.state, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")
 def test_stepwise_on_a_mesh_equals_fused():
     mesh = jax.make_mesh((4,), ("data",))
