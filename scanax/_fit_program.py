@@ -314,11 +314,7 @@ class Chunks:
         c = Chunk(*args)
         with jax.named_scope(_CALL):
             env, loop, one = self._open(c)
-            i, carry, _, bufs = jax.lax.while_loop(
-                lambda loop: self.running(c, loop),
-                lambda loop: self._body(c, one, loop),
-                loop,
-            )
+            i, carry, _, bufs = self._loop(c, one, loop)
             return self.lanes.finish(c, i, carry, bufs)
 
     def begin(self, c: Chunk) -> tuple[Any, tuple]:
@@ -335,11 +331,17 @@ class Chunks:
         with jax.named_scope(_CALL):
             i, carry, perm, _ = loop
             one, _ = self._traced(c, env, carry, perm)
-            return jax.lax.while_loop(
-                lambda loop: (loop[0] == i) & self.running(c, loop),
-                lambda loop: self._body(c, one, loop),
-                loop,
-            )
+            return self._loop(c, one, loop, until=i + 1)
+
+    def _loop(self, c: Chunk, one: Callable, loop: tuple, until: Any = None) -> tuple:
+        """The loop: steps while the lanes run (and, ``until``, before step
+        ``until``: the stepwise call's one step)."""
+
+        def more(loop: tuple) -> Any:
+            running = self.running(c, loop)
+            return running if until is None else running & (loop[0] < until)
+
+        return jax.lax.while_loop(more, lambda loop: self._body(c, one, loop), loop)
 
     def close(self, c: Chunk, loop: tuple) -> Out:
         """The call's outputs after the loop ``loop``."""
