@@ -115,10 +115,35 @@ class History:
                 for k, v in named.items()
             }
         steps = first + 1 + idx
+        self._align_sparse(prefix, values, len(idx))
         self.val.setdefault(prefix + "step", []).append(steps)
         for name, value in values.items():
             self.val.setdefault(name, []).append(value)
         return steps, values
+
+    def _align_sparse(self, prefix: str, values: dict, count: int) -> None:
+        """``_align`` for the entries of one sparse group (a checkpoint of a
+        ``collect`` or ``eval_fn`` returning other metrics): NaN where a metric
+        has no value, one entry per ``<prefix>step``."""
+        known = {k for k in self.val if k.startswith(prefix)} - {prefix + "step"}
+        if set(values) == known:
+            return
+        new, gone = sorted(set(values) - known), sorted(known - set(values))
+        done = sum(len(s) for s in self.val.get(prefix + "step", []))
+        if done and not self.warned:
+            self.warned = True
+            who = "`collect`" if prefix == "rollout_" else "the evaluation"
+            what = "collections" if prefix == "rollout_" else "evaluations"
+            per = "collection" if prefix == "rollout_" else "evaluation"
+            warnings.warn(
+                errors.metrics_changed(done, new, gone, who, what, per),
+                RuntimeWarning,
+                stacklevel=_caller.user_level(),
+            )
+        for name in new:
+            self.val[name] = [self._nan(done)] if done else []
+        for name in gone:
+            self.val[name].append(self._nan(count))
 
     def _nan(self, count: int) -> np.ndarray:
         """NaN for ``count`` steps (and every member)."""

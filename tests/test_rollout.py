@@ -536,3 +536,35 @@ def test_a_new_rollout_reuses_the_compiled_init_and_a_reused_one_warns():
         progress=False,
     )  # fmt: skip
     assert again.steps == 8
+
+
+def _collect_more(params, carry, key):
+    batch, carry, metrics = job.collect(params, carry, key)
+    return batch, carry, {**metrics, "spread": jnp.std(batch["adv"])}
+
+
+def test_resuming_with_a_new_collect_metric_keeps_one_entry_per_collection(tmp_path):
+    """A checkpoint of a ``collect`` without ``spread``, resumed with it: NaN
+    for the collections before, a warning, every ``rollout_*`` array one entry
+    per ``rollout_step`` (before, ``rollout_spread`` was shorter)."""
+    kw = dict(key=KEY, progress=False, checkpoint_dir=tmp_path, checkpoint_every=8)
+    scanax.fit(job.params0(), TX, job.loss_fn, rollout(), steps=16, **kw)
+    with pytest.warns(
+        RuntimeWarning,
+        match="`collect` returns other metrics than the first 2 collections",
+    ):
+        out = scanax.fit(
+            job.params0(),
+            TX,
+            job.loss_fn,
+            rollout(collect=_collect_more),
+            steps=32,
+            **kw,
+        )
+    h = out.history
+    np.testing.assert_array_equal(h["rollout_step"], [1, 9, 17, 25])
+    assert h["rollout_spread"].shape == h["rollout_reward"].shape == (4,)
+    assert (
+        np.isnan(h["rollout_spread"][:2]).all()
+        and np.isfinite(h["rollout_spread"][2:]).all()
+    )

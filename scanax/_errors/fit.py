@@ -28,13 +28,16 @@ def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
     )
 
 
-def metrics_changed(done: int, new: list[str], gone: list[str]) -> str:
+def metrics_changed(
+    done: int, new: list[str], gone: list[str], who: str = "`loss_fn`",
+    what: str = "steps", per: str = "step",
+) -> str:  # fmt: skip
     parts = [f"new {', '.join(new)}"] if new else []
     parts += [f"no longer returned: {', '.join(gone)}"] if gone else []
     return (
-        f"{CALL}: `loss_fn` returns other metrics than the first {done} steps of "
+        f"{CALL}: {who} returns other metrics than the first {done} {what} of "
         f"the history (from the checkpoint): {'; '.join(parts)}. Each history array "
-        "keeps one entry per step, NaN where a metric has no value."
+        f"keeps one entry per {per}, NaN where a metric has no value."
     )
 
 
