@@ -122,8 +122,10 @@ def scan_until(
         of steps run.
 
     Raises:
-        TypeError: as ``scanax.scan``; and if ``until`` is not callable or does not
-            return a scalar bool.
+        TypeError: as ``scanax.scan``; if ``until`` is not callable or does not
+            return a scalar bool; and inside ``jax.shard_map``, if a value ``f``
+            closes over that does not vary over the shards is differentiated
+            (cast it with ``jax.lax.pcast(w, axes, to="varying")``).
         ValueError: as ``scanax.scan``.
 
     Example:
@@ -175,12 +177,12 @@ def scan_until(
     def stop(dynamic):
         return until(codec.decode(dynamic))
 
-    init_arrays = jtu.tree_map(jnp.asarray, loop.init)
-    _check_until(stop, init_arrays)
-
     def step(dynamic, x):
         new, y = loop.body(dynamic, x)
         return new, y, jnp.asarray(stop(new))
+
+    init_arrays = _promoted(step, jtu.tree_map(jnp.asarray, loop.init), loop.xs)
+    _check_until(stop, init_arrays)
 
     n = loop.length
     stride = _remat.chunk_size(n) if remat == "sqrt" else 1
@@ -216,11 +218,51 @@ def _check_until(stop: Callable, init: Any) -> None:
 
 
 def _x_example(xs: Any) -> Any:
-    def one(a):
-        t = jax.typeof(a)
-        return jax.ShapeDtypeStruct(t.shape[1:], t.dtype, weak_type=t.weak_type)
+    """The type of one step's slice of ``xs`` (weak types and the manual mesh
+    axes it varies over included; also for ``length=0``)."""
+    return jax.eval_shape(
+        lambda xs: jtu.tree_map(lambda a: jnp.zeros_like(a, shape=a.shape[1:]), xs),
+        xs,
+    )
 
-    return jtu.tree_map(one, xs)
+
+def _promoted(step: Callable, init: Any, xs: Any) -> Any:
+    """``init`` with each weakly typed leaf (a Python number: ``init=0.0``) whose
+    step returns another dtype (``bfloat16`` with ``bfloat16`` ``xs``) promoted to
+    the result type, as ``lax.scan`` does; its gradient converts back (to the
+    weak ``float32`` ``jax.grad`` gives a Python number)."""
+    leaves = jtu.tree_leaves(init)
+    if not any(jax.typeof(a).weak_type for a in leaves):
+        return init  # (the common case: no trace)
+    new = jax.eval_shape(step, init, _x_example(xs))[0]
+
+    def one(a, b):
+        if not jax.typeof(a).weak_type or a.dtype == b.dtype:
+            return a
+        return jax.lax.convert_element_type(a, jnp.result_type(a, b))
+
+    return jtu.tree_map(one, init, new)
+
+
+def _converted(step: Callable, init: Any, xs: Any) -> tuple:
+    """``(converted, consts, init, xs, out, axes)``: ``step`` closure-converted
+    (``converted(carry, x, *consts)``: the values it closes over explicit), the
+    types of its outputs, and the manual mesh axes the loop varies over.
+
+    Inside ``jax.shard_map`` each shard runs until its own stop, so what the loop
+    carries and returns varies over every manual axis that an input or an output
+    of the step varies over: ``init`` and ``xs`` are cast to vary over them
+    (``jax.lax.pcast``; their gradients are summed over the shards they were
+    cast from), and the step traced again. Outside, ``axes`` is ()."""
+    while True:
+        x0 = _x_example(xs)
+        converted, consts = jax.closure_convert(step, init, x0)
+        out = jax.eval_shape(converted, init, x0, *consts)
+        axes = _until_grad.manual_axes((init, xs, consts, out))
+        leaves = jtu.tree_leaves((init, xs))
+        if all(len(_until_grad.manual_axes(a)) == len(axes) for a in leaves):
+            return converted, consts, init, xs, out, axes
+        init, xs = _until_grad.vary((init, xs), axes)
 
 
 def run_until(
@@ -235,13 +277,13 @@ def run_until(
     saving: bool = True,
 ) -> tuple[Any, Any, jax.Array]:
     """``step(carry, x) -> (carry, y, stop)`` over arrays; ``(carry, ys, steps)``."""
-    converted, consts = jax.closure_convert(step, init, _x_example(xs))
-    y_shape = jax.eval_shape(converted, init, _x_example(xs), *consts)[1]
+    converted, consts, init, xs, out, axes = _converted(step, init, xs)
+    y_shape = out[1]
     if length == 0:
-        ys = _until_grad.stacked(0, y_shape)
-        return init, ys, jnp.zeros((), jnp.int32)
+        ys = _until_grad.stacked(0, y_shape, axes)
+        return init, ys, _until_grad.vary(jnp.zeros((), jnp.int32), axes)
     plan = _until_grad.Plan(
-        converted, y_shape, length, reverse, stride, keep_every, ticker, saving
+        converted, y_shape, length, reverse, stride, keep_every, ticker, saving, axes
     )
     return _until_grad.early_exit(plan)(init, xs, tuple(consts))
 

@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Literal
+from jax.extend.core.primitives import convert_element_type_p
 
-from ._errors import long as errors
+from ._errors import long as errors, short_type
 
 # ------------------------------------------------------------------ the loop plan
 
@@ -50,6 +50,7 @@ class Plan:
     keep_every: int
     ticker: Any = None
     saving: bool = False  # store each step's linearization (remat=False)
+    axes: tuple = ()  # the manual mesh axes (shard_map) the loop varies over
 
     @property
     def rows(self) -> int:  # kept outputs, plus the scratch row when thinned
@@ -91,8 +92,56 @@ def put(tree: Any, value: Any, i: jax.Array) -> Any:
     )
 
 
-def stacked(rows: int, tree: Any) -> Any:
-    return jtu.tree_map(lambda s: jnp.zeros((rows, *s.shape), s.dtype), tree)
+def stacked(rows: int, tree: Any, axes: tuple = ()) -> Any:
+    """Zeros of ``rows`` of each leaf, varying over its manual axes and ``axes``."""
+
+    def one(s):
+        return vary(jnp.zeros((rows, *s.shape), s.dtype), (*manual_axes(s), *axes))
+
+    return jtu.tree_map(one, tree)
+
+
+# ------------------------------------------------------------------ types
+
+
+def manual_axes(tree: Any) -> tuple:
+    """The manual mesh axes (inside ``jax.shard_map``) that any leaf of ``tree``
+    (arrays or shape/dtype structs) varies over, sorted; () outside."""
+    found: set = set()
+    for a in jtu.tree_leaves(tree):
+        mat = getattr(a, "manual_axis_type", None)  # a ShapeDtypeStruct's
+        if mat is None and not isinstance(a, jax.ShapeDtypeStruct):
+            mat = getattr(jax.typeof(a), "mat", None)
+        found.update(getattr(mat, "varying", ()))
+    return tuple(sorted(found, key=str))
+
+
+def vary(tree: Any, axes: tuple) -> Any:
+    """``tree`` with each array leaf cast (``jax.lax.pcast``) to vary over the
+    manual mesh axes ``axes`` it does not vary over yet."""
+    if not axes:
+        return tree
+
+    def one(a):
+        missing = tuple(n for n in axes if n not in manual_axes(a))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jtu.tree_map(one, tree)
+
+
+def retyped(a: Any, like: Any) -> Any:
+    """``a`` with the dtype and weak type of ``like``: a linear map's outputs
+    have exactly the types ``custom_linear_solve`` declares for them (those of
+    its inputs), so that a gradient has its input's type (a Python number's
+    weak ``float32``, as ``jax.grad`` gives it) with or without ``jit``."""
+    t = jax.typeof(a)
+    weak = bool(getattr(like, "weak_type", False))
+    if t.dtype == like.dtype and t.weak_type == weak:
+        return a
+    # (``lax.convert_element_type`` cannot make a weak type; its primitive can)
+    return convert_element_type_p.bind(
+        a, new_dtype=like.dtype, weak_type=weak, sharding=None
+    )
 
 
 def is_float(a: Any) -> bool:
@@ -121,9 +170,9 @@ def merged(tree: Any, floats: list[Any], mask: list[bool] | None = None) -> Any:
 
 
 def tangent_tree(tree: Any, floats: list[Any]) -> Any:
-    """Tangents of ``tree``: ``floats`` for its inexact leaves, float0 zeros for
-    the others."""
-    zeros = jtu.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+    """Tangents of ``tree``: ``floats`` for its inexact leaves, symbolic zeros
+    for the others (float0, with the manual axes the leaf varies over)."""
+    zeros = jtu.tree_map(lambda a: SymbolicZero(jax.typeof(a).to_tangent_aval()), tree)
     return merged(zeros, floats, float_mask(tree))
 
 
@@ -210,13 +259,14 @@ def forward(
         return State(s.i + 1, stop, carry, put(s.ys, y, plan.row(t)), stored)
 
     if saved is not None:
-        stored = stacked(plan.slots, saved.buffers)
+        stored = stacked(plan.slots, saved.buffers, plan.axes)
     else:
-        stored = stacked(plan.slots, init) if store else None
-    zero = jnp.zeros((), jnp.int32)
-    state = State(
-        zero, jnp.zeros((), bool), init, stacked(plan.rows, plan.y_shape), stored
-    )
+        stored = stacked(plan.slots, init, plan.axes) if store else None
+    # Inside shard_map each shard stops at its own step: the count, the flag and
+    # the outputs vary over the loop's axes.
+    zero, done = vary((jnp.zeros((), jnp.int32), jnp.zeros((), bool)), plan.axes)
+    ys = stacked(plan.rows, plan.y_shape, plan.axes)
+    state = State(zero, done, init, ys, stored)
     return loop(plan, body, state, plan.ticker)
 
 
@@ -230,6 +280,7 @@ def early_exit(plan: Plan) -> Callable:
     def fn_jvp(primals, tangents):
         primals = first_order(primals)
         active = Active.of(primals, tangents)
+        check_consts_vary(plan, primals[2], active.consts)
         t_in = active.tangents(tangents)
         saved = Saved.of(plan, primals, active) if plan.saving and t_in else None
         s = forward(plan, *primals, store=True, saved=saved)
@@ -239,10 +290,26 @@ def early_exit(plan: Plan) -> Callable:
         if t_in:
             with jax.named_scope("scanax.until_grad"):
                 t_out = linear(plan, res, t_in, t_out)
-        t_carry, t_ys = tangent_tree(out, t_out)
-        return (*out, s.i), (t_carry, t_ys, np.zeros((), jax.dtypes.float0))
+        t_carry, t_ys, t_steps = tangent_tree((*out, s.i), t_out)
+        return (*out, s.i), (t_carry, t_ys, t_steps)
 
     return fn
+
+
+def check_consts_vary(plan: Plan, consts: Any, mask: list[bool]) -> None:
+    """Inside ``jax.shard_map``: each value the step reads and is differentiated
+    with respect to varies over the loop's axes. One that does not is cast
+    inside the step (``pvary``), and the cast's transpose is a ``psum``: one per
+    step of the loop back, which a shard that stopped earlier does not run."""
+    if not plan.axes:
+        return
+    found = [
+        (short_type(a), manual_axes(a))
+        for a in floats(consts, mask)
+        if manual_axes(a) != plan.axes
+    ]
+    if found:
+        raise errors.until_invariant_closure(plan.axes, found)
 
 
 @jax.custom_jvp
@@ -266,13 +333,20 @@ def linear(plan: Plan, res: Any, t_in: list[Any], like_out: list[Any]) -> Any:
     # Its transpose needs all of the right side linear in the tangents: the zeros
     # are made from the first one.
     anchor = jnp.sum(t_in[0]) * 0
-    zeros_out = [jnp.broadcast_to(anchor.astype(a.dtype), a.shape) for a in like_out]
+    zeros_out = [
+        vary(jnp.broadcast_to(anchor.astype(a.dtype), a.shape), manual_axes(a))
+        for a in like_out
+    ]
+    types_in = [jax.typeof(a) for a in t_in]
+    types_out = [jax.typeof(a) for a in zeros_out]
 
     def solve(_, b):
-        return [jnp.zeros_like(a) for a in b[0]], tangents(plan, res, b[0])
+        t_out = tangents(plan, res, b[0])
+        return [jnp.zeros_like(a) for a in b[0]], list(map(retyped, t_out, types_out))
 
     def transpose_solve(_, ct):
-        return cotangents(plan, res, ct[1]), [jnp.zeros_like(a) for a in ct[1]]
+        ct_in = cotangents(plan, res, ct[1])
+        return list(map(retyped, ct_in, types_in)), [jnp.zeros_like(a) for a in ct[1]]
 
     return jax.lax.custom_linear_solve(
         lambda v: v, (t_in, zeros_out), solve, transpose_solve
@@ -321,18 +395,16 @@ class Saved:
             holder.append(treedef)
             return out, flat
 
-        closed, (out_shape, _) = jax.make_jaxpr(leaves, return_shape=True)(init, x0, k)
+        closed, (out_shape, shapes) = jax.make_jaxpr(leaves, return_shape=True)(
+            init, x0, k
+        )
         jaxpr = closed.jaxpr
         out_tree = jtu.tree_structure(out_shape)
         residuals = jaxpr.outvars[out_tree.num_leaves :]
         n_vary = len(jtu.tree_leaves(init)) + len(jtu.tree_leaves(x0))
         flags = [i < n_vary for i in range(len(jaxpr.invars))]
         mask = _varying(jaxpr.replace(outvars=residuals), flags)
-        buffers = [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-            for v, m in zip(residuals, mask)
-            if m
-        ]
+        buffers = [s for s, m in zip(shapes, mask) if m]  # (with their axes)
         row = sum(b.size * b.dtype.itemsize for b in buffers)
         if row * plan.slots > BUDGET:
             return None
@@ -450,8 +522,8 @@ def tangents(plan: Plan, res: Residuals, t_in: list[Any]) -> list[Any]:
         _, (t_new, t_y), new = jax.jvp(fn, primals, tangents, has_aux=True)
         return i + 1, new, t_new, put(t_ys, t_y, plan.row(t))
 
-    t_ys = [jnp.zeros((plan.rows, *a.shape), a.dtype) for a in floats(plan.y_shape)]
-    zero = jnp.zeros((), jnp.int32)
+    t_ys = stacked(plan.rows, floats(plan.y_shape), plan.axes)
+    zero = vary(jnp.zeros((), jnp.int32), plan.axes)
     state = (zero, res.init, t_carry0, t_ys)
     _, _, t_carry, t_ys = jax.lax.while_loop(lambda s: s[0] < res.steps, body, state)
     return [*t_carry, *plan.trim(t_ys)]

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import scanax
 
@@ -398,9 +399,10 @@ def test_gradients_with_vmap(order):
 # gradient at the cost of the steps taken, against a masked lax.scan
 
 
-def masked_scan(init, xs, reverse=False, f=step, stop=until):
+def masked_scan(init, xs, reverse=False, f=step, stop=until, axes=()):
     """The reference: a lax.scan over every step, each step after the stop
-    computed and discarded by a jnp.where (its outputs zeros)."""
+    computed and discarded by a jnp.where (its outputs zeros). ``axes``: inside
+    shard_map, the manual axes the stop flag and the count vary over."""
 
     def body(state, x):
         carry, done, steps = state
@@ -410,7 +412,8 @@ def masked_scan(init, xs, reverse=False, f=step, stop=until):
         return (carry, done | stop(carry), steps + (~done).astype(jnp.int32)), y
 
     a, w = xs
-    state = (init, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+    flags = (jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+    state = (init, *jax.lax.pcast(flags, axes, to="varying"))
     (carry, _, steps), ys = jax.lax.scan(
         lambda s, a_: body(s, (a_, w)), state, a, reverse=reverse
     )
@@ -747,3 +750,184 @@ def test_length_zero_with_options(bars):
     )
     assert float(out[0]) == 0.0 and float(out[1]) == 0.0 and int(out[2]) == 0
     assert bars == []
+
+
+# ---------------------------------------------------------------- weak types
+
+
+def kind(a):
+    return jnp.dtype(a.dtype).name, jax.typeof(a).weak_type
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_float_init_with_bfloat16_xs(jit):
+    """init=0.0 (a weakly typed float32) with bfloat16 xs: the carry becomes
+    bfloat16, as lax.scan promotes a weakly typed init (the step was traced at
+    float32 and replayed at bfloat16: `lax.mul requires arguments to have the
+    same dtypes, got bfloat16, float32`, with or without grad). Values and
+    gradients equal the masked scan's; init's gradient is a weak float32, as
+    jax.grad gives it."""
+    a = jnp.linspace(0.1, 1.0, 8).astype(jnp.bfloat16)
+    f = lambda c, x: (c * 0.9 + x, c * 2.0)
+    stop = lambda c: c > 2.0
+
+    def value(fn):
+        def v(init, a):
+            carry, ys, steps = fn(init, a)
+            return carry + jnp.sum(ys), steps
+
+        return v
+
+    ours_ = lambda i, a: scanax.scan_until(f, i, a, until=stop)
+    ref = lambda i, a: masked_scan(i, (a, None), f=lambda c, x: f(c, x[0]), stop=stop)
+    grad = jax.value_and_grad(value(ours_), argnums=(0, 1), has_aux=True)
+    got = (jax.jit(grad) if jit else grad)(0.0, a)
+    want = jax.value_and_grad(value(ref), argnums=(0, 1), has_aux=True)(0.0, a)
+    helpers.close(got, want, rtol=2**-7, atol=0)  # (bfloat16: 8 bits)
+    assert 1 < int(got[0][1]) < 8
+    types = [kind(g) for g in jax.tree.leaves(got)]  # value, steps, d_init, d_a
+    assert types == [kind(w) for w in jax.tree.leaves(want)]
+    assert types == [("bfloat16", False), ("int32", False)] + [
+        ("float32", True),
+        ("bfloat16", False),
+    ]
+    assert ours_(0.0, a)[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("wrt", ["init", "closed over"])
+def test_gradient_of_a_python_float_is_weakly_typed(wrt, jit):
+    """The gradient with respect to a Python float (init, or a value the step
+    closes over, with a weakly typed carry) is a weak float32, as jax.grad of the
+    masked scan (and of a Python loop) gives it, with or without jit. (Without
+    jit it was a strong float32: the transpose returned the type it computed,
+    not the type the linear solve declares for it.)"""
+    a = jnp.zeros(8)
+    stop = lambda c: c > 2.0
+
+    def value(fn):
+        def v(p):
+            init, q = (p, 0.9) if wrt == "init" else (0.5, p)
+            f = lambda c, x: (c * q + 1.0, c)
+            carry, ys, _ = fn(init, f)
+            return carry + jnp.sum(ys)
+
+        return v
+
+    ours_ = lambda i, f: scanax.scan_until(f, i, a, until=stop)
+    ref = lambda i, f: masked_scan(i, (a, None), f=lambda c, x: f(c, x[0]), stop=stop)
+    p = 0.5 if wrt == "init" else 0.9
+    grad = jax.grad(value(ours_))
+    got = (jax.jit(grad) if jit else grad)(p)
+    want = jax.grad(value(ref))(p)
+    exact(got, want)
+    assert kind(got) == kind(want) == ("float32", True)
+
+
+# ---------------------------------------------------------------- shard_map
+
+needs_4 = pytest.mark.skipif(
+    jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS in conftest.py)"
+)
+AXES = ("b",)
+VARY = ft.partial(jax.lax.pcast, axis_name=AXES, to="varying")
+SHARD_STOP = lambda c: jnp.sum(c) > 2.15
+
+
+def shard_step(w):
+    def f(c, x):
+        c = jnp.tanh(c * w + x) + 0.3
+        return c, c * 2.0
+
+    return f
+
+
+def sharded(fn, init_spec):
+    """``fn(init, a, w)`` on 4 shards of the rows of ``a`` (and of ``init``
+    unless replicated); ``w`` replicated."""
+    mesh = jax.make_mesh((4,), AXES, axis_types=(jax.sharding.AxisType.Auto,))
+
+    def one(init, a, w):
+        carry, ys, steps = fn(init, a, w)
+        return carry, ys, steps[None]
+
+    specs = (init_spec, P(None, "b"), P())
+    out = (P("b"), P(None, "b"), P("b"))
+    return jax.shard_map(one, mesh=mesh, in_specs=specs, out_specs=out)
+
+
+def shard_inputs(init_spec):
+    rows = 4 if init_spec == P("b") else 1
+    init = jnp.linspace(0.0, 1.2, 2 * rows).reshape(rows, 2)
+    a = jnp.cos(jnp.arange(12 * 8, dtype=jnp.float32)).reshape(12, 4, 2) * 0.3 + 0.5
+    return init, a, jnp.float32(0.7)
+
+
+def shard_value(fn, init_spec):
+    """A loss of ``fn``'s outputs inside shard_map, and the outputs."""
+
+    def value(init, a, w):
+        carry, ys, steps = out = sharded(fn, init_spec)(init, a, w)
+        return jnp.sum(carry**2) + jnp.sum(ys * 0.1), out
+
+    return value
+
+
+@needs_4
+@pytest.mark.parametrize(
+    "remat, init_spec", [(False, P("b")), ("sqrt", P("b")), (False, P())]
+)
+def test_inside_shard_map_each_shard_stops_at_its_own_step(remat, init_spec):
+    """Inside jax.shard_map (4 shards, each stopping at its own step): values and
+    gradients (init, xs, a weight the step closes over, cast to vary) equal the
+    masked scan's, under jit. A replicated init is cast to vary (lax.scan asks
+    for the jax.lax.pcast). (The step was traced with an invariant slice of xs,
+    and the loop's own state was invariant: `pvary is a invariant->variant
+    collective`.)"""
+
+    def ours_(init, a, w):
+        return scanax.scan_until(
+            shard_step(VARY(w)), init, a, until=SHARD_STOP, remat=remat
+        )
+
+    def ref(init, a, w):
+        init = VARY(init) if init_spec == P() else init
+        f = lambda c, x: shard_step(VARY(w))(c, x[0])
+        return masked_scan(init, (a, None), f=f, stop=SHARD_STOP, axes=AXES)
+
+    args = shard_inputs(init_spec)
+    grad = ft.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
+    got = jax.jit(grad(shard_value(ours_, init_spec)))(*args)
+    want = jax.jit(grad(shard_value(ref, init_spec)))(*args)
+    exact(got, want)  # the loss, (carry, ys, steps), the gradients
+    steps = got[0][1][2]
+    assert len(set(steps.tolist())) > 1 and int(steps.max()) < 12
+
+
+@needs_4
+def test_inside_shard_map_a_closed_over_invariant_value_is_refused():
+    """The derivative with respect to a value the step closes over that does not
+    vary over the shards (a replicated weight) would need a psum at each step of
+    the loop back, which shards that stopped earlier do not run: a named
+    TypeError before compiling, saying to cast it; without that derivative it
+    runs."""
+
+    def ours_(init, a, w):
+        return scanax.scan_until(shard_step(w), init, a, until=SHARD_STOP)
+
+    value = shard_value(ours_, P("b"))
+    args = shard_inputs(P("b"))
+    with pytest.raises(
+        TypeError,
+        match=r"^scanax\.scan_until: inside jax\.shard_map each shard stops at its "
+        r"own step(?s:.*)float32\[\]  invariant(?s:.*)Fix: .*jax\.lax\.pcast\(w, "
+        r"\('b',\), to='varying'\)",
+    ):
+        jax.grad(value, argnums=2, has_aux=True)(*args)
+    got = jax.jit(jax.grad(value, has_aux=True))(*args)
+
+    def ref(init, a, w):
+        f = lambda c, x: shard_step(w)(c, x[0])
+        return masked_scan(init, (a, None), f=f, stop=SHARD_STOP, axes=AXES)
+
+    exact(got, jax.jit(jax.grad(shard_value(ref, P("b")), has_aux=True))(*args))

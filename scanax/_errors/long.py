@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import short_type
+from . import listing, short_type
 
 UNTIL = "scanax.scan_until"
 
@@ -97,6 +97,21 @@ def until_second_order() -> TypeError:
         "(`new = jnp.where(done, carry, step(carry))`, with `done` carried), "
         "which costs every step; first derivatives of scan_until (grad, jvp, "
         "vmap) cost only the steps taken."
+    )
+
+
+def until_invariant_closure(axes: tuple, found: list[tuple[str, tuple]]) -> TypeError:
+    rows = listing([(t, f"varies over {v}" if v else "invariant") for t, v in found])
+    return TypeError(
+        f"{UNTIL}: inside jax.shard_map each shard stops at its own step, and "
+        "the derivative with respect to a value that `f` closes over (or a "
+        "broadcast input, in_axes=None) must vary over the loop's manual axes "
+        f"{axes}; these do not:\n{rows}\nDifferentiating one would take a psum "
+        "at every step of the loop back, which the shards that stopped earlier "
+        "do not run.\nFix: make it vary over the axes it does not, before `f` "
+        f"reads it, inside the shard_map: `w = jax.lax.pcast(w, {axes}, "
+        "to='varying')` (its gradient is then summed over the shards, as "
+        "jax.grad gives it), or carry it unchanged in `init`."
     )
 
 
