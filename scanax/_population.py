@@ -297,6 +297,10 @@ def _build(make: Callable, keys: Any, hp: dict) -> tuple[list, Any, str, list]:
         leaves = built(keys, hp)
     except PYTHON_VALUE_ERRORS as err:
         raise errors.hp_used_as_python_value(list(hp), err) from err
+    except TypeError as err:  # (a traced value as a shape: JAX's own TypeError)
+        if hp and "concrete values" in str(err):
+            raise errors.hp_used_as_python_value(list(hp), err) from err
+        raise
     if box["kind"] == "optax" and hp:
         # A hyperparameter kept as a model field is a Python number (static, not
         # trained) in a solo run, but a traced array here: compare with member 0.

@@ -254,6 +254,9 @@ class Collector:
                 or (name == "step" or name.endswith("_step"))
             ):
                 raise errors.metric_name(name)
+        for name, v in metrics.items():
+            if not _real(v):
+                raise errors.metric_value(name, v)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         for name, v in metrics.items():
             if v.ndim:
@@ -282,6 +285,9 @@ class Collector:
         collects first)."""
         init_key, key = jr.split(jr.fold_in(key, _FOLD))
         carry = self.rollout.init(init_key)
+        for path, x in jtu.tree_flatten_with_path(carry)[0]:
+            if not is_array(x) and not isinstance(x, (bool, int, float)):
+                raise errors.init_leaf(jtu.keystr(path), x)
         if start % self.rollout.period:
             return self.fresh(model, carry, key, hp)[0]
         feed, _ = jax.eval_shape(lambda: self.fresh(model, carry, key, hp))
@@ -334,6 +340,21 @@ def is_feed(name: str) -> bool:
     """Whether a leaf of the training state (by its checkpoint name) is a
     rollout's feed."""
     return name.startswith(("rollout.", "members.rollout."))
+
+
+def _real(value: Any) -> bool:
+    """Whether a metric is a real number (an array or a Python/NumPy scalar of
+    a bool, integer or floating dtype)."""
+    if isinstance(value, (bool, int, float)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return False
+    return (
+        jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+        or jnp.issubdtype(dtype, jnp.bool_)
+    )
 
 
 def _check_carry(old: Any, new: Any) -> None:

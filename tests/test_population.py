@@ -491,6 +491,16 @@ def test_hyperparameter_in_a_python_branch():
         scanax.population(make, N, key=KEY, lr=LRS)
 
 
+def test_hyperparameter_as_a_shape():
+    def make(key, width):
+        return {"w": jnp.ones((width,))}, optax.sgd(0.1)
+
+    with pytest.raises(
+        ValueError, match=r"uses a hyperparameter \(width\) as a Python"
+    ):
+        scanax.population(make, 2, key=KEY, width=[2, 3])
+
+
 def test_fit_errors():
     make, loss = KINDS["eqx"]
     pop = scanax.population(make, N, key=KEY, lr=LRS)

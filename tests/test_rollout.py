@@ -568,3 +568,24 @@ def test_resuming_with_a_new_collect_metric_keeps_one_entry_per_collection(tmp_p
         np.isnan(h["rollout_spread"][:2]).all()
         and np.isfinite(h["rollout_spread"][2:]).all()
     )
+
+
+@pytest.mark.parametrize(
+    "metric, found",
+    [("abc", "is str"), (jnp.complex64(1 + 2j), "is complex64")],
+    ids=["string", "complex"],
+)
+def test_a_metric_that_is_not_a_real_number_is_refused(metric, found):
+    def collect(params, carry, key):
+        return (*job.collect(params, carry, key)[:2], {"z": metric})
+
+    with pytest.raises(TypeError, match=f"metric 'z' returned by `collect` {found}"):
+        _fit(rollout(collect=collect))
+
+
+def test_an_init_leaf_that_is_not_an_array_is_refused():
+    def init(key):
+        return {"s": job.env_reset(key), "name": "cartpole"}
+
+    with pytest.raises(TypeError, match=r"`init` returned str at carry\['name'\]"):
+        _fit(rollout(init=init))

@@ -80,6 +80,23 @@ def metric_shape(name: str, value: Any) -> TypeError:
     )
 
 
+def metric_value(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: metric {name!r} returned by `collect` is {short_type(value)}; "
+        "a metric is a real number (bool, int or float) recorded as float32.\n"
+        "Fix: return a real scalar (for a complex value, jnp.abs or .real)."
+    )
+
+
+def init_leaf(path: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `init` returned {short_type(value)} at carry{path}; the carry "
+        "is a pytree of arrays the compiled loop keeps between collections.\n"
+        "Fix: return arrays (jnp.asarray), and keep other values out of the "
+        "carry (close over them in `collect`)."
+    )
+
+
 def batch(value: Any) -> TypeError:
     return TypeError(
         f"{CALL}: the batch `collect` returns must be a non-empty pytree of "
