@@ -6,7 +6,9 @@ per rollout, 4 update epochs of 4 minibatches (128 transitions each), GAE with
 gamma 0.99 and lambda 0.95, clip 0.2, entropy 0.01, value 0.5, global norm 0.5,
 Adam(eps=1e-5) with the learning rate 2.5e-4 annealed linearly to 0 over the
 updates, a tanh actor and a tanh critic of two 64-unit layers with orthogonal
-initialisation (sqrt(2), the actor's head 0.01, the critic's 1.0). 5e5
+initialisation (sqrt(2), the actor's head 0.01, the critic's 1.0; computed by
+Gram-Schmidt, ``orthogonal`` below, on both sides: LAPACK's batched QR hung the
+hand-written program on this machine). 5e5
 environment steps (976 updates; quick mode 5e4), 8 seeds. The environment is
 ``benchmarks/_cartpole.py`` (gymnax's CartPole-v1, written in JAX here so that
 the benchmark needs no gymnax).
@@ -76,6 +78,36 @@ BATCH = NUM_ENVS * NUM_STEPS  # 512 transitions per rollout
 # ------------------------------------------------------------------ the agent
 
 
+def orthogonal(scale):
+    """``jax.nn.initializers.orthogonal(scale)`` for a 2-D shape, by Gram-Schmidt
+    (twice per column) instead of LAPACK's QR: the same matrix (the QR's Q with
+    its signs fixed) to float rounding. jaxlib 0.10.2's batched QR kernels fan
+    out onto the intra-op thread pool they run on and can deadlock it: on this
+    2-core machine the hand-written ``jax.jit(jax.vmap(train))`` hung in one
+    benchmark run of three, inside the QRs of its initialisers. Both sides use
+    this initialiser, so the comparison is unchanged."""
+
+    def init(key, shape, dtype=jnp.float32):
+        n_rows, n_cols = shape
+        tall = n_rows >= n_cols
+        a = jr.normal(key, (n_rows, n_cols) if tall else (n_cols, n_rows), dtype)
+        q = _gram_schmidt(a)
+        return scale * (q if tall else q.T)
+
+    return init
+
+
+@jax.jit  # (compiled once per shape: the solo ``make`` runs eagerly)
+def _gram_schmidt(a):
+    def column(q, j):
+        v = a[:, j]
+        for _ in range(2):  # ("twice is enough")
+            v = v - q @ (q.T @ v)
+        return q.at[:, j].set(v / jnp.linalg.norm(v)), None
+
+    return jax.lax.scan(column, jnp.zeros_like(a), jnp.arange(a.shape[1]))[0]
+
+
 def init_params(key):
     """PureJaxRL's ``ActorCritic``: two tanh MLPs, orthogonal kernels, zero
     biases."""
@@ -88,7 +120,7 @@ def init_params(key):
         for k, (n_in, n_out), s in zip(
             jr.split(net_key, 3), [*sizes, (HIDDEN, out[name])], scales[name]
         ):
-            w = jax.nn.initializers.orthogonal(s)(k, (n_in, n_out), jnp.float32)
+            w = orthogonal(s)(k, (n_in, n_out), jnp.float32)
             layers.append({"w": w, "b": jnp.zeros(n_out)})
         params[name] = layers
     return params
