@@ -83,6 +83,10 @@ _SAMPLES = 5
 _MIN_STEP_SECONDS = 1e-3
 # Stepwise is chosen only when its measured step is this much faster.
 _MARGIN = 0.9
+# A fused call shorter than this does not say how long the run's steps take: its
+# time is mostly the call's own cost (the first calls are small) or one slow step
+# (a rollout's collection every few steps); the trial waits for a longer one.
+_MIN_CALL_SECONDS = 0.1
 # Choices made, by the fused program's text and the backend: what a later
 # process with the compile cache on reads (``choice_file``).
 _CHOICE_DIR = "scanax-execution"
@@ -123,6 +127,7 @@ class Execution:
     def __init__(self, program: Any, requested: str):
         self.program, self.requested = program, requested
         self.seconds: dict = {}  # measured seconds per step, by execution, by call
+        self.long_call: float | None = None  # per step, the last long fused call
         self.trial: Any = None  # (the stepwise programs, the compile's future)
         self.pool: Any = None
         self.compile_seconds = 0.0
@@ -157,6 +162,8 @@ class Execution:
         if steps <= 0:
             return
         self.seconds.setdefault(mode, []).append(seconds / steps)
+        if mode == "fused" and seconds >= _MIN_CALL_SECONDS:
+            self.long_call = seconds / steps
         if self.deciding and mode == "stepwise" and "fused" in self.seconds:
             fused = min(self.seconds["fused"][-_SAMPLES:])
             self.decide(choose(fused, self.seconds["stepwise"][-1]))
@@ -174,9 +181,9 @@ class Execution:
                 self.decide("fused", keep=False)
                 return "fused"
             return "stepwise"
-        fused = self.seconds.get("fused")
+        fused = self.long_call
         if fused is not None and worth_a_trial(
-            fused[-1], run.end - run.done, self.compile_seconds
+            fused, run.end - run.done, self.compile_seconds
         ):
             try:
                 self._start_trial(args)

@@ -274,6 +274,7 @@ class Injected:
 
         monkeypatch.setattr(_fit_schedule.Execution, "ran", fake)
         monkeypatch.setattr(_fit_schedule, "worth_a_trial", lambda *a: True)
+        monkeypatch.setattr(_fit_schedule, "_MIN_CALL_SECONDS", 0.0)
         # (the trial's compile, on another thread, done before the next call)
         monkeypatch.setattr(_fit_schedule.concurrent.futures, "ThreadPoolExecutor",
                             Synchronous)  # fmt: skip
@@ -345,6 +346,7 @@ def test_a_program_found_compiled_still_counts_its_compile_for_a_trial(monkeypat
 
     monkeypatch.setattr(_fit_schedule.Execution, "ran", two_ms)
     monkeypatch.setattr(_fit_schedule, "_TRIAL_SECONDS", 0.01)
+    monkeypatch.setattr(_fit_schedule, "_MIN_CALL_SECONDS", 0.0)
     monkeypatch.setattr(_fit_schedule.concurrent.futures, "ThreadPoolExecutor",
                         Synchronous)  # fmt: skip
     r = scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 48})
@@ -353,6 +355,26 @@ def test_a_program_found_compiled_still_counts_its_compile_for_a_trial(monkeypat
     r = scanax.fit(*nnx_pair(), nnx_loss, (X, Y), **{**RUN, "steps": 48})
     assert "stepwise" in calls
     forget_programs()
+
+
+def test_a_short_first_call_does_not_start_a_trial(monkeypatch):
+    """The first fused calls are small, and a rollout's collection makes one
+    step of each period slow: a call under ``_MIN_CALL_SECONDS`` says little of
+    the run's steps (a PPO population's first call of 8 steps measured 11 ms a
+    step, its long calls 1.1 ms, and started a trial that a 1.1 ms step did not
+    warrant). The trial waits for a long call's time."""
+    exe = _fit_schedule.Execution(_fit_program.Program(lambda *a: None), "auto")
+    exe.compile_seconds = 5.0
+    run = type("Run", (), {"end": 15_600, "done": 8})()
+    started = []
+    monkeypatch.setattr(exe, "_start_trial", lambda args: started.append(args))
+    exe.ran("fused", 8, 0.087)  # 10.9 ms a step, over 0.09 s: not counted
+    assert exe.next_mode(run, None) == "fused" and not started
+    exe.ran("fused", 145, 0.16)  # 1.1 ms a step: 17 s left, under 10x the compile
+    assert exe.next_mode(run, None) == "fused" and not started
+    exe.ran("fused", 145, 1.45)  # 10 ms a step over a long call: worth a trial
+    exe.next_mode(run, None)
+    assert started
 
 
 def test_auto_choice_kept_on_disk_with_the_compile_cache(monkeypatch, tmp_path):
