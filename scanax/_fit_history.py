@@ -149,7 +149,7 @@ class History:
         """NaN for ``count`` steps (and every member)."""
         if self.members is None:
             return np.full(count, np.nan, np.float32)
-        return np.full((self.members, count), np.nan)
+        return np.full((self.members, count), np.nan, np.float32)
 
     def _align(self, metrics: dict, count: int) -> None:
         """Metric names differ from those of the history so far (a checkpoint of a

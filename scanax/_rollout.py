@@ -29,7 +29,7 @@ import jax.tree_util as jtu
 
 from . import _caller, _fingerprint, _model_step, _population
 from ._errors import rollout as errors
-from ._tree import is_array
+from ._tree import is_array, is_arraylike
 
 # The metrics a collection records, as the step function's metrics carry them
 # (``_fit_program.outputs`` moves them to their own buffers).
@@ -286,7 +286,7 @@ class Collector:
         init_key, key = jr.split(jr.fold_in(key, _FOLD))
         carry = self.rollout.init(init_key)
         for path, x in jtu.tree_flatten_with_path(carry)[0]:
-            if not is_array(x) and not isinstance(x, (bool, int, float)):
+            if not is_arraylike(x):
                 raise errors.init_leaf(jtu.keystr(path), x)
         if start % self.rollout.period:
             return self.fresh(model, carry, key, hp)[0]

@@ -589,3 +589,20 @@ def test_an_init_leaf_that_is_not_an_array_is_refused():
 
     with pytest.raises(TypeError, match=r"`init` returned str at carry\['name'\]"):
         _fit(rollout(init=init))
+
+
+def test_python_numbers_in_the_init_carry_are_kept():
+    """What ``lax.scan`` takes as a carry leaf (a Python bool/int/float/complex)
+    ``init`` may return too."""
+
+    def init(key):
+        return {"s": job.env_reset(key), "c": 1j, "n": 3}
+
+    def collect(params, carry, key):
+        batch, s, metrics = job.collect(params, carry["s"], key)
+        return batch, {**carry, "s": s, "c": carry["c"] * 1j}, metrics
+
+    r = rollout(collect=collect, init=init)
+    _fit(r)
+    assert complex(r.state.carry["c"]) == 1j * 1j  # (8 steps: one collection)
+    assert int(r.state.carry["n"]) == 3
