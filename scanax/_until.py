@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.extend.core import jaxprs_in_params
 
 from . import _eager, _long, _progress, _remat, _thin, _until_grad
 from ._errors import long as errors
@@ -261,8 +262,33 @@ def _converted(step: Callable, init: Any, xs: Any) -> tuple:
         axes = _until_grad.manual_axes((init, xs, consts, out))
         leaves = jtu.tree_leaves((init, xs))
         if all(len(_until_grad.manual_axes(a)) == len(axes) for a in leaves):
+            if axes:
+                _check_no_collectives(converted, (init, x0, *consts), axes)
             return converted, consts, init, xs, out, axes
         init, xs = _until_grad.vary((init, xs), axes)
+
+
+# Cross-shard operations (not casts): a shard that stopped never joins them.
+_NOT_COLLECTIVES = {"pvary", "pcast", "axis_index"}
+
+
+def _check_no_collectives(fn: Callable, args: tuple, axes: tuple) -> None:
+    """Inside ``jax.shard_map``: the step (and ``until``) must not communicate
+    over the loop's axes, since each shard stops at its own step."""
+    found: list[str] = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            named = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            named = named if isinstance(named, tuple) else (named,)
+            if eqn.primitive.name not in _NOT_COLLECTIVES and set(named) & set(axes):
+                found.append(eqn.primitive.name)
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    if found:
+        raise errors.until_collective(axes, sorted(set(found)))
 
 
 def run_until(

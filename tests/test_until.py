@@ -931,3 +931,28 @@ def test_inside_shard_map_a_closed_over_invariant_value_is_refused():
         return masked_scan(init, (a, None), f=f, stop=SHARD_STOP, axes=AXES)
 
     exact(got, jax.jit(jax.grad(shard_value(ref, P("b")), has_aux=True))(*args))
+
+
+@needs_4
+@pytest.mark.parametrize("where", ["f", "until"])
+def test_inside_shard_map_a_collective_over_the_loop_axes_is_refused(where):
+    """Each shard stops at its own step, so a psum in the step (or in `until`)
+    would wait for shards that stopped: XLA hung, then aborted the process. A
+    named TypeError before compiling instead."""
+
+    def ours_(init, a, w):
+        f, stop = shard_step(w), SHARD_STOP
+        if where == "f":
+            inner = f
+            f = lambda c, x: (lambda c, y: (c + 0.01 * jax.lax.psum(c, AXES), y))(
+                *inner(c, x)
+            )
+        else:
+            stop = lambda c: jax.lax.psum(jnp.sum(c), AXES) > 8.0
+        return scanax.scan_until(f, init, a, until=stop)
+
+    with pytest.raises(
+        TypeError,
+        match=r"uses a collective over the loop's manual axes \('b',\) \(psum",
+    ):
+        shard_value(ours_, P("b"))(*shard_inputs(P("b")))

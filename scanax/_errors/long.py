@@ -115,6 +115,18 @@ def until_invariant_closure(axes: tuple, found: list[tuple[str, tuple]]) -> Type
     )
 
 
+def until_collective(axes: tuple, names: list[str]) -> TypeError:
+    return TypeError(
+        f"{UNTIL}: inside jax.shard_map each shard stops at its own step, and `f` "
+        f"or `until` uses a collective over the loop's manual axes {axes} "
+        f"({', '.join(names)}): it would wait for the shards that stopped "
+        "earlier (XLA then hangs or aborts).\nFix: compute the step and the stop "
+        "from each shard's own values; for a stop all shards share (a global "
+        "residual), run the loop with a fixed length, `scanax.scan` with the "
+        "stop as a mask, or call scan_until outside the shard_map."
+    )
+
+
 def out_axes_reduced(call: str, name: str, out_axes: Any) -> ValueError:
     return ValueError(
         f"{call}: `out_axes` places the step axis of stacked outputs, but "
