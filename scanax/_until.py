@@ -182,7 +182,7 @@ def scan_until(
         new, y = loop.body(dynamic, x)
         return new, y, jnp.asarray(stop(new))
 
-    init_arrays = _promoted(step, jtu.tree_map(jnp.asarray, loop.init), loop.xs)
+    init_arrays = jtu.tree_map(jnp.asarray, loop.init)
     _check_until(stop, init_arrays)
 
     n = loop.length
@@ -227,28 +227,30 @@ def _x_example(xs: Any) -> Any:
     )
 
 
-def _promoted(step: Callable, init: Any, xs: Any) -> Any:
+def _promoted(init: Any, new: Any) -> Any:
     """``init`` with each weakly typed leaf (a Python number: ``init=0.0``) whose
     step returns another dtype (``bfloat16`` with ``bfloat16`` ``xs``) promoted to
-    the result type, as ``lax.scan`` does; its gradient converts back (to the
-    weak ``float32`` ``jax.grad`` gives a Python number)."""
-    leaves = jtu.tree_leaves(init)
-    if not any(jax.typeof(a).weak_type for a in leaves):
-        return init  # (the common case: no trace)
-    new = jax.eval_shape(step, init, _x_example(xs))[0]
+    the result type, as ``lax.scan`` does (its gradient converts back, to the weak
+    ``float32`` ``jax.grad`` gives a Python number); ``init`` itself if none is."""
+    if jtu.tree_structure(init) != jtu.tree_structure(new):
+        return init  # (reported by the loop, with the paths)
 
     def one(a, b):
         if not jax.typeof(a).weak_type or a.dtype == b.dtype:
             return a
         return jax.lax.convert_element_type(a, jnp.result_type(a, b))
 
-    return jtu.tree_map(one, init, new)
+    out = jtu.tree_map(one, init, new)
+    same = all(a is b for a, b in zip(jtu.tree_leaves(out), jtu.tree_leaves(init)))
+    return init if same else out
 
 
 def _converted(step: Callable, init: Any, xs: Any) -> tuple:
     """``(converted, consts, init, xs, out, axes)``: ``step`` closure-converted
     (``converted(carry, x, *consts)``: the values it closes over explicit), the
-    types of its outputs, and the manual mesh axes the loop varies over.
+    types of its outputs, and the manual mesh axes the loop varies over. A
+    weakly typed ``init`` leaf the step returns in another dtype is promoted
+    (``_promoted``) and the step traced again: the one trace otherwise.
 
     Inside ``jax.shard_map`` each shard runs until its own stop, so what the loop
     carries and returns varies over every manual axis that an input or an output
@@ -259,6 +261,10 @@ def _converted(step: Callable, init: Any, xs: Any) -> tuple:
         x0 = _x_example(xs)
         converted, consts = jax.closure_convert(step, init, x0)
         out = jax.eval_shape(converted, init, x0, *consts)
+        promoted = _promoted(init, out[0])
+        if promoted is not init:  # (traced again with the promoted carry)
+            init = promoted
+            continue
         axes = _until_grad.manual_axes((init, xs, consts, out))
         leaves = jtu.tree_leaves((init, xs))
         if all(len(_until_grad.manual_axes(a)) == len(axes) for a in leaves):
