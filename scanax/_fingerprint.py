@@ -11,6 +11,8 @@ describes a value by everything tracing it can read instead:
 * classes of the user's code: their methods and class attributes (a model's
   ``__call__`` reading a global is seen);
 * ``functools.partial`` and bound methods: the function and what is bound;
+* ``jax.jit`` functions of the user's code: their identity (as ``jax.jit``'s own
+  cache; a re-defined one is new);
 * tuples, lists, mappings, dataclasses, named tuples (optax transforms and
   states) and pytree definitions (Equinox static fields): their type and fields;
 * numbers, strings, dtypes: their value and type;
@@ -148,6 +150,10 @@ class _Walker:
             return _Same(x)
         if _importable(x):  # e.g. jax.nn.relu, a jitted function of jax's own
             return _Same(x)
+        if isinstance(x, _JITTED):
+            # a ``jax.jit`` of the user's (a module's helper): by identity, as
+            # jax.jit caches it; re-defined, it is a new one
+            return _Same(x)
         if type(x).__eq__ is not object.__eq__ and _hashable(x):
             # a value with an equality of its own: a dtype, a sharding, a
             # PartitionSpec, an Enum, flax's HashableMapping...
@@ -197,6 +203,9 @@ class _Walker:
         node = None if data is None else (self.walk(data[0]), self.walk(data[1]))
         kids = tuple(self._treedef(c) for c in treedef.children())
         return ("treedef", node, kids)
+
+
+_JITTED = type(jax.jit(lambda x: x))
 
 
 def _hashable(x: Any) -> bool:

@@ -209,6 +209,17 @@ def test_fingerprints():
     assert of(closing_over(jnp.ones(3))) != of(closing_over(jnp.zeros(3)))
     assert of([1, 1.0, True]) != of([1, 1, 1])  # types count
 
+    # a helper of the user's under jax.jit, read as a global: by identity (it
+    # made every population build and Rollout init recompile on each fit)
+    def using_jitted():
+        return _JITTED_HELPER(1.0)
+
+    assert of(using_jitted) is not None and of(using_jitted) == of(using_jitted)
+    assert of(_JITTED_HELPER) != of(jax.jit(lambda x: x * 2.0))
+
+
+_JITTED_HELPER = jax.jit(lambda x: x * 2.0)
+
 
 # ---------------------------------------------------------------- across processes
 
