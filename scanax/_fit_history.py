@@ -18,6 +18,12 @@ from ._errors import fit as errors
 # at step number t + 1 (``val_step``, ``rollout_step``), as the step's own entries:
 # the collection that step ``t + 1`` was the first to train on.
 SPARSE = (("val", "evaluated", "val_"), ("rollout", "collected", "rollout_"))
+# Who returns a group's metrics, and what a group's entry is (``_align``'s warning).
+_GROUPS = {
+    "": ("`loss_fn`", "steps", "step"),
+    "val_": ("the evaluation", "evaluations", "evaluation"),
+    "rollout_": ("`collect`", "collections", "collection"),
+}
 
 
 class History:
@@ -34,7 +40,7 @@ class History:
         # "val_step", "val_<name>", "rollout_step", "rollout_<name>"
         self.val: dict[str, list[np.ndarray]] = {}
         self.count = 0  # steps recorded
-        self.warned = False
+        self.warned: set[str] = set()  # the groups whose metric change was told
 
     def _axis(self, name: str) -> int:
         return 0 if name.endswith("step") else self.axis
@@ -83,8 +89,8 @@ class History:
                     mask.reshape(mask.shape + (1,) * (v.ndim - 2)), np.nan, v
                 )
         metrics = {k: v for k, v in values.items() if k != "loss"}
-        if set(metrics) != set(self.arrays) - {"loss", "step"}:
-            self._align(metrics, ran)
+        known = set(self.arrays) - {"loss", "step"}
+        self._align(self.arrays, known, metrics, self.count, ran, "")
         steps = np.arange(first + 1, first + ran + 1)
         self.arrays["step"].append(steps)
         for name, value in values.items():
@@ -115,35 +121,13 @@ class History:
                 for k, v in named.items()
             }
         steps = first + 1 + idx
-        self._align_sparse(prefix, values, len(idx))
+        known = {k for k in self.val if k.startswith(prefix)} - {prefix + "step"}
+        done = sum(len(s) for s in self.val.get(prefix + "step", []))
+        self._align(self.val, known, values, done, len(idx), prefix)
         self.val.setdefault(prefix + "step", []).append(steps)
         for name, value in values.items():
             self.val.setdefault(name, []).append(value)
         return steps, values
-
-    def _align_sparse(self, prefix: str, values: dict, count: int) -> None:
-        """``_align`` for the entries of one sparse group (a checkpoint of a
-        ``collect`` or ``eval_fn`` returning other metrics): NaN where a metric
-        has no value, one entry per ``<prefix>step``."""
-        known = {k for k in self.val if k.startswith(prefix)} - {prefix + "step"}
-        if set(values) == known:
-            return
-        new, gone = sorted(set(values) - known), sorted(known - set(values))
-        done = sum(len(s) for s in self.val.get(prefix + "step", []))
-        if done and not self.warned:
-            self.warned = True
-            who = "`collect`" if prefix == "rollout_" else "the evaluation"
-            what = "collections" if prefix == "rollout_" else "evaluations"
-            per = "collection" if prefix == "rollout_" else "evaluation"
-            warnings.warn(
-                errors.metrics_changed(done, new, gone, who, what, per),
-                RuntimeWarning,
-                stacklevel=_caller.user_level(),
-            )
-        for name in new:
-            self.val[name] = [self._nan(done)] if done else []
-        for name in gone:
-            self.val[name].append(self._nan(count))
 
     def _nan(self, count: int) -> np.ndarray:
         """NaN for ``count`` steps (and every member)."""
@@ -151,24 +135,28 @@ class History:
             return np.full(count, np.nan, np.float32)
         return np.full((self.members, count), np.nan, np.float32)
 
-    def _align(self, metrics: dict, count: int) -> None:
-        """Metric names differ from those of the history so far (a checkpoint of a
-        ``loss_fn`` returning other metrics): NaN where a metric has no value, so
-        that every history array keeps one entry per step."""
-        known = set(self.arrays) - {"loss", "step"}
-        new, gone = sorted(set(metrics) - known), sorted(known - set(metrics))
-        if self.count and not self.warned:
-            self.warned = True
+    def _align(
+        self, store: dict, known: set, values: dict, done: int, count: int, group: str
+    ) -> None:
+        """Metric names differ from those recorded so far (a checkpoint of a
+        ``loss_fn``, ``collect`` or evaluation returning other metrics): NaN
+        where a metric has no value, so that every array of ``store`` keeps one
+        entry per step (``group`` ""), collection ("rollout_") or evaluation
+        ("val_"); ``done`` entries so far, ``count`` now. Told once per group."""
+        if set(values) == known:
+            return
+        new, gone = sorted(set(values) - known), sorted(known - set(values))
+        if done and group not in self.warned:
+            self.warned.add(group)
             warnings.warn(
-                errors.metrics_changed(self.count, new, gone),
+                errors.metrics_changed(done, new, gone, *_GROUPS[group]),
                 RuntimeWarning,
                 stacklevel=_caller.user_level(),
             )
         for name in new:  # (one model: a float32 start, as it always had)
-            first = self.count or self.members is None
-            self.arrays[name] = [self._nan(self.count)] if first else []
+            store[name] = [self._nan(done)] if done or self.members is None else []
         for name in gone:
-            self.arrays[name].append(self._nan(count))
+            store[name].append(self._nan(count))
 
     def result(self) -> dict[str, np.ndarray]:
         def empty(name: str) -> np.ndarray:

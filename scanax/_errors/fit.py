@@ -29,9 +29,8 @@ def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
 
 
 def metrics_changed(
-    done: int, new: list[str], gone: list[str], who: str = "`loss_fn`",
-    what: str = "steps", per: str = "step",
-) -> str:  # fmt: skip
+    done: int, new: list[str], gone: list[str], who: str, what: str, per: str
+) -> str:
     parts = [f"new {', '.join(new)}"] if new else []
     parts += [f"no longer returned: {', '.join(gone)}"] if gone else []
     return (
