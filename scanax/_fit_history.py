@@ -153,8 +153,10 @@ class History:
                 RuntimeWarning,
                 stacklevel=_caller.user_level(),
             )
-        for name in new:  # (one model: a float32 start, as it always had)
-            store[name] = [self._nan(done)] if done or self.members is None else []
+        # (one model's training metric: a float32 start, as it always had)
+        start = done or (self.members is None and not group)
+        for name in new:
+            store[name] = [self._nan(done)] if start else []
         for name in gone:
             store[name].append(self._nan(count))
 
