@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_errors.plateau",
         },
     ),
-    ("ground", {"_tree", "_fingerprint", "_nnx", "_axes", "_caller"}),
+    ("ground", {"_tree", "_fingerprint", "_nnx", "_axes", "_caller", "_backend"}),
     ("eager", {"_eager"}),
     ("layouts", {"_conv_layout"}),
     ("loop core", {"_loop"}),
