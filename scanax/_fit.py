@@ -574,6 +574,8 @@ def _model_program(
     )
     sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
 
+    fed = isinstance(adapter, _rollout.FedAdapter)
+
     def build():
         lanes = _fit_program.Solo(
             _solo_step(adapter, treedef, call, setup.accumulate),
@@ -583,8 +585,13 @@ def _model_program(
             takes_key,
             _with_eval(checks, adapter, treedef, setup.precision),
             setup.accumulate,
+            adapter.before if fed else None,
         )
-        return _fit_program.build_chunk(lanes, sampler, setup.length, ticks)
+        periods = (
+            None if checks is None else checks.every,
+            setup.source.rollout.period if fed else None,
+        )
+        return _fit_program.build_chunk(lanes, sampler, setup.length, ticks, periods)
 
     return _fit_program.program(identity, build)
 

@@ -5,8 +5,10 @@ part of the training state (``_plateau``). The evaluation's reduction over a
 dataset (``over_dataset``: batch means weighted by their sizes, a ``Ratio``'s
 sums kept apart) is shared with ``scanax.evaluate``.
 
-Everything here runs inside the loop body, behind one ``lax.cond`` per step: no
-host round trip, no recompile, and the same code under a population's ``vmap``.
+Everything here runs inside the compiled loop: the running sums after every step
+(branch-free), the checks at the chunk boundaries where one is due, behind one
+``lax.cond`` per chunk; no recompile, and the same code under a population's
+``vmap``.
 """
 
 from __future__ import annotations
@@ -56,11 +58,10 @@ class Rules:
 
 
 class Checked(NamedTuple):
-    """What a check gives back (``Checks.run``)."""
+    """What a check gives back (``Checks.work``)."""
 
     leaves: list  # the training state, the plateau rule's carry updated
-    val: dict  # the evaluation's metrics (NaN where none was due)
-    due: Any  # whether an evaluation was due
+    val: dict  # the evaluation's metrics
     carry: StopCarry | None  # the early-stop carry
     stop: Any  # the early-stop rule says stop
 
@@ -70,7 +71,14 @@ class Checks:
     key, hp) -> (loss, metrics)`` over ``n`` examples in batches of
     ``batch_size``) and/or the rules ``stop``: an ``EarlyStop``, or ``Rules``
     (a ``Plateau``, and an ``EarlyStop`` or not). ``stop`` is kept as given:
-    what a ``Checks`` rebuilt with another ``evaluate`` is given again."""
+    what a ``Checks`` rebuilt with another ``evaluate`` is given again.
+
+    Its parts run where the compiled loop puts them (``_fit_program.Chunks``):
+    ``accumulate`` after every step (branch-free: the running sums of a
+    monitored training metric), ``collected`` at a rollout's collections (a
+    monitored rollout metric's), and ``work`` at the chunk boundaries where a
+    check is ``due``, behind one ``lax.cond`` (the evaluation, then the
+    rules)."""
 
     def __init__(
         self,
@@ -84,6 +92,9 @@ class Checks:
         self.batch_size, self.stop = batch_size, stop
         rules = stop if isinstance(stop, Rules) else Rules(stop)
         self.early, self.plateau, self.at = rules.stop, rules.plateau, rules.at
+        # the names a monitor may have, learnt while the step and the
+        # collections are traced (``check_monitor`` at the first check)
+        self.names: dict[str, list[str]] = {"train": [], "rollout": []}
 
     def key(self) -> tuple:
         """What the compiled program depends on (for its cache key)."""
@@ -103,111 +114,137 @@ class Checks:
             jnp.zeros((), jnp.int32),
         )
 
-    def run(
+    def _rules(self) -> list:
+        return [r for r in (self.early, self.plateau) if r is not None]
+
+    def accumulate(
+        self, leaves: list, out: dict, take: Any, carry: StopCarry | None
+    ) -> tuple[list, StopCarry | None]:
+        """After a step (``take``: it was applied, or a traced bool): each
+        rule's running sum and count of its monitored training metric (a
+        training metric is checked by its mean since the last check)."""
+        self.names["train"] = ["loss", *out["metrics"]]
+
+        def add(monitor: str, total: Any, count: Any) -> tuple:
+            if monitor.startswith(_SPARSE):
+                return total, count
+            value = out["metrics"].get(monitor, out["loss"])
+            if isinstance(value, Ratio):  # (a step's value: its num / den)
+                value = value.value
+            added = total + jnp.asarray(value, jnp.float32)
+            return jnp.where(take, added, total), jnp.where(take, count + 1, count)
+
+        if self.early is not None:
+            carry = carry._replace(
+                **dict(
+                    zip(
+                        ("total", "count"),
+                        add(self.early.monitor, carry.total, carry.count),
+                    )
+                )
+            )
+        if self.plateau is not None:
+            held = _plateau.read(leaves, self.at)
+            total, seen = add(self.plateau.monitor, held.total, held.seen)
+            leaves = _plateau.write(
+                leaves, self.at, held._replace(total=total, seen=seen)
+            )
+        return leaves, carry
+
+    def collected(
+        self, leaves: list, rollout: dict, got: Any, carry: StopCarry | None
+    ) -> tuple[list, StopCarry | None]:
+        """At a rollout's collection (``got``: one was made): each rule's
+        running sum and count of its monitored rollout metric. A NaN value
+        counts as no collection: what a ``collect`` reports when nothing
+        happened (an episode's return where no episode ended)."""
+        names = {f"rollout_{k}": v for k, v in rollout.items()}
+        self.names["rollout"] = list(names)
+
+        def add(monitor: str, total: Any, count: Any) -> tuple:
+            if monitor not in names:
+                return total, count
+            took = got & ~jnp.isnan(names[monitor])
+            value = jnp.where(took, names[monitor], 0.0)
+            return total + value.astype(jnp.float32), count + took.astype(count.dtype)
+
+        if self.early is not None:
+            total, count = add(self.early.monitor, carry.total, carry.count)
+            carry = carry._replace(total=total, count=count)
+        if self.plateau is not None:
+            held = _plateau.read(leaves, self.at)
+            total, seen = add(self.plateau.monitor, held.total, held.seen)
+            leaves = _plateau.write(
+                leaves, self.at, held._replace(total=total, seen=seen)
+            )
+        return leaves, carry
+
+    def due(self, t1: Any) -> Any:
+        """Whether a check is due after global step ``t1`` (1-based)."""
+        return t1 % self.every == 0
+
+    def work(
         self,
         t1: Any,
         leaves: list,
-        out: dict,
-        ok: Any,
         eval_data: Any,
         key: Any,
         hp: Any,
         carry: StopCarry | None,
     ) -> Checked:
-        """After global step ``t1`` (1-based): the evaluation if due, then the
-        rules. ``ok``: the step was taken (a population's member) and finite;
-        else no state is kept as the best and the plateau rule's carry is left
-        as it was."""
-        due = t1 % self.every == 0
+        """The check due after global step ``t1`` (1-based): the evaluation,
+        then the rules (branch-free: run where one is due)."""
         val: dict = {}
         if self.evaluate is not None:
-            # (traced once: the shapes for the other branch, and the evaluation)
-            evaluate, shape = trace_once(self._evaluate, leaves, eval_data, key, hp)
-            nan = jtu.tree_map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shape)
-            val = jax.lax.cond(
-                due,
-                lambda: evaluate(leaves, eval_data, key, hp),
-                lambda: nan,
-            )
+            val = self._evaluate(leaves, eval_data, key, hp)
         stop = jnp.array(False)
         if self.early is None and self.plateau is None:
-            return Checked(leaves, val, due, carry, stop)
-        rollout = {f"rollout_{k}": v for k, v in out.get("rollout", {}).items()}
-        names = ["loss", *out["metrics"], *val, *rollout]
-        for rule in (self.early, self.plateau):
-            if rule is not None:
-                rule.check_monitor(names)  # (while tracing: before compiling)
+            return Checked(leaves, val, carry, stop)
+        names = [*self.names["train"], *val, *self.names["rollout"]]
+        for rule in self._rules():
+            rule.check_monitor(names)  # (while tracing: before compiling)
         if self.early is not None:
-            carry, stop = self._early_stop(
-                t1, leaves, out, ok, val, rollout, carry, due
-            )
+            carry, stop = self._early_stop(t1, leaves, val, carry)
         if self.plateau is not None:
-            leaves = self._reduce(leaves, out, ok, val, rollout, due)
-        return Checked(leaves, val, due, carry, stop)
+            leaves = self._reduce(leaves, val)
+        return Checked(leaves, val, carry, stop)
 
-    def _monitored(
-        self, monitor: str, out: dict, val: dict, rollout: dict, total, count, due
-    ) -> tuple:
-        """``(value, total, count, check)``: the value of ``monitor`` that a rule
-        checks after this step, the running sum and count of a training
-        metric's values since the last check (a training metric is checked by
-        its mean over them), and whether the rule checks it now."""
-        if monitor in rollout:
-            # A rollout's metric: the mean of the collections since the last
-            # check (none since: no check, the rule waits for one). A NaN
-            # value counts as no collection: what a collect reports when
-            # nothing happened (an episode return where no episode ended).
-            got = out["collected"] & ~jnp.isnan(rollout[monitor])
-            value = jnp.where(got, rollout[monitor], 0.0)
-            total = total + value.astype(jnp.float32)
-            count = count + got.astype(count.dtype)
-            value = total / jnp.maximum(count, 1).astype(total.dtype)
-            return value, total, count, due & (count > 0)
-        if not monitor.startswith("val_"):
-            value = out["metrics"].get(monitor, out["loss"])
-            if isinstance(value, Ratio):  # (a step's value: its num / den)
-                value = value.value
-            total = total + jnp.asarray(value, jnp.float32)
-            count = count + 1
-            value = total / jnp.maximum(count, 1).astype(total.dtype)
-            return value, total, count, due
-        return val[monitor], total, count, due
+    def _monitored(self, monitor: str, val: dict, total, count) -> tuple:
+        """``(value, check)``: the value of ``monitor`` that a rule checks, and
+        whether it checks it now: a training or rollout metric by its mean
+        since the last check (none since, for a rollout's: no check, the rule
+        waits for one), an evaluation metric as evaluated."""
+        if monitor.startswith("val_"):
+            return val[monitor], jnp.array(True)
+        value = total / jnp.maximum(count, 1).astype(total.dtype)
+        if monitor.startswith("rollout_"):
+            return value, count > 0
+        return value, jnp.array(True)
 
-    def _early_stop(self, t1, leaves, out, ok, val, rollout, carry, due) -> tuple:
-        """The early-stop carry after this step, and whether to stop."""
-        value, total, count, check_due = self._monitored(
-            self.early.monitor, out, val, rollout, carry.total, carry.count, due
+    def _early_stop(self, t1, leaves, val, carry) -> tuple:
+        """The early-stop carry after a check, and whether to stop."""
+        value, check = self._monitored(
+            self.early.monitor, val, carry.total, carry.count
         )
+        rule, improved, stop = self.early.update(carry.rule, value, t1)
+        improved = improved & check
+        best = keep_best(carry.best, leaves, improved) if carry.best else []
+        zero = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        checked = StopCarry(rule, best, *zero)
+        new = jtu.tree_map(
+            lambda n, o: jnp.where(check, n, o),
+            checked._replace(best=[]),
+            carry._replace(best=[]),
+        )
+        return new._replace(best=best), stop & check
 
-        def check():
-            rule, improved, stop = self.early.update(carry.rule, value, t1)
-            improved = improved & ok  # never keep a state after a bad step
-            best = keep_best(carry.best, leaves, improved) if carry.best else []
-            zero = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-            return StopCarry(rule, best, *zero), stop
-
-        def wait():
-            return StopCarry(carry.rule, carry.best, total, count), jnp.array(False)
-
-        return jax.lax.cond(check_due, check, wait)
-
-    def _reduce(self, leaves, out, ok, val, rollout, due) -> list:
-        """The training state with the plateau rule's carry after this step (as
-        it was where ``ok`` is false)."""
+    def _reduce(self, leaves, val) -> list:
+        """The training state with the plateau rule's carry after a check."""
         held = _plateau.read(leaves, self.at)
-        value, total, seen, check_due = self._monitored(
-            self.plateau.monitor, out, val, rollout, held.total, held.seen, due
-        )
-
-        def check():
-            rule, _ = self.plateau.update(held.rule, value)
-            return PlateauCarry(rule, jnp.zeros_like(total), jnp.zeros_like(seen))
-
-        def wait():
-            return PlateauCarry(held.rule, total, seen)
-
-        new = jax.lax.cond(check_due, check, wait)
-        new = jtu.tree_map(lambda n, o: jnp.where(ok, n, o), new, held)
+        value, check = self._monitored(self.plateau.monitor, val, held.total, held.seen)
+        rule, _ = self.plateau.update(held.rule, value)
+        new = PlateauCarry(rule, jnp.zeros_like(held.total), jnp.zeros_like(held.seen))
+        new = jtu.tree_map(lambda n, o: jnp.where(check, n, o), new, held)
         return _plateau.write(leaves, self.at, new)
 
     def _evaluate(self, leaves: list, data: Any, key: Any, hp: Any) -> dict:
@@ -219,6 +256,10 @@ class Checks:
 
         found = over_dataset(batch_metrics, data, self.n, self.batch_size, key)
         return {f"val_{k}": v for k, v in found.items()}
+
+
+# Monitors that are not a training metric: an evaluation's, a rollout's.
+_SPARSE = ("val_", "rollout_")
 
 
 @jtu.register_pytree_node_class

@@ -167,8 +167,11 @@ class Sweep:
                 0 if self.per_member else None,
                 place.members_axis,
                 self.checks,
+                getattr(pop, "collector", None),
             )
-            return _fit_program.build_chunk(lanes, sampler, setup.length, False)
+            return _fit_program.build_chunk(
+                lanes, sampler, setup.length, False, _periods(self.checks, setup)
+            )
 
         found = self.programs[k] = _fit_program.program(identity, build)
         return found
@@ -369,6 +372,17 @@ def _call_for(
     return lambda hp: _precision.wrap(plain(hp), kind, precision)
 
 
+def _periods(checks: Any, setup: Any) -> tuple[int, ...]:
+    """The in-loop events' periods (a chunk boundary at each multiple):
+    evaluation every, a rollout's collection."""
+    out = []
+    if checks is not None:
+        out.append(checks.every)
+    if isinstance(setup.source, _rollout.RolloutSource):
+        out.append(setup.source.rollout.period)
+    return tuple(out)
+
+
 def merge_groups(histories: list[dict]) -> dict:
     """The histories of ``members_per_call`` groups as one: member rows stacked,
     on the union of their steps (a group whose members all stopped early ends
@@ -410,12 +424,15 @@ class Members(_fit_program.Lanes):
     step.
 
     With ``checks`` (``_fit_checks.Checks``): after each step, every member's
-    evaluation, early-stop and plateau rules (``checks.run`` under ``vmap``; the
-    evaluation is due at the same steps for all, so it stays one ``lax.cond``),
-    their carry with a leading member axis. A member whose rule says stop stops
-    (its ``rule.stopped``); a member that did not take the step (stopped, or a
-    non-finite step) leaves its carry as it was and records no evaluation
-    (``evaluated`` is per member).
+    running sums of its monitored training metric; at the chunk boundaries
+    where a check is due, every member's evaluation, early-stop and plateau
+    rules (``checks.work`` under ``vmap``, behind one ``lax.cond``: the
+    evaluation is due at the same steps for all), their carry with a leading
+    member axis. A member whose rule says stop stops (its ``rule.stopped``);
+    a member that no longer trains (stopped, or a non-finite step) leaves its
+    carry as it was and records no evaluation (``evaluated`` is per member).
+    ``collector``: a rollout's (``_rollout.Collector``), whose collections
+    run at the boundaries before their steps, for the members that train.
 
     The report holds, per member, the steps applied, the stopped members and
     those stopped by their rule, and the steps the loop ran (fewer than
@@ -425,9 +442,19 @@ class Members(_fit_program.Lanes):
     """
 
     def __init__(
-        self, step, sampler, place, takes_key, accumulate, xs_axis, members, checks
+        self,
+        step,
+        sampler,
+        place,
+        takes_key,
+        accumulate,
+        xs_axis,
+        members,
+        checks,
+        collector=None,
     ):
-        self.place, self.checks = place, checks
+        self.place, self.checks, self.collector = place, checks, collector
+        self.members = members
 
         def one(leaves, key, xs, hp, perm, data, t, i):
             batch = sampler.batch(perm, data, xs, t, i)
@@ -442,53 +469,97 @@ class Members(_fit_program.Lanes):
         axes = (0, 0, xs_axis, 0, None, None, None, None)
         self.members_step = jax.vmap(one, in_axes=axes, spmd_axis_name=members)
 
-        def check(t, leaves, out, take, eval_data, key, hp, extra):
-            # the solo run's evaluation key: fit's key (the member's), then the step
-            eval_key = jr.fold_in(jr.split(key)[0], t)
-            return checks.run(t + 1, leaves, out, take, eval_data, eval_key, hp, extra)
+    def begin(self, c):
+        # (the steps applied, per member; the steps the loop ran)
+        return None, (jnp.zeros(c.stopped.shape, jnp.int32), jnp.int32(0))
 
-        self.members_check = jax.vmap(
-            check,
-            in_axes=(None, 0, 0, 0, None, 0, 0, 0),
-            out_axes=_fit_checks.Checked(0, 0, None, 0, 0),
-            spmd_axis_name=members,
+    def _training(self, c, i, stopped, extra):
+        """The members that take step ``i`` of the call (unless not finite)."""
+        return (i < c.count) & ~stopped & ~_ended(extra)
+
+    def step(self, c, env, carry, perm, t, i, active):
+        leaves, stopped, extra, (applied, ran) = carry
+        new, out, ok = self.members_step(leaves, c.key, c.xs, c.hp, perm, c.data, t, i)
+        training = self._training(c, i, stopped, extra)
+        if active is not None:
+            training = training & active
+        take = training & ok
+        if self.checks is not None:
+            new, extra = self._vmap(self.checks.accumulate, (0, 0, 0, 0))(
+                new, out, take, extra
+            )
+        leaves = [_where(take, n, x) for n, x in zip(new, leaves)]
+        applied = applied + take.astype(applied.dtype)
+        ran = jnp.where(jnp.any(training), i + 1, ran)
+        return (leaves, stopped | (training & ~ok), extra, (applied, ran)), out
+
+    def _vmap(self, fn, in_axes, out_axes=0):
+        return jax.vmap(
+            fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=self.members
         )
 
-    def begin(self, c):
-        return None, jnp.zeros(c.stopped.shape, jnp.int32)  # steps applied
-
-    def step(self, c, env, carry, perm, t, i):
-        leaves, stopped, extra, applied = carry
-        new, out, ok = self.members_step(leaves, c.key, c.xs, c.hp, perm, c.data, t, i)
-        active = (i < c.count) & ~stopped & ~_ended(extra)
-        take = active & ok
-        leaves = [_where(take, n, x) for n, x in zip(new, leaves)]
-        if self.checks is not None:
-            eval_data = c.aux["eval"]
-            checked = self.members_check(
-                t, leaves, out, take, eval_data, c.key, c.hp, extra
+    def before(self, c, env, carry, t):
+        if self.collector is None:
+            return carry, {}
+        leaves, stopped, extra, lane = carry
+        i = t - c.start
+        training = self._training(c, i, stopped, extra)
+        collector, checks = self.collector, self.checks
+        due = collector.due(t)
+        collect = self._vmap(collector.collect_into, (0, 0))
+        kept = (list(leaves), collector.nan_metrics(stopped.shape))
+        new, metrics = jax.lax.cond(
+            due, collect, lambda leaves, hp: kept, leaves, c.hp
+        )  # (a member that no longer trains keeps its feed)
+        got = due & training
+        leaves = [_where(got, n, x) for n, x in zip(new, leaves)]
+        if checks is not None:
+            leaves, extra = self._vmap(checks.collected, (0, 0, 0, 0))(
+                leaves, metrics, got, extra
             )
-            if extra is not None:  # (the best state changes only at take)
-                keep = ft.partial(_where, take)
-                extra = checked.carry._replace(
-                    rule=jtu.tree_map(keep, checked.carry.rule, extra.rule),
-                    total=keep(checked.carry.total, extra.total),
-                    count=keep(checked.carry.count, extra.count),
-                )
-            # (the plateau rule's carry, in the state, changes only at take)
-            leaves = checked.leaves
-            out = {**out, "val": checked.val, "evaluated": checked.due & take}
-        if "collected" in out:  # (a member that did not take the step kept its feed)
-            out = {**out, "collected": out["collected"] & take}
-        applied = applied + take.astype(applied.dtype)
-        return (leaves, stopped | (active & ~ok), extra, applied), out
+        return (leaves, stopped, extra, lane), {"collected": got, "rollout": metrics}
+
+    def after(self, c, env, carry, t1):
+        if self.checks is None:
+            return carry, {}
+        leaves, stopped, extra, lane = carry
+        checks = self.checks
+        # the members that took the chunk's last step (``t1 - 1``)
+        took = self._training(c, t1 - 1 - c.start, stopped, extra)
+
+        def work(leaves, eval_data, key, hp, extra):
+            def one(leaves, key, hp, extra):
+                # the solo run's evaluation key: fit's key (the member's), then
+                # the step
+                eval_key = jr.fold_in(jr.split(key)[0], t1 - 1)
+                return checks.work(t1, leaves, eval_data, eval_key, hp, extra)
+
+            out_axes = _fit_checks.Checked(0, 0, 0, 0)
+            return self._vmap(one, (0, 0, 0, 0), out_axes)(leaves, key, hp, extra)
+
+        due = checks.due(t1)
+        args = (leaves, c.aux["eval"], c.key, c.hp, extra)
+        checked = _fit_program.when(due & jnp.any(took), work, args)
+        keep = ft.partial(_where, took)  # (the rest: as they were)
+        leaves = [keep(n, x) for n, x in zip(checked.leaves, leaves)]
+        if extra is not None:
+            extra = checked.carry._replace(
+                rule=jtu.tree_map(keep, checked.carry.rule, extra.rule),
+                best=[keep(n, x) for n, x in zip(checked.carry.best, extra.best)],
+                total=keep(checked.carry.total, extra.total),
+                count=keep(checked.carry.count, extra.count),
+            )
+        return (leaves, stopped, extra, lane), {
+            "val": checked.val,
+            "evaluated": due & took,
+        }
 
     def running(self, c, i, stopped, extra, lane):
         return (i < jnp.max(c.count)) & ~jnp.all(stopped | _ended(extra))
 
     def finish(self, c, i, carry, bufs):
-        leaves, stopped, extra, applied = carry
-        report = _fit_program.Report(applied, i, stopped, _ended(extra))
+        leaves, stopped, extra, (applied, ran) = carry
+        report = _fit_program.Report(applied, ran, stopped, _ended(extra))
         # What the host reads after the call, readable by every process (members
         # split over processes' devices gathered); the carry keeps its placement.
         (report, bufs), (leaves, stopped, extra) = self.place.readable(

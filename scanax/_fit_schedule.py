@@ -62,7 +62,13 @@ class Schedule:
         self.last = now
 
     def _size(self, seconds_per_step: float) -> int:
-        return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
+        """The steps a call of about ``_SECONDS_PER_CALL`` takes, a multiple
+        of the program's chunk (so that its chunks are whole) when that fits
+        the call's buffers."""
+        steps = max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
+        plan = getattr(self.program.chunks, "plan", None)
+        k = 1 if plan is None else plan.k
+        return max(steps // k * k, min(k, self.length))
 
 
 # ---------------------------------------------------------------------------- execution

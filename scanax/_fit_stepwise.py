@@ -1,6 +1,7 @@
-"""``fit(..., execution="stepwise")``: a call's steps dispatched by the host one
-compiled step at a time, as a Python loop of ``jax.jit`` steps runs, instead of
-one ``lax.while_loop`` (``execution="fused"``).
+"""``fit(..., execution="stepwise")``: a call's chunks of steps dispatched by the
+host one compiled chunk at a time (on CPU a chunk is one step: as a Python loop
+of ``jax.jit`` steps runs), instead of one ``lax.while_loop`` over the chunks
+(``execution="fused"``).
 
 The programs are built from the fused loop's own pieces (``_fit_program.Chunks``:
 ``begin``, ``advance``, ``close``), so the two run the same step on the same
@@ -8,12 +9,13 @@ state: bit-identical results on CPU, every feature of the loop (a non-finite
 step's stop, evaluation and the early-stop rule, accumulation, a population's
 members, meshes, a rollout's feed) unchanged. Between steps the loop's state
 stays on the device as a flat list of arrays, donated to the next step; the host
-flattens nothing per step. Each step is a ``lax.while_loop`` of the fused loop's
-own body and condition, bounded to one iteration, so the host dispatches
-``max(count)`` steps without reading the device, a call that stopped early
-costs only its remaining (empty) loops, and XLA compiles the step as the fused
-loop's body: bit for bit the same arithmetic, a population's too (a
-``lax.cond`` compiled a population's step differently in the last bits).
+flattens nothing per step. Each dispatch is a ``lax.while_loop`` of the fused
+loop's own body (one chunk) and condition, bounded to one iteration, so the host
+dispatches the call's chunks (``Plan.count``: computed from the call's steps,
+without reading the device), a call that stopped early costs only its
+remaining (empty) loops, and XLA compiles the chunk as the fused loop's body:
+bit for bit the same arithmetic, a population's too (a ``lax.cond`` compiled a
+population's step differently in the last bits).
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ class Stepwise:
         ] + jtu.tree_leaves(env)
         state = jtu.tree_leaves(loop)
         step, sync = self._step, self.sync
-        for k in range(int(np.max(c.count))):
+        every = int(c.every) if self.chunks.ticks else None
+        chunks = self.chunks.plan.count(int(c.start), int(np.max(c.count)), every)
+        for k in range(chunks):
             state = step(*fixed, *state)
             if sync and k % sync == sync - 1:
                 state[0].block_until_ready()

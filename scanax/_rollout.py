@@ -10,9 +10,10 @@ population's per-member selects. Between ``fit`` calls the feed stays with the
 ``Rollout`` object (``Rollout.state``), so that the next call continues it.
 
 Collections happen at the global steps that are multiples of ``epochs *
-minibatches`` (a predicate on the step alone: under a population's ``vmap`` it
-stays one ``lax.cond``, run only at those steps). Step ``t`` trains on minibatch
-``t % minibatches`` of epoch ``(t // minibatches) % epochs`` of the batch.
+minibatches``, at the boundary before them (the compiled loop cuts its chunks
+there: one ``lax.cond`` per chunk, run only at those steps, the same for a
+population's members). Step ``t`` trains on minibatch ``t % minibatches`` of
+epoch ``(t // minibatches) % epochs`` of the batch.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from . import _caller, _fingerprint, _model_step, _population
 from ._errors import rollout as errors
 from ._tree import is_array, is_arraylike
 
-# The metrics a collection records, as the step function's metrics carry them
-# (``_fit_program.outputs`` moves them to their own buffers).
-METRICS = "__rollout__"
 _FOLD = 2  # fit's key: split(key)[0] evaluations, [1] steps, fold_in(key, 2) here
 
 
@@ -301,22 +299,14 @@ class Collector:
 
     def step(self, inner: Callable) -> Callable:
         """``step(leaves, t, key, hp)`` on the model's and the feed's leaves
-        (``inner``: the step on the model's leaves)."""
+        (``inner``: the step on the model's leaves): minibatch ``t`` of the
+        batch last collected (``before``), branch-free."""
         n, rollout = self.n, self.rollout
         period, m = rollout.period, rollout.minibatches
 
         def step(leaves, t, key, hp):
             model = leaves[:n]
             feed = jtu.tree_unflatten(self.feed_def, leaves[n:])
-            due = t % period == 0
-
-            def keep(feed):
-                nan = jnp.full((), jnp.nan, jnp.float32)
-                return feed, {k: nan for k in self.metric_names}
-
-            feed, metrics = jax.lax.cond(
-                due, lambda f: self.fresh(model, f.carry, f.key, hp), keep, feed
-            )
             batch = feed.batch
             if m > 1:
                 j = t % period
@@ -325,10 +315,38 @@ class Collector:
                 idx = jax.lax.dynamic_slice_in_dim(order, (j % m) * size, size)
                 batch = jtu.tree_map(lambda x: jnp.take(x, idx, axis=0), batch)
             new, loss, step_metrics, grads = inner(model, batch, key, hp)
-            step_metrics = {**step_metrics, METRICS: (due, metrics)}
-            return [*new, *jtu.tree_leaves(feed)], loss, step_metrics, grads
+            return [*new, *leaves[n:]], loss, step_metrics, grads
 
         return step
+
+    def due(self, t: Any) -> Any:
+        """Whether global step ``t`` collects first."""
+        return t % self.rollout.period == 0
+
+    def collect_into(self, leaves: list, hp: Any) -> tuple[list, dict]:
+        """A new collection into one model's (member's) state: its leaves
+        with the new feed, and the collection's metrics."""
+        model = leaves[: self.n]
+        feed = jtu.tree_unflatten(self.feed_def, leaves[self.n :])
+        feed, metrics = self.fresh(model, feed.carry, feed.key, hp)
+        return [*model, *jtu.tree_leaves(feed)], metrics
+
+    def nan_metrics(self, shape: tuple = ()) -> dict:
+        """The metrics where no collection is due: NaN."""
+        return {k: jnp.full(shape, jnp.nan, jnp.float32) for k in self.metric_names}
+
+    def before(self, leaves: list, t: Any, hp: Any) -> tuple[list, Any, dict]:
+        """One model's boundary before global step ``t``: a collection behind
+        one ``lax.cond`` where one is due; ``(leaves, collected, metrics)``."""
+        due = self.due(t)
+        leaves, metrics = jax.lax.cond(
+            due,
+            self.collect_into,
+            lambda leaves, hp: (list(leaves), self.nan_metrics()),
+            leaves,
+            hp,
+        )
+        return leaves, due, metrics
 
     def names(self, prefix: str = "rollout") -> list[str]:
         """The checkpoint names of the feed's leaves."""
@@ -506,6 +524,16 @@ class FedAdapter(_model_step.Wrapper):
             return jtu.tree_unflatten(outer_def, new), loss, metrics, grads
 
         return step
+
+    def before(self, leaves: list, t: Any, hp: Any, extra: Any, checks: Any):
+        """The boundary before global step ``t`` on the flat state: a
+        collection where one is due (and the rules' running sums of a
+        monitored rollout metric: ``checks``, a ``_fit_checks.Checks``);
+        ``(leaves, extra, outputs)``."""
+        leaves, due, metrics = self.collector.before(leaves, t, hp)
+        if checks is not None:
+            leaves, extra = checks.collected(leaves, metrics, due, extra)
+        return leaves, extra, {"collected": due, "rollout": metrics}
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         """The model holding ``state``; the feed goes with it to the Rollout

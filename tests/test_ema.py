@@ -169,4 +169,6 @@ def test_population_members_equal_solo_fits(whole):
 
 def test_a_numpy_decay_is_a_decay(whole):
     out = _fit(ema=np.float32(DECAY))
-    _close(out.ema, whole.ema, 1e-7)
+    # (float32(0.9) is 0.9 - 2.4e-8: over 20 steps the averages differ by a
+    # few 1e-7, the rounding of the update's arithmetic included)
+    _close(out.ema, whole.ema, 1e-6)
