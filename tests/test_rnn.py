@@ -664,10 +664,10 @@ def test_error_no_state_width_and_misc():
 
 
 def test_auto_order_by_backend(monkeypatch):
-    from scanax import _rnn
+    from scanax import _backend, _rnn
 
     assert _rnn.resolve_order("time") == "time"
     assert _rnn.resolve_order("layer") == "layer"
     for backend, order in [("cpu", "layer"), ("gpu", "time"), ("tpu", "time")]:
-        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        monkeypatch.setattr(_backend, "platform", lambda b=backend: b)
         assert _rnn.resolve_order("auto") == order
