@@ -19,7 +19,8 @@ back to the layout the program asked for. The values are the same convolution's
 JVP/VJP calls (their primal function) are rewritten too; other primitives that
 hold programs (``shard_map``, ``pmap``, custom transposes) are left as they are.
 
-* :func:`applies`: whether a backend needs it (CPU only, measured).
+* :func:`applies`: whether a backend needs it (CPU only, measured; the backend
+  read from ``_backend.platform``).
 * :func:`has_conv`: whether a program holds a convolution, at any depth.
 * :func:`eval_rewritten` / :func:`rewrite`: the rewriting interpreter, and the
   rewritten program as a ``ClosedJaxpr``.
@@ -29,7 +30,9 @@ hold programs (``shard_map``, ``pmap``, custom transposes) are left as they are.
 
 from __future__ import annotations
 
+import contextlib
 import functools as ft
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,8 +40,24 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
-from jax.extend import core as _core
+
+from . import _backend, _caller, _errors as errors
+
+# What the rewrite needs of JAX beyond its public API: the program types
+# (``jax.extend.core``) and, to keep each equation's source and name stack in
+# the rewritten program, ``jax.extend.source_info_util``. Both are JAX's
+# extension API, not ``jax._src``; on a JAX without them scanax still imports
+# and runs: without the program types the rewrite switches itself off (with a
+# warning, once, where it would have applied), without source information it
+# rewrites with the trace's own.
+try:
+    from jax.extend import core as _core
+except ImportError:  # pragma: no cover - an unknown JAX
+    _core = None
+try:
+    from jax.extend import source_info_util as _source_info
+except ImportError:  # pragma: no cover - an unknown JAX
+    _source_info = None
 
 _CONV = "conv_general_dilated"
 
@@ -207,13 +226,7 @@ def eval_rewritten(closed_jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
     seen: dict[int, bool] = {}
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with (
-            source_info_util.user_context(
-                eqn.source_info.traceback, name_stack=name_stack
-            ),
-            eqn.ctx.manager,
-        ):
+        with _source_of(eqn), eqn.ctx.manager:
             if eqn.primitive.name == _CONV:
                 outs = _conv(eqn, *invals)
             else:
@@ -228,6 +241,15 @@ def eval_rewritten(closed_jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
             outs = [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _source_of(eqn: Any) -> Any:
+    """The equation's traceback and name stack, for what it binds (nothing
+    without ``jax.extend.source_info_util``)."""
+    if _source_info is None:
+        return contextlib.nullcontext()
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
 
 
 def _rewrite_param(value: Any) -> Any:
@@ -281,7 +303,21 @@ def rewrite(closed_jaxpr: Any) -> Any:
 
 
 def _needed() -> bool:
-    return applies(jax.default_backend()) and not jax.config.jax_disable_jit
+    if not applies(_backend.platform()) or jax.config.jax_disable_jit:
+        return False
+    if _core is None:
+        _warn_unavailable()
+        return False
+    return True
+
+
+@ft.cache
+def _warn_unavailable() -> None:
+    warnings.warn(
+        errors.conv_layout_unavailable(jax.__version__),
+        RuntimeWarning,
+        stacklevel=_caller.user_level(),
+    )
 
 
 def replay(closed_jaxpr: Any, *flat_args: Any) -> list[Any]:

@@ -1,8 +1,9 @@
 """``scanax.linear_scan``: diagonal linear recurrences ``h_t = a_t * h_{t-1} + b_t``.
 
-One body (``_core``) normalises a call: time moved to axis 0, everything cast to the
-accumulation dtype, resets and padding folded into ``a`` and ``b`` (a reset step has
-``a_t = 0``; a padding step has ``a_t = 1, b_t = 0``, so it holds the state). Three
+One body (``_core``) normalises a call: everything cast to the accumulation dtype,
+resets and padding folded into ``a`` and ``b`` (a reset step has ``a_t = 0``; a
+padding step has ``a_t = 1, b_t = 0``, so it holds the state), time moved to axis 0
+(``time_major``: but for the associative scan off CPU). Three
 interchangeable methods then run the recurrence in scan order: a ``lax.scan``
 (``_sequential``), ``lax.associative_scan`` with the ``(a, b)`` monoid
 (``_associative``), and a scan within chunks followed by a short scan over the chunk
@@ -20,13 +21,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _backend
 from ._errors import linear as errors
 
 METHODS = ("auto", "sequential", "associative", "chunked")
 
-# "auto" off CPU: the chunked scan from this many steps (not measured here; see
-# docs/linear_recurrences.md and benchmarks/device_check.py).
-ACCELERATOR_CHUNKED_FROM = 256
+# "auto" on a TPU (not measured): the chunked scan from this many steps.
+TPU_CHUNKED_FROM = 256
+# "auto" on a GPU: the associative scan while its gradient's working set, this
+# many arrays of b's shape in the accumulation dtype (XLA's buffers for the
+# gradient of a [T, 1024, 16] float32 call at T = 1k and 4k: 8 temporaries, plus
+# a, b and h), takes at most this share of the device's memory; else chunked
+# (3 temporaries). See docs/long_scans.md.
+ASSOCIATIVE_ARRAYS = 11
+ASSOCIATIVE_SHARE = 0.25
+# A device that does not tell its memory is taken to have this much.
+UNKNOWN_DEVICE_BYTES = 16 * 2**30
 
 
 class Dtypes(NamedTuple):
@@ -164,26 +174,59 @@ def default_chunk(length: int) -> int:
     return max(8, 2 ** round(math.log2(max(length, 1)) / 2))
 
 
-def resolve_method(method: str, length: int, backend: str | None = None) -> str:
-    """The method ``"auto"`` stands for: ``"sequential"`` on CPU (the fastest there
-    at every measured length, forward and gradient, and the cheapest to compile);
-    elsewhere ``"chunked"`` from ``ACCELERATOR_CHUNKED_FROM`` steps (far fewer
-    loop iterations, each with a fixed cost on an accelerator; not measured here),
-    ``"sequential"`` below."""
+@ft.cache
+def device_bytes() -> int:
+    """The memory of the default device (``bytes_limit`` of its memory stats),
+    or ``UNKNOWN_DEVICE_BYTES`` where it does not tell."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # (a backend without memory stats)
+        stats = {}
+    return int(stats.get("bytes_limit") or UNKNOWN_DEVICE_BYTES)
+
+
+def resolve_method(
+    method: str, length: int, backend: str | None = None, nbytes: int = 0
+) -> str:
+    """The method ``"auto"`` stands for, by backend (``_backend.platform``).
+
+    * CPU: ``"sequential"``, the fastest there at every measured length, forward
+      and gradient, and the cheapest to compile.
+    * GPU: ``"associative"`` (0.01-0.03x the time of ``lax.scan`` on an H200,
+      against 0.03-0.06x for the chunked scan), while ``ASSOCIATIVE_ARRAYS``
+      arrays of ``nbytes`` (``b``'s size in the accumulation dtype) fit in
+      ``ASSOCIATIVE_SHARE`` of the device's memory; else ``"chunked"``.
+    * Other backends (TPU, not measured): ``"chunked"`` from
+      ``TPU_CHUNKED_FROM`` steps (few loop iterations, each with a fixed cost),
+      ``"sequential"`` below.
+    """
     if method != "auto":
         return method
-    backend = backend or jax.default_backend()
-    if backend == "cpu" or length < ACCELERATOR_CHUNKED_FROM:
+    backend = backend or _backend.platform()
+    if backend == "cpu" or length < 2:
         return "sequential"
-    return "chunked"
+    if backend == "gpu":
+        fits = ASSOCIATIVE_ARRAYS * nbytes <= ASSOCIATIVE_SHARE * device_bytes()
+        return "associative" if fits else "chunked"
+    return "chunked" if length >= TPU_CHUNKED_FROM else "sequential"
 
 
 # ---------------------------------------------------------------------------- methods
-# Each takes a, b in scan order on axis 0 (a's axis 0 may have size 1: the same a
-# at every step), h0, and returns (h at every step, h at the last step).
+# Each takes a and b with time on ``axis`` (0 but for the associative scan off
+# CPU; a's time axis may have size 1: the same a at every step), h0 (None:
+# zeros), and returns (h at every step, time on ``axis``; h at the last step in
+# scan order).
 
 
-def _sequential(a, b, h0, reverse, chunk, out):
+def _zeros_if_none(h0, b, axis):
+    if h0 is not None:
+        return h0
+    return jnp.zeros(b.shape[:axis] + b.shape[axis + 1 :], b.dtype)
+
+
+def _sequential(a, b, h0, axis, reverse, chunk, out):
+    h0 = _zeros_if_none(h0, b, 0)
+
     def step(h, ab):
         a_t, b_t = ab
         h = a_t * h + b_t
@@ -206,21 +249,25 @@ def _combine(earlier, later):
     return a2 * a1, a2 * b1 + b2
 
 
-def _in_order(reverse, *xs):
-    return tuple(jnp.flip(x, 0) for x in xs) if reverse else xs
+def _associative(a, b, h0, axis, reverse, chunk, out):
+    """The hand-written ``lax.associative_scan`` of ``(a, b)`` along ``axis``
+    (``a`` broadcast to ``b``'s shape, as one writes it: narrower, its gradient
+    is reduced at every level, 1.09x slower on CPU), and ``h0`` added after the
+    scan through the products of ``a`` it computes anyway: ``h_t = (prod a) h0
+    + h_t`` from zeros (folding ``h0`` into the first step copied ``b``: 1.18-1.27x
+    the hand-written scan on CPU)."""
+    length = b.shape[axis]
+    a = jnp.broadcast_to(a, b.shape)
+    prod, h = jax.lax.associative_scan(_combine, (a, b), reverse=reverse, axis=axis)
+    if h0 is not None:
+        h = h + prod * jnp.expand_dims(h0, axis)
+    end = 0 if reverse else length - 1
+    return h, jax.lax.index_in_dim(h, end, axis, keepdims=False)
 
 
-def _associative(a, b, h0, reverse, chunk, out):
-    a, b = _in_order(reverse, a, b)
-    a = jnp.broadcast_to(a, (b.shape[0],) + a.shape[1:])
-    b = jnp.concatenate([(a[0] * h0 + b[0])[None], b[1:]])  # h0 folded into step 0
-    _, h = jax.lax.associative_scan(_combine, (a, b))
-    (h,) = _in_order(reverse, h)
-    return h, h[0] if reverse else h[-1]
-
-
-def _chunked(a, b, h0, reverse, chunk, out):
-    a, b = _in_order(reverse, a, b)
+def _chunked(a, b, h0, axis, reverse, chunk, out):
+    h0 = _zeros_if_none(h0, b, 0)
+    a, b = (jnp.flip(x, 0) for x in (a, b)) if reverse else (a, b)
     length = b.shape[0]
     c = min(chunk or default_chunk(length), length)
     n = -(-length // c)
@@ -253,7 +300,7 @@ def _chunked(a, b, h0, reverse, chunk, out):
     last, h_in = jax.lax.scan(across, h0, (prod_end, h_end))
     h = h + prod * h_in[None]
     h = jnp.swapaxes(h, 0, 1).reshape((n * c,) + h.shape[2:])[:length]
-    (h,) = _in_order(reverse, h)
+    h = jnp.flip(h, 0) if reverse else h
     return h, last
 
 
@@ -268,29 +315,45 @@ def _trailing(x: Any, ndim: int) -> Any:
     return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
-@ft.partial(jax.jit, static_argnames=("axis", "reverse", "method", "chunk", "types"))
-def _core(a, b, h0, reset, seq_lengths, *, axis, reverse, method, chunk, types):
+def time_major(method: str, backend: str) -> bool:
+    """Whether a method runs with time moved to axis 0: the sequential and
+    chunked scans always; the associative scan on CPU, where XLA's strided
+    slices of an inner time axis cost more than two transposes (a batch-major
+    minimal LRU, ``[32, T, 64-256]`` complex64, forward + gradient: 0.81-0.97x
+    the time of ``vmap`` of the hand-written scan over the batch); elsewhere it
+    scans ``b`` where its time axis is (on a GPU every level is a pass over
+    memory, and so is each transpose; not measured)."""
+    return method != "associative" or backend == "cpu"
+
+
+@ft.partial(
+    jax.jit,
+    static_argnames=("axis", "reverse", "method", "chunk", "types", "major"),
+)
+def _core(a, b, h0, reset, seq_lengths, *, axis, reverse, method, chunk, types, major):
+    """The call in ``b``'s layout (time on ``axis``): ``a`` made ``b``'s rank
+    (size-1 axes where it is broadcast), resets and padding folded into ``a``
+    and ``b``, time moved to axis 0 if ``major``, then the method."""
     nd = b.ndim
-    b = jnp.moveaxis(b.astype(types.acc), axis, 0)
-    a = jnp.moveaxis(
-        a.astype(types.acc).reshape((1,) * (nd - a.ndim) + a.shape), axis, 0
-    )
-    length = b.shape[0]
-    h0 = jnp.zeros(b.shape[1:], types.acc) if h0 is None else h0.astype(types.acc)
+    b = b.astype(types.acc)
+    a = a.astype(types.acc).reshape((1,) * (nd - a.ndim) + a.shape)
+    length = b.shape[axis]
+    h0 = None if h0 is None else h0.astype(types.acc)
     if reset is not None:  # a reset step forgets h_{t-1}: a_t = 0
-        a = jnp.where(
-            jnp.moveaxis(_trailing(reset, nd), axis, 0), jnp.zeros((), a.dtype), a
-        )
+        a = jnp.where(_trailing(reset, nd), jnp.zeros((), a.dtype), a)
     if seq_lengths is not None:  # a padding step holds the state: a_t = 1, b_t = 0
-        steps = jnp.arange(length).reshape((length,) + (1,) * (nd - 1))
-        valid = steps < _trailing(seq_lengths.astype(steps.dtype), nd - 1)[None]
+        steps = jax.lax.broadcasted_iota(jnp.int32, (length,), 0)
+        steps = steps.reshape((1,) * axis + (length,) + (1,) * (nd - 1 - axis))
+        lengths = _trailing(seq_lengths.astype(steps.dtype), nd - 1)
+        valid = steps < jnp.expand_dims(lengths, axis)
         a = jnp.where(valid, a, jnp.ones((), a.dtype))
         b = jnp.where(valid, b, jnp.zeros((), b.dtype))
     if length == 0:
-        h, last = b, h0
-    else:
-        h, last = RUN[method](a, b, h0, reverse, chunk, types.out)
-    return jnp.moveaxis(h.astype(types.out), 0, axis), last.astype(types.out)
+        return b.astype(types.out), _zeros_if_none(h0, b, axis).astype(types.out)
+    run_axis = 0 if major else axis
+    a, b = (jnp.moveaxis(x, axis, run_axis) for x in (a, b))
+    h, last = RUN[method](a, b, h0, run_axis, reverse, chunk, types.out)
+    return jnp.moveaxis(h.astype(types.out), run_axis, axis), last.astype(types.out)
 
 
 # ---------------------------------------------------------------------------- public
@@ -359,8 +422,12 @@ def linear_scan(
             once, a scan over the chunk carries, and a correction: ``chunk +
             T / chunk`` loop iterations), or ``"auto"`` (default):
             ``"sequential"`` on CPU, where it was the fastest at every measured
-            length, forward and gradient; ``"chunked"`` on other backends from
-            256 steps (see ``docs/linear_recurrences.md``).
+            length, forward and gradient; ``"associative"`` on a GPU (30-100x
+            faster than a loop over time on an H200), ``"chunked"`` where its
+            working set (about 11 arrays of ``b``'s size, for the gradient)
+            would take more than a quarter of the device's memory; on a TPU
+            (not measured) ``"chunked"`` from 256 steps (see
+            ``docs/long_scans.md``).
         chunk: the chunk length of ``method="chunked"`` (or ``"auto"`` when it
             picks it); default the power of two nearest ``sqrt(T)``, at least 8.
         acc_dtype: the least precision of the accumulation: the recurrence runs in
@@ -398,7 +465,9 @@ def linear_scan(
         a, b, h0, axis, reset, seq_lengths, method, chunk, acc_dtype
     )
     types = dtypes(a, b, h0, acc_dtype)
-    method = resolve_method(method, b.shape[ax])
+    nbytes = math.prod(b.shape) * np.dtype(types.acc).itemsize
+    method = resolve_method(method, b.shape[ax], nbytes=nbytes)
+    major = time_major(method, _backend.platform())
     with jax.named_scope("scanax.linear_scan"):
         return _core(
             a,
@@ -411,4 +480,5 @@ def linear_scan(
             method=method,
             chunk=chunk,
             types=types,
+            major=major,
         )

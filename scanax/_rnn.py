@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _cells, _eager, _nnx
+from . import _backend, _cells, _eager, _nnx
 from ._errors import rnn as errors, short_type
 from ._scan import scan
 from ._tree import same_types
@@ -367,10 +367,11 @@ def rnn(
 
 
 def resolve_order(order: str) -> str:
-    """``"time"`` or ``"layer"``; ``"auto"`` picks by the default backend."""
+    """``"time"`` or ``"layer"``; ``"auto"`` picks by the backend
+    (``_backend.platform``)."""
     if order != "auto":
         return order
-    return "layer" if jax.default_backend() == "cpu" else "time"
+    return "layer" if _backend.platform() == "cpu" else "time"
 
 
 def birnn(

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _caller, _eager, _remat
+from . import _backend, _caller, _eager, _remat
 from ._errors import stack as errors
 from ._scan import scan
 from ._stack_plan import (
@@ -130,16 +130,31 @@ def scan_remat(remat: Any) -> Any:
     return "sqrt" if remat == "sqrt" else False
 
 
-def run_remat(remat: Any) -> Any:
-    """How the layers of a stacked run are checkpointed.
+def default_policy(backend: str) -> Callable:
+    """What the layers of a stacked run keep for the backward pass by default.
 
-    By default only matmul results are kept for the backward pass and the cheap
-    elementwise work between them is recomputed: on CPU, storing every residual of a
-    scanned layer costs more than recomputing them (measured in bench_stack).
+    CPU: every matmul result (``checkpoint_dots``), the cheap elementwise work
+    between them recomputed: there, storing every residual of a scanned layer
+    costs more than recomputing it (measured in bench_stack). Elsewhere: the
+    results of matmuls without batch dimensions (``checkpoint_dots_with_no_batch
+    _dims``, MaxText's "minimal" policy): the projections are kept, attention's
+    batched matmuls (its ``[batch, heads, T, T]`` scores) and the elementwise
+    work recomputed. Keeping every matmul stacked over the layers of a
+    GPT-2-small on an H200 (its scores: 4.8 GB over 12 layers) made a step 1.41x
+    the unrolled model's; this default is chosen, not yet measured there
+    (``benchmarks/device_check.py`` prints both, and ``remat=False``).
     """
+    if backend == "cpu":
+        return jax.checkpoint_policies.checkpoint_dots
+    return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+
+
+def run_remat(remat: Any) -> Any:
+    """How the layers of a stacked run are checkpointed (``remat=None``: the
+    backend's ``default_policy``)."""
     if remat == "sqrt":
         return False  # the run's scan checkpoints (`scan_remat`)
-    return jax.checkpoint_policies.checkpoint_dots if remat is None else remat
+    return default_policy(_backend.platform()) if remat is None else remat
 
 
 def single_remat(remat: Any) -> Any:
@@ -480,8 +495,10 @@ class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.regis
         remat: what the backward pass stores: ``scanax.scan``'s values, and
             ``None``. ``None`` (the default, where ``scanax.scan``'s is ``False``):
             the layers of stacked runs keep only their matmul results
-            (``jax.checkpoint_policies.checkpoint_dots``) and recompute the
-            elementwise work in between; single layers store everything. ``False``:
+            (``jax.checkpoint_policies.checkpoint_dots``; off CPU only those
+            without batch dimensions, ``checkpoint_dots_with_no_batch_dims``:
+            attention's scores are recomputed) and recompute the elementwise
+            work in between; single layers store everything. ``False``:
             every layer stores everything (a plain ``lax.scan``). ``True``: every
             layer is wrapped in ``jax.checkpoint`` and recomputed. A
             ``jax.checkpoint_policies`` policy: every layer, with that policy.

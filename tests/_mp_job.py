@@ -16,6 +16,9 @@ import time
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[4]}"
+    # On CPU wherever it runs (tests/test_multiprocess.py sets it too): two
+    # processes on one GPU fail in NCCL's init.
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,11 +1,28 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# On an accelerator the suite's processes (xdist workers, the jobs tests start)
+# share one device: none may take most of its memory up front, as JAX does by
+# default.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import functools as ft  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Every test compares scanax with a reference (a Python loop, the hand-written
+# JAX it replaces) at the tolerances of exact float32 arithmetic, which CPU
+# matmuls and convolutions give. A GPU's default float32 matmul is TF32 (10-bit
+# mantissa), differently rounded in the two programs; TPUs' is bfloat16 passes.
+# Off CPU the whole suite therefore runs at "highest" precision, so that it
+# proves there what it proves on CPU: the same values, not the same rounding of
+# a cheaper product. Set globally (not a context manager, which is per thread:
+# fit compiles on threads of its own) and in the environment, for the jobs
+# tests start in processes of their own. On CPU nothing changes.
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 # JAX's strict dtype promotion, as Equinox's tests run: no implicit mixing of dtypes
 # (an int32 times 0.5, float32 with bfloat16, a bool mask times floats), so that

@@ -1,7 +1,8 @@
 """What several test files share: ``close`` (two pytrees equal leaf by leaf, within
 a tolerance), ``leaves_equal`` (exactly equal), ``ref_scan`` (``scanax.scan``'s
-semantics as a Python loop) and ``count_compiles`` (backend compiles inside a
-block). What fit's test files share (its task and models) is in ``fit_helpers``."""
+semantics as a Python loop), ``count_compiles`` (backend compiles inside a
+block) and ``scan_counts`` (a scan equation's constants and carry, across JAX
+versions). What fit's test files share (its task and models) is in ``fit_helpers``."""
 
 from __future__ import annotations
 
@@ -106,6 +107,20 @@ def _broadcast_axes(axes, tree):
         tree,
         is_leaf=lambda x: x is None,
     )
+
+
+def scan_counts(eqn):
+    """``(consts, carry)``: how many of a ``scan`` equation's inputs are
+    constants of its body and how many are the carry (the rest are ``xs``).
+
+    The one place tests read these from a jaxpr: JAX names them by version
+    (``num_consts``/``num_carry`` parameters up to 0.10; from 0.11 a flat tree
+    ``ft_in`` of (consts, carry, xs) that sorts the inputs)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+    return len(consts), len(carry)
 
 
 def read_csv(path):

@@ -5,6 +5,13 @@ reference: ``lax.conv_general_dilated`` in the layout it was asked for), values
 and gradients, under ``jit``/``vmap``/``grad``; and checked to hold only canonical
 convolutions. ``scanax.scan`` of train steps is compared with ``lax.scan`` of the
 same steps; a scan without convolutions gives exactly ``lax.scan``'s program.
+
+Whether scans and fit's steps are rewritten is the backend's (``_backend.platform``):
+on CPU their loop bodies hold only canonical convolutions (in the jaxpr and in
+XLA:CPU's optimized program); elsewhere (a GPU, or CPU told it is one) they keep
+the layouts JAX traced, those of ``lax.scan``'s program. Each test asserts the
+fact of the backend it runs on; ``test_other_backends_keep_the_traced_layouts``
+asks for a GPU's decision on any machine.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import pytest
 from jax import lax
 
 import scanax
-from scanax import _conv_layout as cl
+from scanax import _backend, _conv_layout as cl
 
 CONV = "conv_general_dilated"
 
@@ -49,6 +56,21 @@ def convs(closed, inside=None):
 def all_canonical(closed, inside=None):
     found = convs(closed, inside)
     return bool(found) and all(cl.is_canonical(p) for p in found)
+
+
+def rewrites():
+    """Whether scans and replays are rewritten here (on CPU, unless a test asks
+    for another backend's decision)."""
+    return cl.applies(_backend.platform())
+
+
+def as_scanned(ours, theirs, inside="scan"):
+    """Our loop body's convolutions against ``lax.scan``'s: all canonical where
+    the backend rewrites (``lax.scan``'s not), else the same as traced."""
+    if rewrites():
+        assert all_canonical(ours, inside) and not all_canonical(theirs, inside)
+    else:
+        assert convs(ours, inside) == convs(theirs, inside) != []
 
 
 def close(a, b, rtol=2e-5, atol=None):
@@ -280,7 +302,11 @@ def test_applies_cpu_only_and_replay():
     close(
         cl.replay(closed, x, w), jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x, w)
     )
-    assert all_canonical(jax.make_jaxpr(lambda x, w: cl.replay(closed, x, w))(x, w))
+    replayed = jax.make_jaxpr(lambda x, w: cl.replay(closed, x, w))(x, w)
+    if rewrites():
+        assert all_canonical(replayed)
+    else:
+        assert str(replayed) == str(closed)
     plain = jax.make_jaxpr(jnp.sin)(x)
     assert str(jax.make_jaxpr(lambda x: cl.replay(plain, x))(x)) == str(plain)
 
@@ -325,9 +351,10 @@ def _check_loop(model_step, state, xs, vmap=False):
     theirs, their_labels = _train(lax.scan, model_step, state, xs)
     close(ours, theirs, rtol=1e-4)
     assert np.all(np.isfinite(np.asarray(ours[1])))
-    canonical = re.compile(r"b(\d+)f_\1io->b\1f")
-    assert labels and all(canonical.fullmatch(x) for x in labels), labels
-    assert not all(canonical.fullmatch(x) for x in their_labels), their_labels
+    if rewrites() and jax.default_backend() == "cpu":  # XLA:CPU's program
+        canonical = re.compile(r"b(\d+)f_\1io->b\1f")
+        assert labels and all(canonical.fullmatch(x) for x in labels), labels
+        assert not all(canonical.fullmatch(x) for x in their_labels), their_labels
     if vmap:  # over two starting points
         params, opt_state = state
         two = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), params)
@@ -336,8 +363,7 @@ def _check_loop(model_step, state, xs, vmap=False):
         )(two)
         close(vm(scanax.scan), vm(lax.scan), rtol=1e-4)
     body = lambda scan: jax.make_jaxpr(lambda s, xs: scan(model_step, s, xs))(state, xs)
-    assert all_canonical(body(scanax.scan), inside="scan")
-    assert not all_canonical(body(lax.scan), inside="scan")
+    as_scanned(body(scanax.scan), body(lax.scan))
     return ours
 
 
@@ -402,8 +428,7 @@ def test_scan_of_nnx_conv_train_steps():
     assert int(o.step[...]) == 3
     ours = jax.make_jaxpr(lambda s, xs: scanax.scan(nnx_step, nnx.merge(gd, s), xs)[1])
     theirs = jax.make_jaxpr(lambda s, xs: lax.scan(split_step, s, xs)[1])
-    assert all_canonical(ours(s0, xs), inside="scan")
-    assert not all_canonical(theirs(s0, xs), inside="scan")
+    as_scanned(ours(s0, xs), theirs(s0, xs))
 
 
 def test_scan_of_equinox_conv_train_steps():
@@ -464,8 +489,8 @@ def test_grad_of_scan_over_convs():
         jax.vmap(jax.grad(ft.partial(loss, scan), (0, 1)), (0, None))
     )(xs2, ws)
     close(v(scanax.scan), v(lax.scan), rtol=1e-4)
-    fwd = jax.make_jaxpr(ft.partial(loss, scanax.scan))(x, ws)
-    assert all_canonical(fwd, inside="scan")
+    fwd = lambda scan: jax.make_jaxpr(ft.partial(loss, scan))(x, ws)
+    as_scanned(fwd(scanax.scan), fwd(lax.scan))
 
 
 def test_stack_of_conv_layers():
@@ -484,4 +509,73 @@ def test_stack_of_conv_layers():
     close(gx(stack), gx(ref), rtol=1e-4)
     gd, state = nnx.split(stack)
     closed = jax.make_jaxpr(lambda s, x: nnx.merge(gd, s)(x))(state, x)
-    assert all_canonical(closed, inside="scan")
+    if rewrites():
+        assert all_canonical(closed, inside="scan")
+    else:  # (NNX's own layout, NHWC/HWIO/NHWC, is the canonical one)
+        assert convs(closed, inside="scan") == [convs(jax.make_jaxpr(ref)(x))[0]]
+
+
+def test_other_backends_keep_the_traced_layouts(monkeypatch):
+    """A GPU's (or TPU's) programs, asked for on any machine: scans of CNN
+    train steps, their gradients and replays keep the layouts JAX traced, with
+    the values of ``lax.scan``."""
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
+    assert not rewrites()
+    test_scan_of_plain_jax_cnn_train_steps()
+    test_grad_of_scan_over_convs()
+    test_applies_cpu_only_and_replay()
+
+
+_HIDDEN_SOURCE_INFO = """
+import sys, warnings
+import jax, jax.extend, jax.extend.core, jax._src
+for name in ("jax._src.source_info_util", "jax.extend.source_info_util"):
+    parent, _, child = name.rpartition(".")
+    sys.modules[name] = None  # `import` of it fails, as on a JAX that moved it
+    if hasattr(sys.modules[parent], child):
+        delattr(sys.modules[parent], child)
+warnings.simplefilter("error")
+import jax.numpy as jnp, numpy as np, scanax
+from scanax import _conv_layout as cl
+assert cl._source_info is None
+conv = lambda x, w: jax.lax.conv(x, w, (1, 1), "SAME")  # NCHW, OIHW
+x, w = jnp.ones((2, 3, 6, 6)), jnp.full((3, 3, 3, 3), 0.05)
+step = lambda c, w: (jnp.tanh(conv(c, w)), jnp.sum(c))
+ws = jnp.stack([w, -w])
+ours = jax.jit(lambda x: scanax.scan(step, x, ws))(x)
+theirs = jax.jit(lambda x: jax.lax.scan(step, x, ws))(x)
+for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+h, _ = scanax.linear_scan(0.5, jnp.ones((4, 2)))
+assert h[-1, 0] == 1.875
+print("ran", jax.default_backend())
+"""
+
+
+def test_import_and_scan_without_jax_source_info():
+    """``jax._src.source_info_util`` (which this module once imported) and its
+    ``jax.extend`` home hidden: scanax imports, and a scan of convolutions is
+    rewritten (on CPU) without source information, with ``lax.scan``'s values."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _HIDDEN_SOURCE_INFO],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ran")
+
+
+def test_without_jax_extend_core_the_rewrite_switches_off(monkeypatch):
+    """On a JAX without ``jax.extend.core`` a loop body runs as traced, with a
+    warning (once) pointing at the user's line."""
+    conv, x, w = _case("2d nchw dilations")
+    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
+    monkeypatch.setattr(cl, "_core", None)
+    cl._warn_unavailable.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"has no `jax.extend.core`") as seen:
+        closed = jax.make_jaxpr(cl.wrap(conv))(x, w)
+    assert seen[0].filename == __file__
+    assert str(closed) == str(jax.make_jaxpr(conv)(x, w))
+    cl._warn_unavailable.cache_clear()

@@ -1,6 +1,8 @@
 """scanax.linear_scan against plain Python loops: values and gradients, every method."""
 
+import collections
 import functools as ft
+import re
 
 import helpers
 import jax
@@ -286,20 +288,98 @@ def test_acc_dtype_float64():
 # ---------------------------------------------------------------------------- auto
 
 
-def test_auto_rule():
+def test_auto_rule(monkeypatch):
+    from scanax import _linear_scan
+
+    monkeypatch.setattr(_linear_scan, "device_bytes", lambda: 4 * 2**30)
     assert resolve_method("auto", 16384, "cpu") == "sequential"
-    assert resolve_method("auto", 10, "gpu") == "sequential"
-    assert resolve_method("auto", 4096, "gpu") == "chunked"
+    assert resolve_method("auto", 4096, "gpu", nbytes=2**20) == "associative"
+    assert resolve_method("auto", 2, "gpu", nbytes=8) == "associative"
+    assert resolve_method("auto", 1, "gpu", nbytes=8) == "sequential"
+    # 11 arrays of b's size must fit in a quarter of the device: 1 GiB here
+    assert resolve_method("auto", 4096, "gpu", nbytes=2**30 // 11) == "associative"
+    assert resolve_method("auto", 4096, "gpu", nbytes=2**30 // 11 + 1) == "chunked"
+    assert resolve_method("auto", 4096, "tpu") == "chunked"
+    assert resolve_method("auto", 255, "tpu") == "sequential"
     assert resolve_method("associative", 10, "cpu") == "associative"
+    monkeypatch.setattr(_linear_scan._backend, "platform", lambda: "gpu")
+    assert resolve_method("auto", 4096, nbytes=2**20) == "associative"
+
+
+def _program(method, *args, **kw):
+    fn = jax.jit(lambda a, b: linear_scan(a, b, method=method, **kw))
+    return fn.lower(*args).as_text()
+
+
+def test_auto_is_the_sequential_program_on_cpu(monkeypatch):
+    from scanax import _backend
+
+    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
     a, b, h0 = data()
     close(linear_scan(a, b, h0), linear_scan(a, b, h0, method="sequential"), 0)
-    if jax.default_backend() == "cpu":  # "auto" is the sequential program itself
+    assert _program("auto", a, b) == _program("sequential", a, b)
 
-        def program(method):
-            fn = jax.jit(lambda a, b: linear_scan(a, b, method=method))
-            return fn.lower(a, b).as_text()
 
-        assert program("auto") == program("sequential")
+@pytest.mark.parametrize("axis", [0, 1])
+def test_auto_on_a_gpu_is_the_associative_program_then_chunked(monkeypatch, axis):
+    """A GPU's decisions, asked for on any machine: the associative scan, on
+    ``b``'s own time axis (no transpose of ``b``), while it fits in memory; the
+    chunked scan past that. Values and gradients as the loop's."""
+    from scanax import _backend, _linear_scan
+
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
+    a, b, h0 = data(np.float64, shape=(B, T, D) if axis else (T, B, D), axis=axis)
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    assert _program("auto", a, b, axis=axis) == _program("associative", a, b, axis=axis)
+    jaxpr = jax.make_jaxpr(lambda a, b: linear_scan(a, b, axis=axis))(a, b)
+    names = {e.primitive.name for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns}
+    assert "scan" not in names and "transpose" not in names, names
+    want = ref(np.float64(a), np.float64(b), axis=axis)
+    close(linear_scan(a, b, axis=axis), want, 2e-5)
+    g = lambda m: jax.grad(
+        lambda a, b: jnp.sum(linear_scan(a, b, axis=axis, method=m)[0] ** 2), (0, 1)
+    )(a, b)
+    close(g("auto"), g("sequential"), 2e-5)
+    monkeypatch.setattr(_linear_scan, "device_bytes", lambda: b.nbytes)
+    assert _program("auto", a, b, axis=axis) == _program("chunked", a, b, axis=axis)
+
+
+def _ops(fn, *args):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return collections.Counter(re.findall(r"= \S+ ([\w-]+)\(", text))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_associative_is_the_hand_written_program(grad):
+    """``method="associative"`` compiles to the program of the hand-written
+    ``lax.associative_scan`` it replaces (the same operations, counted), time
+    major, forward and gradient: no copies, casts or transposes of its own."""
+
+    def monoid(earlier, later):
+        return later[0] * earlier[0], later[0] * earlier[1] + later[1]
+
+    def hand(a, b):
+        return jax.lax.associative_scan(monoid, (jnp.broadcast_to(a, b.shape), b))[1]
+
+    def ours(a, b):
+        return linear_scan(a, b, method="associative")[0]
+
+    lam = jnp.full(D, 0.9 + 0.1j, jnp.complex64)
+    b = jax.lax.complex(*jax.random.normal(jax.random.key(0), (2, 64, B, D)))
+    if grad:
+        hand, ours = (
+            jax.value_and_grad(lambda a, b, f=f: jnp.sum(jnp.abs(f(a, b)) ** 2), (0, 1))
+            for f in (hand, ours)
+        )
+    assert _ops(ours, lam, b) == _ops(hand, lam, b)
+    close(ours(lam, b), hand(lam, b), 1e-5)
+
+
+def test_time_major_on_cpu_only():
+    from scanax._linear_scan import time_major
+
+    assert time_major("associative", "cpu") and not time_major("associative", "gpu")
+    assert time_major("sequential", "gpu") and time_major("chunked", "tpu")
 
 
 # ---------------------------------------------------------------------------- errors

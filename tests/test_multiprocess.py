@@ -2,7 +2,9 @@
 
 Every job runs ``tests/_mp_job.py`` in 1, 2 or 4 processes on localhost (CPU
 collectives: gloo; forced host devices, 4 in all), each process with a timeout, so
-that a hang fails. The one-process job is the reference: the same mesh shape (4
+that a hang fails. The processes run on CPU on every machine (``CPU_ONLY``): on a
+one-GPU machine two processes cannot each own the GPU (NCCL refuses to start), and
+what is tested (fit across processes) is the same program on any backend. The one-process job is the reference: the same mesh shape (4
 devices) in one process. Compiled programs are shared between the jobs through
 JAX's persistent compilation cache.
 """
@@ -36,6 +38,8 @@ COMPARED = ["array", "iter", "fsdp", "fsdp_2x2", "population"]
 SLOW = os.environ.get("SCANAX_SLOW_TESTS") == "1"
 # Two processes against one: the gradient all-reduce sums in another order.
 TOL = dict(rtol=1e-6, atol=1e-6)
+# The environment of every process a test starts: CPU only (see above).
+CPU_ONLY = {"JAX_PLATFORMS": "cpu"}
 
 
 def _free_port():
@@ -50,7 +54,7 @@ class Job:
     def __init__(self, out, processes, devices, scenarios, cache):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        env = dict(os.environ, **CPU_ONLY)
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
@@ -128,7 +132,7 @@ def _start_recipe(directory, cache):
     directory.mkdir()
     for name, code in files.items():
         (directory / name).write_text(code + "\n")
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), **CPU_ONLY)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     with open(directory / "log.txt", "w") as log:
         proc = subprocess.Popen(

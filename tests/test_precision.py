@@ -312,14 +312,23 @@ def optax_reference(k=OVERFLOW, lr=LR):
 
 
 allclose = ft.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+# A population member against its solo reference: the same float16 program,
+# vmapped. XLA:CPU computes both alike; a GPU's vmapped float16 reductions may
+# round once differently (5e-4 relative measured on an H200, at highest matmul
+# precision): within float16's epsilon there.
+member_close = (
+    allclose
+    if jax.default_backend() == "cpu"
+    else ft.partial(allclose, rtol=float(jnp.finfo(jnp.float16).eps))
+)
 
 
-def same(result_state, reference_state):
+def same(result_state, reference_state, close=allclose):
     for a, b in zip(
         jtu.tree_leaves(result_state), jtu.tree_leaves(reference_state), strict=True
     ):
         assert a.dtype == b.dtype
-        allclose(np.asarray(a, np.float64), np.asarray(b, np.float64))
+        close(np.asarray(a, np.float64), np.asarray(b, np.float64))
 
 
 def equal(a, b):
@@ -512,8 +521,8 @@ def test_population_members_have_their_own_scales():
     for i, k in enumerate((OVERFLOW, 1.0)):
         ref = optax_reference(k)
         np.testing.assert_array_equal(out.history["loss_scale"][i], ref["loss_scale"])
-        allclose(out.history["loss"][i], ref["loss"])
-        same((out.model[i], out.optimizer[i]), ref["state"])
+        member_close(out.history["loss"][i], ref["loss"])
+        same((out.model[i], out.optimizer[i]), ref["state"], member_close)
     assert out.history["loss_scale"][1].min() == 2.0**15
 
 

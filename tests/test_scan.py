@@ -114,7 +114,7 @@ def test_broadcast_is_operand_not_constant_or_tiled():
         jnp.ones(64), w
     )
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-    assert eqn.params["num_consts"] == 1 and eqn.invars[0] is jaxpr.jaxpr.invars[1]
+    assert helpers.scan_counts(eqn)[0] == 1 and eqn.invars[0] is jaxpr.jaxpr.invars[1]
     assert not jaxpr.consts
     assert all(e.primitive.name != "broadcast_in_dim" for e in jaxpr.eqns)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import scanax
+from scanax import _backend, _stack as stack_module
 from scanax._stack import plan
 
 eqx = pytest.importorskip("equinox")
@@ -282,6 +283,31 @@ def checkpoint_policies(fn, *args):
     return outside, inside
 
 
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_remat_default_by_backend(monkeypatch, backend):
+    """A stacked run's default policy is the backend's (asked for on any
+    machine): every matmul kept on CPU; elsewhere only those without batch
+    dimensions (attention's scores recomputed). Values and gradients are the
+    plain loop's."""
+    from scanax import _backend
+
+    monkeypatch.setattr(_backend, "platform", lambda: backend)
+    want = (
+        jax.checkpoint_policies.checkpoint_dots
+        if backend == "cpu"
+        else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    )
+    layers = eqx_layers(3)
+    stack = scanax.Stack(layers)
+    fn = lambda m, x: jax.vmap(m)(x)
+    assert checkpoint_policies(fn, stack, X) == ([], [want])
+    g = jit(jax.grad(lambda m, x: jnp.sum(jnp.sin(fn(m, x)))))(stack, X)
+    ref = jax.grad(lambda ls, x: jnp.sum(jnp.sin(jax.vmap(lambda v: loop(ls, v))(x))))(
+        layers, X
+    )
+    close(list(g), ref)
+
+
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
 def test_remat_default_keeps_matmuls_in_runs_only(kind):
     """By default only stacked runs are checkpointed, saving matmul results; the
@@ -291,7 +317,7 @@ def test_remat_default_keeps_matmuls_in_runs_only(kind):
     those of the plain loop in every case."""
     layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
     x = X
-    dots = jax.checkpoint_policies.checkpoint_dots
+    dots = stack_module.default_policy(_backend.platform())
     cases = [(None, ([], [dots])), (False, ([], [])), ("sqrt", ([None], [None]))]
     for remat, want in cases:
         stack = scanax.Stack(layers, remat=remat)

@@ -52,6 +52,19 @@ def listing(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {a.ljust(width)}  {b}" for a, b in rows)
 
 
+def conv_layout_unavailable(version: str) -> str:
+    """The warning of a JAX without ``jax.extend.core``: convolutions in loop
+    bodies left as traced on CPU."""
+    return (
+        f"scanax.scan: this JAX ({version}) has no `jax.extend.core`, which scanax "
+        "reads to rewrite the convolutions of a loop body (`scanax.scan`, "
+        "`scanax.fit`'s step) into the layout XLA:CPU runs fast there; they run as "
+        "traced, with the same values, possibly many times slower on CPU.\nFix: "
+        "use a JAX release scanax supports (see its `jax` requirement), or silence "
+        "this with `warnings.simplefilter('ignore', RuntimeWarning)`."
+    )
+
+
 def not_callable(call: str, f: Any) -> TypeError:
     return TypeError(
         f"{call}: `f` must be callable as f(carry, x) -> (carry, y), "
