@@ -1,0 +1,65 @@
+"""What fit wrote before its features became objects, held against what it does
+now (``tests/golden/``, written by ``python tests/_programs.py`` before that
+change):
+
+- each feature combination compiles the same program, text for text (the jaxpr
+  of its compiled call, function names aside): the same arithmetic, so the same
+  results bit for bit;
+- checkpoints written then resume now, exactly as an uninterrupted run: their
+  leaf names are an on-disk format.
+"""
+
+import shutil
+
+import _programs as programs
+import jax
+import numpy as np
+import pytest
+
+GOLDEN = programs.GOLDEN
+SAME_JAX = (GOLDEN / "VERSION").read_text().strip() == jax.__version__
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.mark.skipif(
+    not SAME_JAX,
+    reason="the golden programs were traced by another JAX version, whose "
+    "jaxprs print differently",
+)
+@pytest.mark.parametrize("name", programs.COMBOS)
+def test_the_same_program(name):
+    golden = (GOLDEN / "programs" / f"{name}.txt").read_text()
+    assert "\n\n".join(programs.programs(name)) == golden
+
+
+def _leaves(result):
+    models = result.model
+    if np.ndim(result.steps):  # a population: every member's
+        models = [models[i] for i in range(len(models))]
+    return [np.asarray(x) for x in jax.tree.leaves(models)]
+
+
+@pytest.mark.parametrize("name", programs.CHECKPOINTED)
+def test_an_old_checkpoint_resumes_exactly(tmp_path, monkeypatch, name):
+    from scanax import _checkpoint
+
+    found = []
+    restore = _checkpoint.Checkpoints.restore
+
+    def spy(self, *args, **kwargs):
+        out = restore(self, *args, **kwargs)
+        found.append(None if out is None else out[0])
+        return out
+
+    directory = tmp_path / "old"
+    shutil.copytree(GOLDEN / "checkpoints" / name, directory)
+    monkeypatch.setattr(_checkpoint.Checkpoints, "restore", spy)
+    resumed = programs.checkpoint(name, directory, 24)
+    monkeypatch.undo()
+    assert found == [16]  # (the old checkpoint's newest step)
+    whole = programs.checkpoint(name, tmp_path / "new", 24)
+    np.testing.assert_array_equal(resumed.history["step"], whole.history["step"])
+    np.testing.assert_array_equal(resumed.history["loss"], whole.history["loss"])
+    for a, b in zip(_leaves(resumed), _leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
