@@ -1,24 +1,24 @@
-"""``fit(..., ema=decay)``: an exponential moving average of the trained
-parameters, kept in the compiled loop as part of the training state.
+"""``scanax.Ema``: an exponential moving average of the trained parameters,
+kept in the compiled loop as part of the training state.
 
-A wrapper of the model's adapter (``_models``) adds the average's leaves after
-the state's, so that everything the loop does to the state it does to the
-average too: the last good state after a non-finite step (a step that is not
-applied does not update it), checkpoints and their exact resume, an early
-stop's best state.
+A feature (``_feature``): its leaves follow the model's (and a plateau rule's),
+so that everything the loop does to the state it does to the average too: the
+last good state after a non-finite step (a step that is not applied does not
+update it), float16's skipped steps, checkpoints and their exact resume, an
+early stop's best state, a population's members (one average each).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 
-from . import _model_step, _population
+from . import _feature, _population
 from ._errors import fit as errors
 
 
@@ -40,81 +40,111 @@ def check_decay(ema: Any) -> float | None:
     return float(ema)
 
 
-class Options(NamedTuple):
-    """``fit``'s ``ema=``, ``ema_eval=`` and ``ema_state=``, checked."""
+@dataclasses.dataclass(frozen=True)
+class Ema(_feature.Feature):
+    """Keep an exponential moving average of the trained parameters in the
+    compiled loop (``scanax.fit(..., callbacks=[scanax.Ema(0.999)])``).
+
+    Conceptually equivalent to (``p``: the trained parameters)::
+
+        e = p                      # before the call's first step (or state=)
+        for each step applied:     # (a non-finite or skipped step is not)
+            e = decay * e + (1 - decay) * p
+
+    computed in each parameter's dtype. ``result.ema`` is a model of the same
+    kind holding the average (at ``best_step`` when an early stop restores the
+    best state; a population's: ``result.ema[i]``, per member).
+
+    Arguments:
+        decay: in ``[0, 1)`` (a Python or NumPy real).
+        on_eval: evaluations (and the early-stop and plateau rules on them)
+            use the average instead of the parameters.
+        state: ``result.ema`` of an earlier ``fit`` of this model (a
+            population's too): the average continues from it instead of
+            starting at the parameters. Not part of the compiled program.
+
+    Example:
+        >>> import scanax
+        >>> scanax.Ema(0.999, on_eval=True)
+        Ema(decay=0.999, on_eval=True)
+    """
 
     decay: float
-    on_eval: bool  # ``ema_eval``: evaluations (and their rules) see the average
-    start: Any = None  # ``ema_state``: an earlier call's ``result.ema``, or None
+    _: dataclasses.KW_ONLY
+    on_eval: bool = False
+    state: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    phase: ClassVar[int] = 20
+    field: ClassVar[str] = "ema"
+
+    def __post_init__(self) -> None:
+        if self.decay is None:
+            raise errors.ema_type(None)
+        object.__setattr__(self, "decay", check_decay(self.decay))
+        if not isinstance(self.on_eval, bool):
+            raise errors.ema_on_eval_type(self.on_eval)
+
+    def leaf_names(self, base: Any) -> list[str]:
+        return [f"ema.{base.names[i]}" for i in base.trained()]
+
+    def init_member(self, base: Any, model: list) -> list:
+        return [model[i] for i in base.trained()]
+
+    def given_leaves(self, base: Any) -> list | None:
+        if self.state is None:
+            return None
+        if base.members is None:
+            given = base.trained_of(self.state)
+        else:  # a population's result.ema
+            given = getattr(self.state, "leaves", None)
+        expected = [base.state[i] for i in base.trained()]
+        if given is None or _types(given) != _types(expected):
+            raise errors.ema_state_mismatch()
+        return [jnp.asarray(a) for a in given]
+
+    def leaf_specs(self, specs: list, base: Any) -> list:
+        """The average's annotations are those of its parameters."""
+        return [specs[i] for i in base.trained()]
+
+    def wrap_step(self, make: Callable, base: Any, names: list[str]) -> Callable:
+        where, decay, at = base.trained(), self.decay, len(names)
+
+        def wrapped(call_for: Callable) -> Callable:
+            inner = make(call_for)
+
+            def step(leaves, batch, key, hp):
+                new, loss, metrics, grads = inner(leaves[:at], batch, key, hp)
+                average = _update(decay, leaves[at:], [new[i] for i in where])
+                return [*new, *average], loss, metrics, grads
+
+            return step
+
+        return wrapped
+
+    def eval_view(self, leaves: list, base: Any, at: int) -> list:
+        """With ``on_eval``: the average in place of the parameters."""
+        if not self.on_eval:
+            return leaves
+        return averaged(leaves, base.trained(), at)
+
+    def result(self, base: Any, leaves: list, at: int) -> Any:
+        where = base.trained()
+        if base.members is None:
+            return base.model_of(averaged(leaves, where, at)[: len(base.state)])
+        return EmaMembers(base, where, list(leaves[at : at + len(where)]))
 
 
-class EmaAdapter(_model_step.Wrapper):
-    """A model's adapter whose state is ``(model state, average)``: after each
-    step ``e = decay * e + (1 - decay) * p`` for every trained parameter
-    ``p`` (computed in its own dtype). With ``on_eval``, evaluations (and what
-    ``stop=`` monitors of them) use the averaged parameters."""
+def averaged(leaves: list, where: list[int], at: int) -> list:
+    """``leaves`` with the average (its leaves from ``at``) in place of the
+    parameters (positions ``where``)."""
+    out = list(leaves)
+    for j, i in enumerate(where):
+        out[i] = leaves[at + j]
+    return out
 
-    def __init__(self, adapter: Any, decay: float, on_eval: bool, start: Any = None):
-        super().__init__(
-            adapter, ("ema", decay, on_eval), self._averaged if on_eval else None
-        )
-        self.decay, self.on_eval = decay, on_eval
-        leaves, self.inner_def = jtu.tree_flatten(adapter.state)
-        self.where = adapter.trained()
-        average = [leaves[i] for i in self.where]
-        if start is not None:  # ema_state=: continue an earlier fit's average
-            given = adapter.trained_of(start)
-            if given is None or [(jnp.shape(a), jnp.result_type(a)) for a in given] != [
-                (jnp.shape(a), jnp.result_type(a)) for a in average
-            ]:
-                raise errors.ema_state_mismatch()
-            average = [jnp.asarray(a) for a in given]
-        self.state = (adapter.state, average)
-        self.static = ("ema", adapter.static, decay, on_eval)
 
-    def names(self) -> list[str]:
-        inner = self.adapter.names()
-        return [*inner, *(f"ema.{inner[i]}" for i in self.where)]
-
-    def partition_specs(self) -> Any:
-        """The model's annotations, the average's those of its parameters."""
-        found = self.inner_specs(self.inner_def.num_leaves)
-        return None if found is None else [*found, *(found[i] for i in self.where)]
-
-    def averaged_leaves(self, leaves: list) -> list:
-        """The model's own leaves, the average in place of the parameters, from
-        this adapter's flat state (more leaves may follow: a rollout's)."""
-        n = self.inner_def.num_leaves
-        out = list(leaves[:n])
-        for j, i in enumerate(self.where):
-            out[i] = leaves[n + j]
-        return out
-
-    def _averaged(self, state: Any) -> Any:
-        """The model's state with the average in place of the parameters."""
-        leaves = jtu.tree_leaves(state[0])
-        for i, e in zip(self.where, state[1]):
-            leaves[i] = e
-        return jtu.tree_unflatten(self.inner_def, leaves)
-
-    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
-        inner, where, decay = (
-            self.adapter.make_step(loss_fn, accumulate),
-            self.where,
-            self.decay,
-        )
-
-        def step(state, batch, key):
-            new, loss, metrics, grads = inner(state[0], batch, key)
-            leaves = jtu.tree_leaves(new)
-            average = _update(decay, state[1], [leaves[i] for i in where])
-            return (new, average), loss, metrics, grads
-
-        return step
-
-    def finish(self, state: Any) -> tuple[Any, Any]:
-        self.ema = self.adapter.model_of(self._averaged(state))
-        return self.adapter.finish(state[0])
+def _types(leaves: list) -> list:
+    return [(jnp.shape(a), jnp.result_type(a)) for a in leaves]
 
 
 def _update(decay: float, average: list, params: list) -> list:
@@ -124,54 +154,10 @@ def _update(decay: float, average: list, params: list) -> list:
     ]
 
 
-class EmaPopulation(_population.Wrapped):
-    """A population (``_population.Population``) whose members' state holds
-    their averages too (after the model's leaves), for one ``fit``."""
-
-    def __init__(self, pop: Any, decay: float, on_eval: bool, start: Any = None):
-        where = pop.adapter(0).trained()
-        average = [pop.state[i] for i in where]
-        if start is not None:  # ema_state=: an earlier population fit's result.ema
-            given = getattr(start, "leaves", None)
-            same = given is not None and [
-                (jnp.shape(a), jnp.result_type(a)) for a in given
-            ] == [(jnp.shape(a), jnp.result_type(a)) for a in average]
-            if not same:
-                raise errors.ema_state_mismatch()
-            average = list(given)
-        names = [f"ema.{pop.names[i]}" for i in where]
-        view = self._averaged if on_eval else None
-        super().__init__(pop, ("ema", decay, on_eval), average, names, view)
-        self.decay, self.on_eval, self.where = decay, on_eval, where
-
-    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
-        inner, n, where = (
-            self.pop.step_factory(call_for, accumulate),
-            self.n_model,
-            self.where,
-        )
-
-        def step(leaves, batch, key, hp):
-            new, loss, metrics, grads = inner(leaves[:n], batch, key, hp)
-            average = _update(self.decay, leaves[n:], [new[i] for i in where])
-            return [*new, *average], loss, metrics, grads
-
-        return step
-
-    def _averaged(self, leaves: list) -> list:
-        out = list(leaves[: self.n_model])
-        for i, e in zip(self.where, leaves[self.n_model :]):
-            out[i] = e
-        return out
-
-    def result(self) -> EmaMembers:
-        return EmaMembers(self.pop, self.where, self.own)
-
-
 class EmaMembers(Sequence):
     """``result.ema`` of a population ``fit``: member ``i``'s averaged model
     (``[i]``), as an ordinary object of its kind; ``leaves``: the averages
-    (what ``ema_state=`` continues from)."""
+    (what ``Ema(state=)`` continues from)."""
 
     def __init__(self, pop: Any, where: list[int], leaves: list):
         self._pop, self._where, self.leaves = pop, where, leaves

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import warnings
@@ -9,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 
 from . import (
     _caller,
@@ -17,6 +17,7 @@ from . import (
     _compile_cache,
     _data,
     _ema,
+    _feature,
     _fingerprint,
     _fit_checks,
     _fit_hooks,
@@ -25,7 +26,6 @@ from . import (
     _fit_program,
     _fit_schedule,
     _log,
-    _loss_scale,
     _mesh,
     _models,
     _plateau,
@@ -314,15 +314,9 @@ def fit(
         shared = _shared(pop, source, shared_batches, members_per_call)
     if takes_key and key is None:
         raise errors.loss_key_without_key()
-    low = _precision.check(precision)
-    if loss_scale_state is not None:
-        if not _precision.needs_scaling(low):
-            raise errors.loss_scale_state_without_float16(precision)
-        members = None if pop is None else pop.n
-        loss_scale_state = _loss_scale.checked_state(loss_scale_state, members)
-    ema = _ema.check_decay(ema)
-    if ema is None and (ema_eval or ema_state is not None):
-        raise errors.ema_option_without_ema("ema_eval" if ema_eval else "ema_state")
+    features = _features(
+        plateau, plateau_state, ema, ema_eval, ema_state, precision, loss_scale_state
+    )
 
     if steps_per_call is not None:
         steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
@@ -351,20 +345,9 @@ def fit(
     )
     spec = place.bar(_progress.resolve(_CALL, progress))
     rules = stop
-    if plateau_state is not None and plateau is None:
-        raise plateau_errors.state_without_plateau()
-    scaled = None
-    if plateau is not None:  # its carry joins the training state, after the model's
-        if not isinstance(plateau, _plateau.Plateau):
-            raise plateau_errors.plateau_type(plateau)
-        if plateau_state is not None:
-            members = None if pop is None else pop.n
-            plateau_state = _plateau.checked_state(plateau_state, members)
-        if pop is None:
-            adapter = scaled = _plateau.ScaledAdapter(adapter, plateau, plateau_state)
-        else:
-            pop = scaled = _plateau.ScaledPopulation(pop, plateau, plateau_state)
-        rules = _fit_checks.Rules(stop, plateau, scaled.at)
+    plateau = next((f for f in features if isinstance(f, _plateau.Plateau)), None)
+    if plateau is not None:  # (its carry's place: when the state is laid out)
+        rules = _fit_checks.Rules(stop, plateau)
     checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, rules)
     checks, eval_arrays, eval_call = _checks(
         *checks_args, batch_size, loss_fn, pop is not None
@@ -390,11 +373,9 @@ def fit(
         eval_arrays,
         eval_call,
         logger,
-        low,
-        None if ema is None else _ema.Options(ema, bool(ema_eval), ema_state),
+        tuple(features),
         best_dir,
         execution,
-        loss_scale_state,
     )
     if pop is None:
         result = _fit_model(adapter, opt_state, setup)
@@ -410,9 +391,33 @@ def fit(
         )
     if epochs is not None:
         result.history["epoch"] = source.epoch_of(result.history["step"])
-    if scaled is not None:
-        result.plateau = scaled.final
     return result
+
+
+def _features(
+    plateau, plateau_state, ema, ema_eval, ema_state, precision, loss_scale_state
+) -> list:
+    """The feature objects of ``fit``'s keywords, checked."""
+    features: list = []
+    if plateau_state is not None and plateau is None:
+        raise plateau_errors.state_without_plateau()
+    if plateau is not None:  # its carry joins the training state, after the model's
+        if not isinstance(plateau, _plateau.Plateau):
+            raise plateau_errors.plateau_type(plateau)
+        if plateau_state is not None:
+            plateau = dataclasses.replace(plateau, state=plateau_state)
+        features.append(plateau)
+    ema = _ema.check_decay(ema)
+    if ema is None and (ema_eval or ema_state is not None):
+        raise errors.ema_option_without_ema("ema_eval" if ema_eval else "ema_state")
+    if ema is not None:
+        features.append(_ema.Ema(ema, on_eval=bool(ema_eval), state=ema_state))
+    low = _precision.check(precision)
+    if loss_scale_state is not None and not _precision.needs_scaling(low):
+        raise errors.loss_scale_state_without_float16(precision)
+    if low is not None:
+        features.append(_precision.Precision(precision, state=loss_scale_state))
+    return features
 
 
 def _no_population_options(shared_batches: Any, members_per_call: Any) -> None:
@@ -481,8 +486,9 @@ def _logger(log: Any, log_every: Any, population: bool) -> Any:
 
 
 def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
-    """One model's run: its state placed, its program built (or found), then
-    trained from its optimizer's step."""
+    """One model's run: its state laid out (the model's, then its features'),
+    placed, its program built (or found), then trained from its optimizer's
+    step."""
     start = adapter.start_step()
     if start is None:
         if opt_state is not None:
@@ -491,24 +497,21 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
             )
         start = 0
     place, source, spec = setup.place, setup.source, setup.spec
-    averaged = scaler = None
-    if setup.ema is not None:  # the average joins the state
-        adapter = averaged = _ema.EmaAdapter(adapter, *setup.ema)
-    if _precision.needs_scaling(setup.precision):  # float16's loss scale too
-        adapter = scaler = _loss_scale.LossScaledAdapter(
-            adapter, setup.loss_scale_state
-        )
-    if isinstance(source, _rollout.RolloutSource):  # the feed too
-        adapter = _rollout.FedAdapter(adapter, source, start)
-    leaves, treedef = jtu.tree_flatten(adapter.state)
-    leaves = _checkpoint.strong(leaves)
-    leaves, shardings = place.state(adapter, leaves, setup.shard)
+    base = _models.Flat(adapter)
+    features, feed = list(setup.features), None
+    if isinstance(source, _rollout.RolloutSource):  # the feed joins the state
+        feed = _rollout.Feeder(source)
+        features.append(feed)
+    feats = _feature.Features(base, features, start)
+    leaves = _checkpoint.strong(feats.state)
+    leaves, shardings = place.state(feats, leaves, setup.shard)
     # In-loop bar reports only where calls are not sized to a quarter second:
     # host batches, or a steps_per_call of the user's.
     ticks = spec is not None and place.local
     ticks = ticks and not source.sized_automatically(setup.steps_per_call)
     eval_arrays = place.replicate(setup.eval_arrays)
-    program = _model_program(adapter, treedef, setup, shardings, ticks)
+    checks = _with_eval(setup.checks, feats)
+    program = _model_program(feats, checks, setup, shardings, ticks, feed)
     bar_every = spec.every if spec is not None and not ticks else None
     schedule = _fit_schedule.Schedule(
         program,
@@ -521,75 +524,65 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     how = _fit_loop.How(start, start + setup.steps, spec, place, ticks, setup.execution)
     best = None
     if setup.best_dir is not None:  # the model's own leaves, first in the state
-        n = jtu.tree_structure(getattr(adapter, "base", adapter).state).num_leaves
-        writer = _fit_hooks.BestWriter(setup.best_dir, adapter.names()[:n], None)
-        view = list  # ema_eval: the best judged on the average, saved as such
-        if averaged is not None and averaged.on_eval:
-            view = averaged.averaged_leaves
-        best = _fit_hooks.BestSaver(writer, lambda leaves: view(leaves)[:n])
-    extras = _fit_loop.Extras(setup.checks, eval_arrays, setup.logger, best)
-    kind = _fit_loop.Model(adapter, treedef)
+        writer = _fit_hooks.BestWriter(setup.best_dir, feats.names()[: feats.n], None)
+        # (Ema(on_eval=True): the best judged on the average, saved as such)
+        best = _fit_hooks.BestSaver(writer, feats.eval_view)
+    extras = _fit_loop.Extras(checks, eval_arrays, setup.logger, best)
+    kind = _fit_loop.Model(base, feats)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
     if setup.checkpoint_dir is not None:
         run.resume(setup.checkpoint_dir, setup.checkpoint_every)
-    fed = adapter if isinstance(adapter, _rollout.FedAdapter) else None
     try:
         result = run.go()
     except BaseException:
-        if fed is not None and fed.pending is not None:
-            fed.commit(handed_back=False, step=run.done)
+        # (NNX objects keep the last checked state in place: the feed with it)
+        if feed is not None and kind.finished is not None and base.kind == "nnx":
+            feed.keep(kind.finished, feats.at_of(feed), run.done)
         raise
-    if fed is not None:
-        fed.commit(handed_back=True, step=run.done)
-    if averaged is not None:
-        result.ema = averaged.ema
-    if scaler is not None:
-        result.loss_scale = scaler.final
+    if feed is not None:  # the Rollout continues from the state handed back
+        feed.keep(kind.finished, feats.at_of(feed), run.done)
     if setup.logger is not None:
         setup.logger.sinks.raise_pending(result)
     return result
 
 
 def _model_program(
-    adapter: Any, treedef: Any, setup: Any, shardings: Any, ticks: bool
+    feats: Any, checks: Any, setup: Any, shardings: Any, ticks: bool, feed: Any
 ) -> Any:
     """One model's chunk program, from the cache when an earlier ``fit`` had
     the same structure."""
-    loss_fn, takes_key, checks = setup.loss_fn, setup.takes_key, setup.checks
-    call = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
-    if setup.precision is not None:
-        call = _precision.wrap(call, adapter.kind, setup.precision)
+    base, loss_fn, takes_key = feats.base, setup.loss_fn, setup.takes_key
+    plain = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
+    call = feats.wrap_loss(plain, base.kind)
+    fingerprint = base.fingerprint()
     identity = _fit_program.identity(
-        adapter.fingerprint(),
-        adapter.static,
+        None if fingerprint is None else (fingerprint, feats.key()),
+        (base.static, feats.key()),
         loss_fn,
         None if checks is None else (checks.key(), _fingerprint_or(setup.eval_call)),
         takes_key,
-        treedef,
+        base.treedef,
         setup.source.static,
         setup.length,
         shardings,
         ticks,
-        setup.precision,
     )
     sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
 
-    fed = isinstance(adapter, _rollout.FedAdapter)
-
     def build():
         lanes = _fit_program.Solo(
-            _solo_step(adapter, treedef, call, setup.accumulate),
+            feats.step_factory(lambda hp: call, setup.accumulate),
             sampler,
             setup.place,
             shardings,
             takes_key,
-            _with_eval(checks, adapter, treedef, setup.precision),
+            checks,
             setup.accumulate,
-            adapter.before if fed else None,
+            None if feed is None else feed.collector,
         )
         periods = (
             None if checks is None else checks.every,
-            setup.source.rollout.period if fed else None,
+            None if feed is None else feed.rollout.period,
         )
         return _fit_program.build_chunk(lanes, sampler, setup.length, ticks, periods)
 
@@ -663,39 +656,16 @@ def _fingerprint_or(fn: Any) -> Any:
     return fn if found is None else found
 
 
-def _with_eval(checks: Any, adapter: Any, treedef: Any, precision: Any) -> Any:
-    """``checks`` with its evaluation on flat leaves (in eval mode, in the
-    ``precision`` computed in)."""
-    if checks is None or checks.evaluate is None:
-        return checks
-    call = checks.evaluate
-    if precision is not None:
-        call = _precision.wrap(call, adapter.kind, precision)
-    evaluate = adapter.make_eval(call)
-
-    def flat(leaves, batch, key, hp):
-        return evaluate(jtu.tree_unflatten(treedef, leaves), batch, key)
-
-    return _fit_checks.Checks(
-        checks.every, flat, checks.n, checks.batch_size, checks.stop
-    )
-
-
-def _solo_step(
-    adapter: Any, treedef: Any, call: Callable, accumulate: int = 1
-) -> Callable:
-    """``step(leaves, batch, key, hp)`` on flat leaves (``hp`` is unused): the
-    step gets containers of its own (an NNX step mutates the Variables it
-    merges)."""
-    step = adapter.make_step(call, accumulate)
-
-    def flat_step(leaves, batch, key, hp):
-        new, loss, metrics, grads = step(
-            jtu.tree_unflatten(treedef, leaves), batch, key
-        )
-        return jtu.tree_leaves(new), loss, metrics, grads
-
-    return flat_step
+def _with_eval(checks: Any, feats: Any) -> Any:
+    """``checks`` with its evaluation on one model's flat leaves (in eval mode,
+    in the precision computed in)."""
+    if checks is None:
+        return None
+    evaluate = None
+    if checks.evaluate is not None:
+        call = feats.wrap_loss(checks.evaluate, feats.base.kind)
+        evaluate = feats.eval_factory(lambda hp: call)
+    return checks.bound(feats, evaluate)
 
 
 def loss_arguments(

@@ -100,6 +100,17 @@ class Checks:
         """What the compiled program depends on (for its cache key)."""
         return (self.every, self.n, self.batch_size, self.stop)
 
+    def bound(self, feats: Any, evaluate: Callable | None) -> Checks:
+        """These checks for one run's state (``feats``, a
+        ``_feature.Features``): the plateau rule's carry where the state holds
+        it, the evaluation ``evaluate(leaves, batch, key, hp)`` (or none)."""
+        rules = self.stop if isinstance(self.stop, Rules) else Rules(self.stop)
+        if rules.plateau is not None:
+            rules = Rules(rules.stop, rules.plateau, feats.at_of(rules.plateau))
+        else:
+            rules = self.stop
+        return Checks(self.every, evaluate, self.n, self.batch_size, rules)
+
     def init(self, leaves: list, dtype: Any = jnp.float32) -> StopCarry | None:
         """The early-stop carry before the first check, keeping ``leaves`` as the
         best state (``[]``: none kept, as a population without ``restore_best``

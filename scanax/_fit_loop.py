@@ -21,7 +21,6 @@ from . import (
     _fit_hooks,
     _fit_schedule,
     _model_step,
-    _rollout,
     _stop,
 )
 from ._errors import (
@@ -127,15 +126,18 @@ class FitResult:
         return int(np.argmin(np.where(has, sign * last, np.inf)))
 
 
-def best_state(names: list[str], best: list, last: list, where: Any = None) -> list:
+def best_state(
+    names: list[str], best: list, last: list, keeps_last: Any, where: Any = None
+) -> list:
     """The state an early stop restores: ``best``'s leaves, except the step
-    counts (``_model_step.is_counter``) and a rollout's feed (``_rollout.is_feed``),
-    which keep ``last``'s: the next ``fit`` continues after the last step run
-    with the data it would have had. ``where``: a population's per-member mask
-    of the members with a best state (the others keep ``last``)."""
+    counts (``_model_step.is_counter``) and what a feature keeps at the last
+    step (``keeps_last(name)``: a rollout's feed), which keep ``last``'s: the
+    next ``fit`` continues after the last step run with the data it would have
+    had. ``where``: a population's per-member mask of the members with a best
+    state (the others keep ``last``)."""
     out = []
     for name, b, x in zip(names, best, last):
-        if _model_step.is_counter(name, x, where is not None) or _rollout.is_feed(name):
+        if _model_step.is_counter(name, x, where is not None) or keeps_last(name):
             out.append(x)
         elif where is None:
             out.append(b)
@@ -171,11 +173,9 @@ class Setup(NamedTuple):
     eval_arrays: Any
     eval_call: Any  # eval_fn (or loss_fn) as given, with evaluation
     logger: Any  # ``_fit_checks.Logger``, or None
-    precision: Any  # the dtype to compute in (``_precision``), or None
-    ema: Any  # ``_ema.Options``, or None
+    features: tuple  # the features with state or step parts (``_feature``)
     best_dir: Any  # ``best_dir=``, or None
     execution: str = "auto"  # ``execution=``: "auto", "fused" or "stepwise"
-    loss_scale_state: Any = None  # ``loss_scale_state=`` (checked), or None
 
 
 class How(NamedTuple):
@@ -497,17 +497,20 @@ class Run:
 
 
 class Model:
-    """What ``Run`` trains for one model: its adapter's state as flat leaves.
-    A non-finite step stops the run: the call's good steps are recomputed and
-    the run ends with the last good state (see ``_fit_program.build_chunk``)."""
+    """What ``Run`` trains for one model: its state as flat leaves (the
+    model's, ``base``: a ``_models.Flat``, then its features', ``feats``). A
+    non-finite step stops the run: the call's good steps are recomputed and
+    the run ends with the last good state (see ``_fit_program.Chunks``)."""
 
     members = None
     hp = None
     label = _CALL
 
-    def __init__(self, adapter: Any, treedef: Any):
-        self.adapter, self.treedef = adapter, treedef
+    def __init__(self, base: Any, feats: Any):
+        self.base, self.feats = base, feats
         self.handed = None  # the (model, optimizer) given the last state early
+        self.finished: list | None = None  # the state last handed back
+        self.results: dict = {}  # the features' results of that state
 
     def init(self, run: Run) -> None:
         if run.checks is not None:
@@ -515,7 +518,7 @@ class Model:
 
     def names(self, run: Run) -> list[str]:
         """The names of the checkpointed leaves."""
-        names = self.adapter.names()
+        names = self.feats.names()
         if run.extra is None:
             return names
         rule = [f"stop.rule.{f}" for f in run.extra.rule._fields]
@@ -636,9 +639,8 @@ class Model:
         best = self.best_step(run)
         if best is not None:  # stop=EarlyStop(restore_best=True): the best state
             names = self.names(run)
-            model, optimizer = self.finish(
-                best_state(names, run.extra.best, run.leaves)
-            )
+            kept = best_state(names, run.extra.best, run.leaves, self.feats.keeps_last)
+            model, optimizer = self.finish(kept)
         elif self.handed is None or run.halted:
             model, optimizer = self.finish(run.leaves)
         else:
@@ -646,9 +648,17 @@ class Model:
         steps = run.done - run.start
         history = run.history.result()
         return FitResult(
-            model, optimizer, history, steps, best, execution=run.execution.mode
+            model,
+            optimizer,
+            history,
+            steps,
+            best,
+            execution=run.execution.mode,
+            **self.results,
         )
 
     def finish(self, leaves: list) -> tuple[Any, Any]:
-        """The model and optimizer holding ``leaves`` (NNX: written in place)."""
-        return self.adapter.finish(jtu.tree_unflatten(self.treedef, leaves))
+        """The model and optimizer holding ``leaves`` (NNX: written in place),
+        and the features' results of that state."""
+        self.finished, self.results = leaves, self.feats.results(leaves)
+        return self.base.finish(leaves[: self.feats.n])

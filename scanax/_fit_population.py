@@ -24,18 +24,16 @@ import numpy as np
 from . import (
     _caller,
     _data,
-    _ema,
+    _feature,
     _fingerprint,
     _fit_checks,
     _fit_hooks,
     _fit_loop,
     _fit_program,
     _fit_schedule,
-    _loss_scale,
     _memory,
     _mesh,
     _population,
-    _precision,
     _rollout,
 )
 from ._errors import population as errors
@@ -88,45 +86,32 @@ class Sweep:
         source, key = setup.source, setup.key
         self.per_member = not shared and getattr(source, "shuffle", False)
         self.keys = jr.split(key if key is not None else _data.unused_key(), pop.n)
-        self.ema = self.scaler = None
-        if setup.ema is not None:  # the averages join the state
-            self.pop = pop = self.ema = _ema.EmaPopulation(pop, *setup.ema)
-        if _precision.needs_scaling(setup.precision):  # the loss scales too
-            self.pop = pop = self.scaler = _loss_scale.LossScaledPopulation(
-                pop, setup.loss_scale_state
-            )
-        if isinstance(source, _rollout.RolloutSource):  # the feeds too
-            self.pop = pop = _rollout.FedPopulation(pop, source, self.keys)
+        features, self.feed = list(setup.features), None
+        if isinstance(source, _rollout.RolloutSource):  # the feeds join the state
+            self.feed = _rollout.Feeder(source, self.keys)
+            features.append(self.feed)
+        self.feats = feats = _feature.Features(pop, features, pop.step)
         self.call_for = _call_for(
-            setup.loss_fn, setup.takes_hp, setup.takes_key, pop.kind, setup.precision
+            setup.loss_fn, setup.takes_hp, setup.takes_key, feats, pop.kind
         )
         self.checks, self.eval_arrays, self.eval_key = setup.checks, None, None
         if self.checks is not None:
             self._evaluation(setup.eval_call, eval_takes)
         self.programs: dict[int, Any] = {}  # (fingerprints take milliseconds)
-        self.best = self.pick = None  # best_dir=: one writer for every group
+        self.best = None  # best_dir=: one writer for every group
         if setup.best_dir is not None:  # the members' own leaves, first
-            base = pop
-            while isinstance(base, _population.Wrapped):
-                base = base.pop
-            n = len(base.state)
-            self.best = _fit_hooks.BestWriter(setup.best_dir, base.names[:n], base.n)
-            # (ema_eval: the best judged on the average, saved as such)
-            view = list if self.ema is None else self.ema.eval_view
-            self.pick = lambda leaves: view(leaves)[:n]
+            names = feats.names()[: feats.n]
+            self.best = _fit_hooks.BestWriter(setup.best_dir, names, pop.n)
 
     def _evaluation(self, eval_fn: Any, eval_takes: Any) -> None:
         """Each member's evaluation (``eval_fn`` None: early stop on a
         training metric only)."""
-        checks = self.checks
+        checks, evaluate = self.checks, None
         if eval_fn is not None:
-            evaluate = self.pop.eval_factory(
-                _call_for(eval_fn, *eval_takes, self.pop.kind, self.setup.precision)
-            )
-            self.checks = _fit_checks.Checks(
-                checks.every, evaluate, checks.n, checks.batch_size, checks.stop
-            )
+            call_for = _call_for(eval_fn, *eval_takes, self.feats, self.pop.kind)
+            evaluate = self.feats.eval_factory(call_for)
             self.eval_arrays = self.setup.place.replicate(self.setup.eval_arrays)
+        self.checks = checks.bound(self.feats, evaluate)
         fingerprint = None if eval_fn is None else _fingerprint.of(eval_fn)
         self.eval_key = (
             checks.key(),
@@ -139,10 +124,11 @@ class Sweep:
         found = self.programs.get(k)
         if found is not None:
             return found
-        pop, setup, place = self.pop, self.setup, self.setup.place
+        pop, setup, place, feats = self.pop, self.setup, self.setup.place, self.feats
+        fingerprint = pop.fingerprint()
         identity = _fit_program.identity(
-            pop.fingerprint(),
-            pop.make,
+            None if fingerprint is None else (fingerprint, feats.key()),
+            (pop.make, feats.key()),
             setup.loss_fn,
             "population",
             setup.takes_hp,
@@ -150,7 +136,6 @@ class Sweep:
             setup.source.static,
             setup.length,
             self.per_member,
-            setup.precision,
             k,
             place.fingerprint(),
             self.eval_key,
@@ -159,7 +144,7 @@ class Sweep:
 
         def build():
             lanes = Members(
-                pop.step_factory(self.call_for, setup.accumulate),
+                feats.step_factory(self.call_for, setup.accumulate),
                 sampler,
                 place,
                 setup.takes_key,
@@ -167,7 +152,7 @@ class Sweep:
                 0 if self.per_member else None,
                 place.members_axis,
                 self.checks,
-                getattr(pop, "collector", None),
+                None if self.feed is None else self.feed.collector,
             )
             return _fit_program.build_chunk(
                 lanes, sampler, setup.length, False, _periods(self.checks, setup)
@@ -193,17 +178,19 @@ class Sweep:
         idx = np.asarray(members + pad)
         if self.per_member:
             setup.source.for_members(self.keys[idx])
+        state = self.feats.state
         if len(idx) == pop.n and (idx == np.arange(pop.n)).all():
-            leaves = list(pop.state)  # (all at once: no copy of the state)
+            leaves = list(state)  # (all at once: no copy of the state)
         else:
-            leaves = [x[idx] for x in pop.state]
-        kind = Group(pop, idx, len(members), self.keys[idx])
+            leaves = [x[idx] for x in state]
+        kind = Group(pop, self.feats, idx, len(members), self.keys[idx])
         how = _fit_loop.How(
             pop.step, pop.step + setup.steps, spec, setup.place, False, setup.execution
         )
         best = None
-        if self.best is not None:
-            best = _fit_hooks.BestSaver(self.best, self.pick, np.asarray(members))
+        if self.best is not None:  # (Ema(on_eval=True): the average is judged, saved)
+            pick = self.feats.eval_view
+            best = _fit_hooks.BestSaver(self.best, pick, np.asarray(members))
         extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.logger, best)
         return _fit_loop.Run(kind, setup.source, program, schedule, leaves, how, extras)
 
@@ -241,7 +228,7 @@ class Sweep:
             # groups, the population keeps its state from before the call: its
             # members would stand at different steps).
             if groups == 1 and run.kind.checked is not None:
-                self.pop.update(*run.kind.checked)
+                self._update(*run.kind.checked)
             raise
         real = len(members)
         history = {k: v if v.ndim == 1 else v[:real] for k, v in out.history.items()}
@@ -269,7 +256,7 @@ class Sweep:
         # The clock: the steps run (an iterable may end early; every member may
         # have stopped), by the group that ran longest.
         stopped = np.concatenate([r.stopped for r in results])
-        pop.update(state, stopped, max(r.done for r in results))
+        found = self._update(state, stopped, max(r.done for r in results))
         best = None
         if results[0].best_step is not None:
             best = np.concatenate([r.best_step for r in results])
@@ -279,10 +266,19 @@ class Sweep:
             history,
             np.concatenate([r.applied for r in results]),
             best,
-            None if self.ema is None else self.ema.result(),
-            results[-1].execution,
-            loss_scale=None if self.scaler is None else self.scaler.final,
+            execution=results[-1].execution,
+            **found,
         )
+
+    def _update(self, state: list, stopped: Any, step: int) -> dict:
+        """The population updated to ``state`` (its features' leaves after the
+        model's; a rollout's feeds left with the Rollout); the features'
+        results."""
+        feats = self.feats
+        self.pop.update(state[: feats.n], stopped, step)
+        if self.feed is not None:
+            self.feed.keep(state, feats.at_of(self.feed), step)
+        return feats.results(state)
 
 
 def _fitting_groups(
@@ -353,10 +349,11 @@ class TooBig(Exception):
 
 
 def _call_for(
-    fn: Callable, takes_hp: bool, takes_key: bool, kind: str, precision: Any
+    fn: Callable, takes_hp: bool, takes_key: bool, feats: Any, kind: str
 ) -> Callable:
     """``call_for(hp)``: ``fn`` as ``call(model, batch, key)`` for a member with
-    hyperparameters ``hp`` (computing in ``precision``, if given)."""
+    hyperparameters ``hp`` (computing in the features' precision, if one is
+    given: ``feats.wrap_loss``)."""
 
     def plain(hp):
         if takes_hp and takes_key:
@@ -367,9 +364,7 @@ def _call_for(
             return lambda model, batch, key: fn(model, batch, key)
         return lambda model, batch, key: fn(model, batch)
 
-    if precision is None:
-        return plain
-    return lambda hp: _precision.wrap(plain(hp), kind, precision)
+    return lambda hp: feats.wrap_loss(plain(hp), kind)
 
 
 def _periods(checks: Any, setup: Any) -> tuple[int, ...]:
@@ -599,8 +594,9 @@ class Group:
     member whose step is not finite stops alone (the loop keeps its last good
     state); the run ends when every member has stopped."""
 
-    def __init__(self, pop: Any, idx: np.ndarray, real: int, keys: Any):
-        self.pop, self.idx, self.real, self.keys = pop, idx, real, keys
+    def __init__(self, pop: Any, feats: Any, idx: np.ndarray, real: int, keys: Any):
+        self.pop, self.feats, self.idx, self.real = pop, feats, idx, real
+        self.keys = keys
         self.members = len(idx)
         self.hp = {name: v[idx] for name, v in pop.hp().items()}
         self.mask = np.asarray(pop.stopped)[idx]  # stopped members, on the host
@@ -630,10 +626,11 @@ class Group:
         return getattr(source, "shuffle", False) and source.members is None
 
     def names(self, run: Any) -> list[str]:
-        names = [f"members.{name}" for name in self.pop.names] + ["members.stopped"]
+        own = self.feats.names()
+        names = [f"members.{name}" for name in own] + ["members.stopped"]
         if run.extra is not None:
             rule = [f"members.stop.rule.{f}" for f in run.extra.rule._fields]
-            best = [f"members.stop.best.{n}" for n in self.pop.names if run.extra.best]
+            best = [f"members.stop.best.{n}" for n in own if run.extra.best]
             names += [*rule, *best, "members.stop.total", "members.stop.count"]
         return [*names, "shuffle_key"] if self.shared_shuffle(run) else names
 
@@ -738,9 +735,11 @@ class Group:
     def result(self, run: Any) -> GroupResult:
         leaves, best = run.leaves, self.best_steps(run)
         if best is not None:  # each member with a kept state gets it back
-            names = list(self.pop.names)
-            kept = jnp.asarray(best >= 0)
-            leaves = _fit_loop.best_state(names, run.extra.best, leaves, kept)
+            names, kept = self.feats.names(), jnp.asarray(best >= 0)
+            keeps_last = self.feats.keeps_last
+            leaves = _fit_loop.best_state(
+                names, run.extra.best, leaves, keeps_last, kept
+            )
         history = run.history.result()
         return GroupResult(
             leaves,

@@ -254,9 +254,9 @@ class Solo(Lanes):
     recomputes the call's good steps, see ``Chunks``); with ``checks``
     (``_fit_checks.Checks``), the monitored training metrics are summed each
     step, and at the boundaries where one is due: evaluation, the early-stop
-    rule (which may end the loop) and the plateau rule. ``before``: the
-    boundary work of a rollout's feed (``before(leaves, t, hp, extra,
-    checks)``: ``_rollout.FedAdapter.before``), or None."""
+    rule (which may end the loop) and the plateau rule. ``collector``: a
+    rollout's (``_rollout.Collector``), whose collections run at the
+    boundaries before their steps, or None."""
 
     def __init__(
         self,
@@ -267,12 +267,12 @@ class Solo(Lanes):
         takes_key,
         checks,
         accumulate,
-        before=None,
+        collector=None,
     ):
         self.fn, self.sampler, self.place = step, sampler, place
         self.shardings, self.takes_key = shardings, takes_key
         self.checks, self.accumulate = checks, accumulate
-        self.collect = before
+        self.collector = collector
 
     def begin(self, c: Chunk) -> tuple[Any, Any]:
         root = jr.split(c.key)[1] if self.takes_key else None
@@ -307,11 +307,14 @@ class Solo(Lanes):
         return (leaves, stopped, extra, lane), out
 
     def before(self, c, env, carry, t):
-        if self.collect is None:
+        if self.collector is None:
             return carry, {}
         leaves, stopped, extra, lane = carry
-        leaves, extra, out = self.collect(leaves, t, c.hp, extra, self.checks)
-        return (leaves, stopped, extra, lane), out
+        leaves, due, metrics = self.collector.before(leaves, t, c.hp)
+        if self.checks is not None:  # (a monitored rollout metric's sums)
+            leaves, extra = self.checks.collected(leaves, metrics, due, extra)
+        carry = (leaves, stopped, extra, lane)
+        return carry, {"collected": due, "rollout": metrics}
 
     def after(self, c, env, carry, t1):
         if self.checks is None:

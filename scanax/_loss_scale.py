@@ -15,16 +15,15 @@ gradient by ``scale`` in float32 (``_precision.Cast.scaled``); then
 - a non-finite loss, or a non-finite gradient at scale 1: the loop's usual
   stop on a non-finite step (a smaller scale cannot help).
 
-The state joins the training state after the model's (``LossScaledAdapter``,
-``LossScaledPopulation``: wrappers of the model's adapter and of a population,
-as ``_plateau``'s and ``_ema``'s are), so that checkpoints, resumes and a
-population's per-member selects cover it. The wrappers go around ``ema=``'s
-and ``plateau=``'s, so that a skipped step leaves the average as it was.
+The state joins the training state after the model's, as a part of
+``_precision.Precision`` (a feature: the same for one model and a population's
+members), so that checkpoints, resumes and a population's per-member selects
+cover it. Its phase is above ``Ema``'s and ``Plateau``'s, so that a skipped
+step leaves the average and the plateau rule as they were.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _model_step, _population, _tree
+from . import _model_step, _tree
 from ._errors import fit as errors
 
 INITIAL = 2.0**15  # the scale at the start of each fit call (Keras's, jmp's)
@@ -159,81 +158,3 @@ def with_scale(metrics: dict, scale: jax.Array) -> dict:
     if METRIC in metrics:
         raise errors.loss_scale_metric_taken(METRIC)
     return {**metrics, METRIC: scale}
-
-
-class LossScaledAdapter(_model_step.Wrapper):
-    """A model's adapter (``_models``) whose state is ``(inner state,
-    LossScale)``: the step runs the inner one on the loss scaled by the carried
-    scale (``loss_fn`` is a ``_precision.Cast``), then ``judge`` and ``kept``;
-    it records the scale used (``loss_scale``). It goes around the wrappers
-    that follow the parameters (``_ema.EmaAdapter``), so that a skipped step
-    leaves their state too."""
-
-    def __init__(self, adapter: Any, state: LossScale | None = None):
-        self.period = PERIOD  # (read here: part of the fingerprint)
-        super().__init__(adapter, ("loss_scale", INITIAL, self.period))
-        self.at = jtu.tree_structure(adapter.state).num_leaves
-        self.state = (adapter.state, start() if state is None else state)
-        self.final: LossScale | None = None  # the scale at the end (``finish``)
-        self.static = ("loss_scale", adapter.static, INITIAL, self.period)
-
-    def names(self) -> list[str]:
-        return [*self.adapter.names(), *NAMES]
-
-    def partition_specs(self) -> Any:
-        """The inner adapter's annotations; the loss scale is replicated."""
-        return self.replicated_after(self.at, len(NAMES))
-
-    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
-        adapter, period, names = self.adapter, self.period, self.adapter.names()
-
-        def step(state, batch, key):
-            held = state[1]
-            inner = adapter.make_step(loss_fn.scaled(held.scale), accumulate)
-            new, loss, metrics, grads = inner(state[0], batch, key)
-            judged = judge(loss, grads, held, period)
-            old = jtu.tree_leaves(state[0])
-            leaves, treedef = jtu.tree_flatten(new)
-            leaves = kept(old, leaves, counters(names, old), judged.skipped)
-            new = (jtu.tree_unflatten(treedef, leaves), judged.state)
-            return new, loss, with_scale(metrics, held.scale), judged.grads
-
-        return step
-
-    def finish(self, state: Any) -> tuple[Any, Any]:
-        self.final = host(state[1])
-        return self.adapter.finish(state[0])
-
-
-class LossScaledPopulation(_population.Wrapped):
-    """A population (``_population.Population``) whose members' state holds
-    their loss scales too (after the inner leaves), for one ``fit``: each
-    member scaled, skipped and adjusted on its own."""
-
-    def __init__(self, pop: Any, state: LossScale | None = None):
-        self.period = PERIOD
-        own = [jnp.broadcast_to(x, (pop.n,)) for x in start()]
-        if state is not None:  # each member's own, from an earlier call
-            own = list(state)
-        super().__init__(pop, ("loss_scale", INITIAL, self.period), own, list(NAMES))
-
-    @property
-    def final(self) -> LossScale:
-        """Each member's loss scale (leaves ``[members]``), as the run left it."""
-        return host(self.own[:2])
-
-    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
-        pop, n, period, names = self.pop, self.n_model, self.period, self.pop.names
-
-        def step(leaves, batch, key, hp):
-            held = LossScale(*leaves[n:])
-            inner = pop.step_factory(
-                lambda hp: call_for(hp).scaled(held.scale), accumulate
-            )
-            new, loss, metrics, grads = inner(leaves[:n], batch, key, hp)
-            judged = judge(loss, grads, held, period)
-            new = kept(leaves[:n], new, counters(names, leaves[:n]), judged.skipped)
-            metrics = with_scale(metrics, held.scale)
-            return [*new, *judged.state], loss, metrics, judged.grads
-
-        return step

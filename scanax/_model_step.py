@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from ._errors import models as errors
 from ._errors.fit import CALL as _CALL
@@ -137,54 +136,3 @@ def is_counter(name: str, leaf: Any, members: bool = False) -> bool:
         and np.ndim(leaf) == int(members)
         and name.endswith(_COUNTER_NAMES)
     )
-
-
-class Wrapper:
-    """A model's adapter around another, for a per-step feature with state of
-    its own (``_ema.EmaAdapter``, ``_rollout.FedAdapter``,
-    ``_plateau.ScaledAdapter``): its state is ``(inner state, own)``, and
-    what it does not change is the inner adapter's, on ``state[0]``.
-    ``tag``: its name and static parameters (its fingerprint's part);
-    ``eval_view``: the inner state evaluations see (default ``state[0]``)."""
-
-    def __init__(self, adapter: Any, tag: tuple, eval_view: Callable | None = None):
-        self.adapter, self.tag = adapter, tag
-        self.kind = adapter.kind
-        self.base = getattr(adapter, "base", adapter)  # the model's own
-        self.eval_view = eval_view or (lambda state: state[0])
-
-    def fingerprint(self) -> Any:
-        inner = self.adapter.fingerprint()
-        return None if inner is None else (self.tag[0], inner, *self.tag[1:])
-
-    def start_step(self) -> int | None:
-        return self.adapter.start_step()
-
-    def trained_of(self, model: Any) -> list | None:
-        return self.adapter.trained_of(model)
-
-    def model_of(self, state: Any) -> Any:
-        return self.adapter.model_of(state[0])
-
-    def make_eval(self, loss_fn: Callable) -> Callable:
-        evaluate, view = self.adapter.make_eval(loss_fn), self.eval_view
-        return lambda state, batch, key: evaluate(view(state), batch, key)
-
-    def make_call(self, fn: Callable) -> Callable:
-        call = self.adapter.make_call(fn)
-        return lambda state, *args: call(state[0], *args)
-
-    def inner_specs(self, n: int) -> list | None:
-        """The inner adapter's sharding annotations, one per leaf of its ``n``
-        leaves, or None (none, or not one per leaf)."""
-        tree = self.adapter.partition_specs()
-        if tree is None:
-            return None
-        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
-        return found if len(found) == n else None
-
-    def replicated_after(self, n: int, k: int) -> list | None:
-        """The inner adapter's annotations (``n`` leaves), then ``k`` replicated
-        leaves of this wrapper's own (a small carry: a rule's state)."""
-        found = self.inner_specs(n)
-        return None if found is None else [*found, *(P() for _ in range(k))]

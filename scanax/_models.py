@@ -11,9 +11,11 @@ imports a framework the user has not already imported.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax.tree_util as jtu
+from jax.sharding import PartitionSpec as P
 
 from . import _models_nnx, _models_optax, _models_trainstate, _nnx
 from ._errors import models as errors, short_type
@@ -71,3 +73,67 @@ def adapt(
         return _models_optax.OptaxAdapter(model, optimizer, opt_state)
     why = "optimizer_without_nnx" if _models_nnx.is_optimizer(optimizer) else "other"
     raise errors.bad_pair(model, optimizer, why)
+
+
+class Flat:
+    """One model as fit's loop and its features see it (``_feature.Base``):
+    its adapter's state as flat leaves, a step and an evaluation on them (as
+    a population's members are)."""
+
+    members = None
+
+    def __init__(self, adapter: Any):
+        self.adapter, self.kind = adapter, adapter.kind
+        self.state, self.treedef = jtu.tree_flatten(adapter.state)
+        self.names = adapter.names()
+        self.static = adapter.static
+
+    def fingerprint(self) -> Any:
+        return self.adapter.fingerprint()
+
+    def start_step(self) -> int | None:
+        return self.adapter.start_step()
+
+    def trained(self) -> list[int]:
+        return self.adapter.trained()
+
+    def trained_of(self, model: Any) -> list | None:
+        return self.adapter.trained_of(model)
+
+    def partition_specs(self) -> list | None:
+        """The model's sharding annotations, one per leaf (None: none, or not
+        one per leaf)."""
+        tree = self.adapter.partition_specs()
+        if tree is None:
+            return None
+        found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
+        return found if len(found) == len(self.state) else None
+
+    def _tree(self, leaves: list) -> Any:
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
+        """``step(leaves, batch, key, hp)`` (``hp`` is unused); the step gets
+        containers of its own (an NNX step mutates the Variables it
+        merges)."""
+        step = self.adapter.make_step(call_for(None), accumulate)
+
+        def flat_step(leaves, batch, key, hp):
+            new, loss, metrics, grads = step(self._tree(leaves), batch, key)
+            return jtu.tree_leaves(new), loss, metrics, grads
+
+        return flat_step
+
+    def eval_factory(self, call_for: Callable) -> Callable:
+        evaluate = self.adapter.make_eval(call_for(None))
+        return lambda leaves, batch, key, hp: evaluate(self._tree(leaves), batch, key)
+
+    def view(self, leaves: list, hp: Any, fn: Callable, *args: Any) -> Any:
+        return self.adapter.make_call(fn)(self._tree(leaves), *args)
+
+    def model_of(self, leaves: list) -> Any:
+        return self.adapter.model_of(self._tree(leaves))
+
+    def finish(self, leaves: list) -> tuple[Any, Any]:
+        """The model and optimizer holding ``leaves`` (NNX: written in place)."""
+        return self.adapter.finish(self._tree(leaves))

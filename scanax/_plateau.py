@@ -9,9 +9,9 @@ the updates, not an optimizer's hyperparameter, so that it works for every optax
 transform as built: each step's update of the trained parameters is multiplied
 by it (``scaled``), inside the model's step, before anything that follows the
 parameters (``ema=``) sees them. Its state joins the training state after the
-model's (``ScaledAdapter``, ``ScaledPopulation``: wrappers of the model's
-adapter and of a population, as ``_ema``'s are), so that checkpoints, resumes
-and a population's per-member selects cover it. The functions are elementwise
+model's (a feature, ``_feature``: the same for one model and a population's
+members), so that checkpoints, resumes and a population's per-member selects
+cover it. The functions are elementwise
 in the state: under ``jax.vmap`` each member of a population has its own scale.
 """
 
@@ -21,14 +21,14 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _model_step, _population, _tree
+from . import _feature, _tree
 from ._errors import plateau as errors
 from ._stop import MODES, auto_mode, beats
 
@@ -70,7 +70,7 @@ NAMES = [f"plateau.{n}" for n in ("best", "wait", "cooldown", METRIC, "total", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Plateau:
+class Plateau(_feature.Feature):
     """Reduce the learning rate when a monitored metric stops improving
     (``scanax.fit(..., plateau=Plateau(...))``): each step's update of the
     trained parameters is multiplied by a scale that the rule lowers, which is
@@ -163,10 +163,16 @@ class Plateau:
     min_lr: float = 0.0
     mode: str = "auto"
     lr: float | None = None
+    state: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    phase: ClassVar[int] = 10
+    field: ClassVar[str] = "plateau"
 
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
             raise errors.monitor_type(self.monitor)
+        if self.state is not None and not isinstance(self.state, PlateauState):
+            raise errors.state_type(self.state, "a PlateauState (result.plateau)")
         for name in ("patience", "cooldown"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -262,6 +268,47 @@ class Plateau:
             )
             return new, reduced
 
+    # ------------------------------------------------------------ as a feature
+
+    def leaf_names(self, base: Any) -> list[str]:
+        return list(NAMES)
+
+    def init_member(self, base: Any, model: list) -> list:
+        return jtu.tree_leaves(start(self))
+
+    def given_leaves(self, base: Any) -> list | None:
+        """``state=``: the rule continues from it (a population's: each
+        member's), with an empty window of the monitored metric."""
+        if self.state is None:
+            return None
+        rule = checked_state(self.state, base.members)
+        shape = () if base.members is None else (base.members,)
+        window = [jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)]
+        return [*rule, *window]
+
+    def wrap_step(self, make: Callable, base: Any, names: list[str]) -> Callable:
+        """Each step's update of the trained parameters multiplied by the
+        carried scale (``scaled``), recorded as ``lr_scale``."""
+        where, at = base.trained(), len(names)
+
+        def wrapped(call_for: Callable) -> Callable:
+            inner = make(call_for)
+
+            def step(leaves, batch, key, hp):
+                new, loss, metrics, grads = inner(leaves[:at], batch, key, hp)
+                scale = read(leaves, at).rule.scale
+                new = [*scaled(leaves[:at], new, where, scale), *leaves[at:]]
+                return new, loss, with_scale(metrics, scale), grads
+
+            return step
+
+        return wrapped
+
+    def result(self, base: Any, leaves: list, at: int) -> PlateauState:
+        """The rule's state after the run (``PlateauState`` of host values; a
+        population's: leaves ``[members]``)."""
+        return PlateauState(*(jax.device_get(x) for x in read(leaves, at).rule))
+
 
 # ------------------------------------------------------------ in fit's loop
 
@@ -331,86 +378,3 @@ def with_scale(metrics: dict, scale: jax.Array) -> dict:
 _CARRY_DEF = jtu.tree_structure(
     PlateauCarry(PlateauState(0, 0, 0, 0), 0, 0)  # (the structure only)
 )
-
-
-class ScaledAdapter(_model_step.Wrapper):
-    """A model's adapter (``_models``) whose state is ``(model state,
-    PlateauCarry)``: the step multiplies the update of the trained parameters
-    by the carry's scale (``scaled``) and records it (``lr_scale``); the rule
-    itself is updated at the checks (``_fit_checks.Checks``), at ``at`` in the
-    flat state. Wrappers that follow the parameters (``_ema.EmaAdapter``) go
-    around it."""
-
-    def __init__(self, adapter: Any, plateau: Plateau, state: Any = None):
-        super().__init__(adapter, ("plateau",))
-        self.plateau = plateau
-        self.at = jtu.tree_structure(adapter.state).num_leaves
-        self.where = adapter.trained()
-        self.state = (adapter.state, start(plateau, state))
-        self.static = ("plateau", adapter.static)
-        self.final: PlateauState | None = None  # the rule's state at the end
-
-    def names(self) -> list[str]:
-        return [*self.adapter.names(), *NAMES]
-
-    def trained(self) -> list[int]:
-        return self.where
-
-    def partition_specs(self) -> Any:
-        """The model's annotations; the carry is replicated."""
-        return self.replicated_after(self.at, len(NAMES))
-
-    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
-        inner, where = self.adapter.make_step(loss_fn, accumulate), self.where
-
-        def step(state, batch, key):
-            new, loss, metrics, grads = inner(state[0], batch, key)
-            scale = state[1].rule.scale
-            leaves, treedef = jtu.tree_flatten(new)
-            leaves = scaled(jtu.tree_leaves(state[0]), leaves, where, scale)
-            new = jtu.tree_unflatten(treedef, leaves)
-            return (new, state[1]), loss, with_scale(metrics, scale), grads
-
-        return step
-
-    def finish(self, state: Any) -> tuple[Any, Any]:
-        self.final = PlateauState(*(jax.device_get(x) for x in state[1].rule))
-        return self.adapter.finish(state[0])
-
-
-class ScaledPopulation(_population.Wrapped):
-    """A population (``_population.Population``) whose members' state holds
-    their plateau carries too (after the model's leaves, at ``at``): each
-    member's updates multiplied by its own scale, for one ``fit``."""
-
-    def __init__(self, pop: Any, plateau: Plateau, state: Any = None):
-        carry = [
-            jnp.broadcast_to(x, (pop.n, *jnp.shape(x)))
-            for x in jtu.tree_leaves(start(plateau))
-        ]
-        if state is not None:  # each member's own rule state, an empty window
-            carry[: len(state)] = list(state)
-        super().__init__(pop, ("plateau",), carry, list(NAMES))
-        self.plateau, self.at = plateau, self.n_model
-        self.where = pop.adapter(0).trained()
-
-    @property
-    def final(self) -> PlateauState:
-        """Each member's rule state (leaves ``[members]``), as the run left it."""
-        rule = read(self.state, self.at).rule
-        return PlateauState(*(jax.device_get(x) for x in rule))
-
-    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
-        inner, n, where = (
-            self.pop.step_factory(call_for, accumulate),
-            self.at,
-            self.where,
-        )
-
-        def step(leaves, batch, key, hp):
-            new, loss, metrics, grads = inner(leaves[:n], batch, key, hp)
-            scale = read(leaves, n).rule.scale
-            new = [*scaled(leaves[:n], new, where, scale), *leaves[n:]]
-            return new, loss, with_scale(metrics, scale), grads
-
-        return step

@@ -61,6 +61,18 @@ class Population:
         self.step = 0
         self.stopped = np.zeros(n, bool)
         self._members: dict[int, tuple] = {}
+        self._trained: list[int] | None = None
+
+    @property
+    def members(self) -> int:
+        """The population's size (``_feature.Base``)."""
+        return self.n
+
+    def trained(self) -> list[int]:
+        """The positions of the trained parameters among a member's leaves."""
+        if self._trained is None:
+            self._trained = self.adapter(0).trained()
+        return self._trained
 
     def __len__(self) -> int:
         return self.n
@@ -377,58 +389,3 @@ def member_index(i: Any, n: int) -> int:
 
 def is_population(x: Any) -> bool:
     return isinstance(x, Population)
-
-
-class Wrapped:
-    """A population seen with more per-member state after the model's leaves
-    (``own``: stacked leaves with a member axis), for one ``fit``: a moving
-    average (``_ema``), a rollout's feeds (``_rollout``), a plateau's carries
-    (``_plateau``). The rest is the population's own. ``tag``: the wrapper's
-    name and static parameters (its fingerprint's part); ``names``: the
-    checkpoint names of ``own``; ``eval_view``: the model leaves evaluations
-    see (default: the model's own); ``on_update``: told ``(own, step)`` when the
-    run hands the state back."""
-
-    def __init__(
-        self,
-        pop: Any,
-        tag: tuple,
-        own: list,
-        names: list[str],
-        eval_view: Callable | None = None,
-        on_update: Callable | None = None,
-    ):
-        self.pop, self.tag, self.own = pop, tag, list(own)
-        self.n_model = len(pop.state)
-        self.names = [*pop.names, *names]
-        self.eval_view = eval_view or (lambda leaves: leaves[: self.n_model])
-        self.on_update = on_update
-
-    pop: Any = None  # (before ``__init__`` sets it: lookups fail, not recurse)
-
-    def __getattr__(self, name: str) -> Any:  # the rest: the population's own
-        return getattr(self.pop, name)
-
-    @property
-    def state(self) -> list:
-        return [*self.pop.state, *self.own]
-
-    def fingerprint(self) -> Any:
-        inner = self.pop.fingerprint()
-        return None if inner is None else (self.tag[0], inner, *self.tag[1:])
-
-    def eval_factory(self, call_for: Callable) -> Callable:
-        evaluate, view = self.pop.eval_factory(call_for), self.eval_view
-        return lambda leaves, batch, key, hp: evaluate(view(leaves), batch, key, hp)
-
-    def view(self, leaves: list, hp: Any, fn: Callable, *args: Any) -> Any:
-        return self.pop.view(leaves[: self.n_model], hp, fn, *args)
-
-    def model_of(self, i: int, leaves: list) -> Any:
-        return self.pop.model_of(i, leaves[: self.n_model])
-
-    def update(self, state: list, stopped: Any, step: int) -> None:
-        self.own = list(state[self.n_model :])
-        if self.on_update is not None:
-            self.on_update(self.own, step)
-        self.pop.update(state[: self.n_model], stopped, step)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools as ft
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _nnx
+from . import _feature, _loss_scale, _nnx
 from ._errors import fit as errors
 
 _KNOWN = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -40,6 +40,111 @@ def check(precision: Any) -> Any:
     if not isinstance(precision, str) or precision not in _KNOWN:
         raise errors.precision_value(precision)
     return _KNOWN[precision]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision(_feature.Feature):
+    """Compute the loss in a lower precision, keeping float32 parameters and
+    optimizer state (``scanax.fit(..., callbacks=[scanax.Precision(
+    "bfloat16")])``): Keras's ``mixed_bfloat16``, jmp's ``Policy(param=f32,
+    compute=bf16, output=f32)``.
+
+    Inside the step, the loss (and evaluations) are computed on a copy of the
+    model whose floating parameters are cast to ``dtype``, on batches whose
+    floating leaves are cast; the gradient flows back through the casts into
+    the float32 parameters; loss and metrics are float32.
+
+    ``"float16"`` also scales the loss dynamically (Keras's
+    ``LossScaleOptimizer``): the gradient of ``scale * loss``, divided by
+    ``scale``; a step whose gradients are not finite is skipped and halves the
+    scale (down to 1), 2000 good steps in a row double it (up to 2**15). It
+    starts at 2**15 unless continued from ``state``; ``history["loss_scale"]``
+    records each step's, checkpoints save it, ``result.loss_scale`` gives it
+    back (a population's: per member). A non-finite loss, or non-finite
+    gradients at scale 1, stop training as usual.
+
+    Arguments:
+        dtype: ``"bfloat16"`` or ``"float16"``.
+        state: float16 only: ``result.loss_scale`` of an earlier ``fit`` (a
+            ``LossScale``): the scale continues from it instead of 2**15, so
+            that an epoch loop of calls skips no step twice to find it. Not
+            part of the compiled program.
+
+    Example:
+        >>> import scanax
+        >>> scanax.Precision("bfloat16")
+        Precision(dtype='bfloat16')
+    """
+
+    dtype: str
+    _: dataclasses.KW_ONLY
+    state: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    phase: ClassVar[int] = 30
+    field: ClassVar[str] = "loss_scale"
+
+    def __post_init__(self) -> None:
+        if check(self.dtype) is None:
+            raise errors.precision_value(self.dtype)
+        if self.state is not None:
+            if not self.scaling:
+                raise errors.loss_scale_state_without_float16(self.dtype)
+            if not isinstance(self.state, _loss_scale.LossScale):
+                raise errors.loss_scale_state_type(self.state, "a LossScale")
+
+    @property
+    def compute(self) -> Any:
+        """The dtype the loss is computed in."""
+        return check(self.dtype)
+
+    @property
+    def scaling(self) -> bool:
+        """Whether the loss is scaled (float16)."""
+        return needs_scaling(self.compute)
+
+    def wrap_loss(self, call: Callable, kind: str) -> Cast:
+        return Cast(call, kind, self.compute)
+
+    def leaf_names(self, base: Any) -> list[str]:
+        return list(_loss_scale.NAMES) if self.scaling else []
+
+    def init_member(self, base: Any, model: list) -> list:
+        return list(_loss_scale.start()) if self.scaling else []
+
+    def given_leaves(self, base: Any) -> list | None:
+        if self.state is None:
+            return None
+        return list(_loss_scale.checked_state(self.state, base.members))
+
+    def wrap_step(self, make: Callable, base: Any, names: list[str]) -> Callable:
+        """float16: the step on the loss scaled by the carried scale, then
+        ``_loss_scale.judge`` and ``kept`` (a skipped step leaves every leaf
+        before its own but the step counts), the scale recorded as
+        ``loss_scale``."""
+        if not self.scaling:
+            return make
+        at, period, judge = len(names), _loss_scale.PERIOD, _loss_scale.judge
+
+        def wrapped(call_for: Callable) -> Callable:
+            def step(leaves, batch, key, hp):
+                held = _loss_scale.LossScale(*leaves[at:])
+                inner = make(lambda hp: call_for(hp).scaled(held.scale))
+                new, loss, metrics, grads = inner(leaves[:at], batch, key, hp)
+                judged = judge(loss, grads, held, period)
+                old = leaves[:at]
+                counts = _loss_scale.counters(names, old)
+                new = _loss_scale.kept(old, new, counts, judged.skipped)
+                metrics = _loss_scale.with_scale(metrics, held.scale)
+                return [*new, *judged.state], loss, metrics, judged.grads
+
+            return step
+
+        return wrapped
+
+    def result(self, base: Any, leaves: list, at: int) -> Any:
+        if not self.scaling:
+            return None
+        return _loss_scale.host(leaves[at : at + len(_loss_scale.NAMES)])
 
 
 def needs_scaling(dtype: Any) -> bool:

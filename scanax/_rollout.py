@@ -3,11 +3,12 @@ environment's rollouts, a simulator, synthetic data), as ``fit``'s ``data``.
 
 The generator's state (the *feed*: the user's carry, the batch last collected,
 its minibatch orders and a key) is part of the training state the compiled loop
-carries: a wrapper of the model's adapter (one model) or of the population adds
-its leaves. So everything the loop does to the state it does to the feed: the
-last good state after a non-finite step, checkpoints and their exact resume, a
-population's per-member selects. Between ``fit`` calls the feed stays with the
-``Rollout`` object (``Rollout.state``), so that the next call continues it.
+carries: a feature (``Feeder``, ``_feature``) adds its leaves, for one model
+and a population's members alike. So everything the loop does to the state it
+does to the feed: the last good state after a non-finite step, checkpoints and
+their exact resume, a population's per-member selects. Between ``fit`` calls
+the feed stays with the ``Rollout`` object (``Rollout.state``), so that the next
+call continues it.
 
 Collections happen at the global steps that are multiples of ``epochs *
 minibatches``, at the boundary before them (the compiled loop cuts its chunks
@@ -21,14 +22,14 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from . import _caller, _fingerprint, _model_step, _population
+from . import _caller, _feature, _fingerprint
 from ._errors import rollout as errors
 from ._tree import is_array, is_arraylike
 
@@ -479,102 +480,61 @@ def _avals(tree: Any) -> list:
     return [(jnp.shape(x), jnp.result_type(x)) for x in jtu.tree_leaves(tree)]
 
 
-class FedAdapter(_model_step.Wrapper):
-    """A model's adapter (``_models``) whose state is ``(model state, feed)``:
-    the step collects and picks its minibatch first; ``finish`` leaves the feed
-    with the ``Rollout`` for the next ``fit``."""
+class Feeder(_feature.Feature):
+    """A ``Rollout``'s state in the training state, as a feature of one run
+    (``_feature``): its leaves (``Feed``: the user's carry, the batch last
+    collected, its orders, a key) follow the model's and the other
+    features', for one model and each member of a population alike; each
+    step trains on its minibatch of the batch (``Collector.step``), a
+    collection runs at the boundary before a collection step
+    (``Collector.before``). An early stop that restores the best state keeps
+    the feed as it was last (the next ``fit`` continues the environments);
+    ``keep`` leaves it with the ``Rollout`` for the next ``fit``. ``keys``: a
+    population's members' (each gets its own environments), None for one
+    model."""
 
-    def __init__(self, adapter: Any, source: RolloutSource, start: int):
-        self.rollout = source.rollout
-        inner_def = self.inner_def = jtu.tree_structure(adapter.state)
+    phase: ClassVar[int] = 40
+
+    def __init__(self, source: RolloutSource, keys: Any = None):
+        self.source, self.rollout, self.keys = source, source.rollout, keys
+        self.collector: Collector | None = None
+        self.members: int | None = None
+
+    def program_key(self) -> Any:
+        return ("rollout", self.collector.feed_def)
+
+    def init_leaves(self, base: Any, start: int, before: list) -> list:
+        n = len(base.state)
 
         def view(model, hp, fn, *args):
-            return adapter.make_call(fn)(jtu.tree_unflatten(inner_def, model), *args)
+            return base.view(model[:n], hp, fn, *args)
 
-        self.collector = Collector(source.rollout, view, inner_def.num_leaves)
-        self.pending: Any = None  # the feed of the state last finished
-        model = jtu.tree_leaves(adapter.state)
+        self.collector = Collector(self.rollout, view, len(before))
+        self.members = base.members
+        hp = None if base.members is None else base.hp()
         feed = start_feed(
-            source, self.collector, model, None, start, identity=adapter.fingerprint()
-        )
-        self.state = (adapter.state, feed)
-        self.static = ("rollout", adapter.static, self.collector.feed_def)
-        super().__init__(adapter, ("rollout", self.collector.feed_def))
-
-    def names(self) -> list[str]:
-        return [*self.adapter.names(), *self.collector.names()]
-
-    def partition_specs(self) -> Any:
-        return self.adapter.partition_specs()
-
-    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
-        inner, inner_def = self.adapter.make_step(loss_fn, accumulate), self.inner_def
-        outer_def = jtu.tree_structure(self.state)
-
-        def flat(model, batch, key, hp):
-            new, loss, metrics, grads = inner(
-                jtu.tree_unflatten(inner_def, model), batch, key
-            )
-            return jtu.tree_leaves(new), loss, metrics, grads
-
-        fed = self.collector.step(flat)
-
-        def step(state, t, key):
-            new, loss, metrics, grads = fed(jtu.tree_leaves(state), t, key, None)
-            return jtu.tree_unflatten(outer_def, new), loss, metrics, grads
-
-        return step
-
-    def before(self, leaves: list, t: Any, hp: Any, extra: Any, checks: Any):
-        """The boundary before global step ``t`` on the flat state: a
-        collection where one is due (and the rules' running sums of a
-        monitored rollout metric: ``checks``, a ``_fit_checks.Checks``);
-        ``(leaves, extra, outputs)``."""
-        leaves, due, metrics = self.collector.before(leaves, t, hp)
-        if checks is not None:
-            leaves, extra = checks.collected(leaves, metrics, due, extra)
-        return leaves, extra, {"collected": due, "rollout": metrics}
-
-    def finish(self, state: Any) -> tuple[Any, Any]:
-        """The model holding ``state``; the feed goes with it to the Rollout
-        when the run hands the model back (``commit``)."""
-        self.pending = state[1]
-        return self.adapter.finish(state[0])
-
-    def commit(self, handed_back: bool, step: int) -> None:
-        """Leave the feed last finished with the Rollout (at global ``step``):
-        after a run that returned, or one interrupted whose NNX objects hold the
-        state it goes with (another kind's model is not handed back then: nor
-        is the feed)."""
-        if handed_back or self.base.kind == "nnx":
-            self.rollout.state, self.rollout.members = self.pending, None
-            self.rollout.step = step
-
-
-class FedPopulation(_population.Wrapped):
-    """A population (``_population.Population``) whose members' state holds
-    their feeds too (after the model's leaves): what ``_fit_population`` sees
-    of it for one ``fit``."""
-
-    def __init__(self, pop: Any, source: RolloutSource, keys: Any):
-        collector = Collector(source.rollout, pop.view, len(pop.state))
-        feed = start_feed(
-            source, collector, list(pop.state), pop.hp(), pop.step, keys,
-            identity=pop.fingerprint(),
+            self.source, self.collector, list(before), hp, start, self.keys,
+            identity=base.fingerprint(),
         )  # fmt: skip
-        super().__init__(
-            pop,
-            ("rollout", collector.feed_def),
-            jtu.tree_leaves(feed),
-            collector.names(),
-            on_update=self._keep,
-        )
-        self.rollout, self.collector = source.rollout, collector
+        return jtu.tree_leaves(feed)
 
-    def step_factory(self, call_for: Callable, accumulate: int = 1) -> Callable:
-        return self.collector.step(self.pop.step_factory(call_for, accumulate))
+    def leaf_names(self, base: Any) -> list[str]:
+        return self.collector.names()
 
-    def _keep(self, feed: list, step: int) -> None:
-        """The members' feeds stay with the ``Rollout`` for the next ``fit``."""
-        self.rollout.state = jtu.tree_unflatten(self.collector.feed_def, feed)
-        self.rollout.members, self.rollout.step = self.pop.n, step
+    def wrap_step(self, make: Callable, base: Any, names: list[str]) -> Callable:
+        collector = self.collector
+
+        def wrapped(call_for: Callable) -> Callable:
+            return collector.step(make(call_for))
+
+        return wrapped
+
+    def keeps_last(self, name: str) -> bool:
+        return is_feed(name)
+
+    def keep(self, leaves: list, at: int, step: int) -> None:
+        """Leave the feed in ``leaves`` (from ``at``) with the ``Rollout``, at
+        global ``step``: the next ``fit`` continues it."""
+        feed = jtu.tree_unflatten(self.collector.feed_def, list(leaves[at:]))
+        rollout = self.rollout
+        rollout.state, rollout.members, rollout.step = feed, self.members, step

@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "fit's parts",
         {
+            "_feature",
             "_mesh",
             "_checkpoint",
             "_compile_cache",

@@ -449,6 +449,14 @@ def ema_type(ema: Any) -> TypeError:
     )
 
 
+def ema_on_eval_type(value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `on_eval` of scanax.Ema (fit's `ema_eval=`) must be True or "
+        f"False, got {short_type(value)}.\nFix: pass on_eval=True to evaluate "
+        "with the average, or leave it out."
+    )
+
+
 def ema_value(ema: Any) -> ValueError:
     return ValueError(
         f"{CALL}: ema={ema!r} is not in [0, 1): the average is e = ema * e + "
