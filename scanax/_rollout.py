@@ -226,6 +226,7 @@ class Collector:
     def __init__(self, rollout: Rollout, view: Callable, n: int):
         self.rollout, self.view, self.n = rollout, view, n
         self.metric_names: list[str] = []
+        self.metric_shapes: dict = {}
         self.feed_def: Any = None
 
     def collect(self, model: list, carry: Any, key: Any, hp: Any) -> tuple:
@@ -254,13 +255,8 @@ class Collector:
                 or (name == "step" or name.endswith("_step"))
             ):
                 raise errors.metric_name(name)
-        for name, v in metrics.items():
-            if not _real(v):
-                raise errors.metric_value(name, v)
+        metrics = _model_step.check_metrics(errors.CALL, metrics, "collect")
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        for name, v in metrics.items():
-            if v.ndim:
-                raise errors.metric_shape(name, v)
         return batch, new, metrics
 
     def fresh(self, model: list, carry: Any, key: Any, hp: Any) -> tuple[Feed, dict]:
@@ -298,6 +294,7 @@ class Collector:
         """Learn the metrics' names (traced)."""
         _, metrics = jax.eval_shape(lambda: self.fresh(model, feed.carry, feed.key, hp))
         self.metric_names = sorted(metrics)
+        self.metric_shapes = {k: v.shape for k, v in metrics.items()}
 
     def step(self, inner: Callable) -> Callable:
         """``step(leaves, t, key, hp)`` on the model's and the feed's leaves
@@ -311,8 +308,11 @@ class Collector:
             due = t % period == 0
 
             def keep(feed):
-                nan = jnp.full((), jnp.nan, jnp.float32)
-                return feed, {k: nan for k in self.metric_names}
+                shapes = self.metric_shapes
+                return feed, {
+                    k: jnp.full(shapes[k], jnp.nan, jnp.float32)
+                    for k in self.metric_names
+                }
 
             feed, metrics = jax.lax.cond(
                 due, lambda f: self.fresh(model, f.carry, f.key, hp), keep, feed
@@ -340,21 +340,6 @@ def is_feed(name: str) -> bool:
     """Whether a leaf of the training state (by its checkpoint name) is a
     rollout's feed."""
     return name.startswith(("rollout.", "members.rollout."))
-
-
-def _real(value: Any) -> bool:
-    """Whether a metric is a real number (an array or a Python/NumPy scalar of
-    a bool, integer or floating dtype)."""
-    if isinstance(value, (bool, int, float)):
-        return True
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return False
-    return (
-        jnp.issubdtype(dtype, jnp.floating)
-        or jnp.issubdtype(dtype, jnp.integer)
-        or jnp.issubdtype(dtype, jnp.bool_)
-    )
 
 
 def _check_carry(old: Any, new: Any) -> None:
