@@ -11,6 +11,7 @@ reduces with fit's in-loop evaluation (``_fit_checks.over_dataset``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 import sys
@@ -19,20 +20,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
 from . import (
     _fingerprint,
-    _fit,
     _fit_checks,
     _fit_program,
+    _keys,
     _mesh,
     _model_step,
     _nnx,
     _population,
 )
-from ._errors import evaluate as errors
+from ._errors import evaluate as errors, keys as key_errors, short_type
 from ._tree import is_array
 
 _CALL, _PREDICT = errors.CALL, errors.PREDICT
@@ -118,24 +120,24 @@ def evaluate(
     _check_callable(_CALL, "eval_fn", eval_fn, target.members)
     n = _check_data(_CALL, data)
     b = _batch_size(_CALL, batch_size, n)
-    takes = _arguments(_CALL, "eval_fn", eval_fn, target.members)
-    _check_key(key)
-    if takes[1] and key is None:
-        raise errors.key_missing(_CALL, "eval_fn")
+    takes = _keys.arguments(eval_fn, _CALL, "eval_fn", target.members)
+    _check_key(_CALL, key)
     place = _placement(mesh, target, b)
+    if takes.key and key is None:  # refused if the evaluation uses it
+        key = unused_key(_CALL, "eval_fn", target, eval_fn, takes, data, b)
     trainstate = target.trainstate
     identity = _fit_program.identity(
         target.identity,
         target.static,
         eval_fn,
         _CALL,
-        takes,
+        takes[:2],
         trainstate,
         n,
         b,
         place.mesh,
     )
-    call = _call(eval_fn, *takes)
+    call = _call(guarded(eval_fn, _CALL, "eval_fn"), *takes[:2])
 
     def build():
         run = target.runner(call)
@@ -148,7 +150,7 @@ def evaluate(
                 return _model_step.split_loss(_CALL, out, "eval_fn")
 
             return _fit_checks.over_dataset(
-                batch_metrics, data, n, b, key, place.constrain_even
+                batch_metrics, data, n, b, key, place.constrain_even, _CALL
             )
 
         return jax.vmap(one, in_axes=(0, 0, None, None)) if target.members else one
@@ -162,15 +164,22 @@ def evaluate(
     return {k: float(host[k]) if host[k].ndim == 0 else host[k] for k in names}
 
 
-def predict(model: Any, fn: Callable, data: Any, *, batch_size: int | None = None):
+def predict(
+    model: Any,
+    fn: Callable,
+    data: Any,
+    *,
+    batch_size: int | None = None,
+    key: Any = None,
+):
     """``fn(model, batch)`` over every example of ``data``, the model in eval
     mode, the batches' outputs concatenated in order, in one compiled program.
 
     Conceptually equivalent to (NNX shown)::
 
         model.eval()  # on a copy: the model passed in is not changed
-        outs = [fn(model, data[start:start + batch_size])
-                for start in range(0, len(data), batch_size)]
+        outs = [fn(model, data[start:start + batch_size])  # or fn(model, batch,
+                for start in range(0, len(data), batch_size)]  #   fold_in(key, j))
         return jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
 
     Every batch has ``batch_size`` examples: the last one is the data's last
@@ -181,9 +190,12 @@ def predict(model: Any, fn: Callable, data: Any, *, batch_size: int | None = Non
         model: as for ``scanax.evaluate`` (a ``scanax.Population``: every
             member's outputs, with a leading member axis).
         fn: ``fn(model, batch)`` returning a pytree of arrays with a leading
-            batch axis (one row per example).
+            batch axis (one row per example), or ``fn(model, batch, key)``:
+            the key is found as ``scanax.evaluate`` finds ``eval_fn``'s.
         data: a pytree of arrays with a leading example axis.
         batch_size: examples per batch. Default: 1024 (all of them when fewer).
+        key: for an ``fn`` taking a key, as ``scanax.evaluate``'s (without
+            it, refused only when the outputs depend on the key).
 
     Returns:
         ``fn``'s pytree with each leaf ``[n, ...]`` over the ``n`` examples (a
@@ -207,31 +219,42 @@ def predict(model: Any, fn: Callable, data: Any, *, batch_size: int | None = Non
     _check_callable(_PREDICT, "fn", fn, target.members)
     n = _check_data(_PREDICT, data)
     b = _batch_size(_PREDICT, batch_size, n)
-    _arguments(_PREDICT, "fn", fn, False)
-    identity = _fit_program.identity(target.identity, target.static, fn, _PREDICT, n, b)
+    takes = _keys.arguments(fn, _PREDICT, "fn")
+    _check_key(_PREDICT, key)
+    if takes.key and key is None:  # refused if the outputs depend on it
+        key = unused_key(_PREDICT, "fn", target, fn, takes, data, b)
+    identity = _fit_program.identity(
+        target.identity, target.static, fn, _PREDICT, n, b, takes.key
+    )
+    call = _call(guarded(fn, _PREDICT, "fn"), False, takes.key)
 
     def build():
-        run = target.runner(lambda model, batch, key, hp: fn(model, batch))
+        run = target.runner(call)
 
-        def one(leaves, hp, data):
-            return _batched(lambda batch: run(leaves, batch, None, hp), data, n, b)
+        def one(leaves, hp, data, key):
+            def rows(batch, j):
+                return run(
+                    leaves, batch, None if key is None else jr.fold_in(key, j), hp
+                )
 
-        return jax.vmap(one, in_axes=(0, 0, None)) if target.members else one
+            return _batched(rows, data, n, b)
+
+        return jax.vmap(one, in_axes=(0, 0, None, None)) if target.members else one
 
     program = _fit_program.program(identity, build)
-    return program.jitted(target.leaves, target.hp, data)
+    return program.jitted(target.leaves, target.hp, data, key)
 
 
 def _batched(fn: Callable, data: Any, n: int, b: int) -> Any:
-    """``fn`` over ``data`` in batches of ``b`` (the last: the last ``b``
-    examples), the outputs' new rows concatenated."""
+    """``fn(batch, j)`` over ``data`` in batches of ``b`` (the last: the last
+    ``b`` examples), the outputs' new rows concatenated."""
     count = -(-n // b)
     tail = n - (count - 1) * b  # rows of the last batch not predicted before
 
     def body(_, j):
         start = jnp.minimum(j * b, n - b)
         batch = jtu.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, b), data)
-        out = fn(batch)
+        out = fn(batch, j)
         for path, leaf in jtu.tree_flatten_with_path(out)[0]:
             if not is_array(leaf) or leaf.ndim < 1 or leaf.shape[0] != b:
                 raise errors.output_not_batched(jtu.keystr(path), leaf, b)
@@ -363,27 +386,115 @@ def _check_callable(call: str, name: str, fn: Any, population: bool) -> None:
         raise errors.fn_not_callable(call, name, fn, population)
 
 
-def _arguments(call: str, name: str, fn: Callable, population: bool) -> tuple:
-    """``(takes_hp, takes_key)`` of ``eval_fn`` (as ``fit`` reads ``loss_fn``'s),
-    its arity checked first (``predict``'s ``fn``: two arguments)."""
+def batches(data: Any, b: int) -> Any:
+    """What a batch of ``b`` examples of ``data`` is (shapes and dtypes)."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype), data
+    )
+
+
+def describe(batch: Any) -> str:
+    """``tuple: [0] float32[4, 3], [1] int32[4]`` for a batch's leaves."""
+    leaves = jtu.tree_flatten_with_path(batch)[0]
+    parts = ", ".join(
+        f"{jtu.keystr(p) or '(the batch)'} {short_type(x)}" for p, x in leaves
+    )
+    return f"{type(batch).__name__}: {parts}"
+
+
+# Errors raised while a user's function is traced that say nothing about the
+# data (JAX's tracer errors, NNX's trace levels): raised as they are.
+_ABOUT_THE_FUNCTION = (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarded:
+    """``fn`` (a user's evaluation or prediction function, called as
+    ``fn(model, batch, ...)`` with batches of the argument ``data``), whose
+    errors while it is traced are raised again naming the call, the function
+    and what the batch is, the original chained: data of another structure or
+    feature shape than ``fn`` reads fails inside ``fn``, before anything runs.
+    A fingerprint of ``fn`` is one of this (its fields), so compiled programs
+    are still found by it."""
+
+    fn: Callable
+    call: str
+    name: str
+    data: str  # the data's argument name
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.fn)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+            text = str(err.args[0]) if err.args else ""
+            if (
+                isinstance(err, _ABOUT_THE_FUNCTION)
+                or text.startswith("scanax")
+                or _nnx.is_trace_level_error(err)
+                or len(args) < 2
+            ):
+                raise
+            raise errors.fn_failed(
+                self.call, self.name, self.data, describe(args[1]), err
+            ) from err
+
+
+def guarded(fn: Callable, call: str, name: str, data: str = "data") -> Guarded:
+    """``fn`` as a ``Guarded`` (``data``: the name of the argument whose
+    batches it is given)."""
+    return Guarded(fn, call, name, data)
+
+
+# Whether an evaluation uses the key it takes, by what is evaluated and the
+# function (``unused_key``): traced once per program.
+_USES: dict = {}
+
+
+def unused_key(
+    call: str, name: str, target: Target, fn: Callable, takes: Any, data: Any, b: int
+) -> Any:
+    """The key to pass a function that takes one (``takes``) when none was
+    given: a placeholder if what it returns in eval mode does not depend on
+    it (traced on one batch of ``data``); else a named refusal, before
+    anything runs."""
+    found = None
     try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin: called with (model, batch)
-        return False, False
-    most = 2 if call == _PREDICT else 4 if population else 3
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    required = [p.name for p in positional if p.default is p.empty]
-    if len(required) > most:
-        raise errors.fn_arity(call, name, required, population)
-    for p in params:
-        if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
-            raise errors.fn_keyword_only(call, name, p.name)
-    if call == _PREDICT:
-        return False, False
-    # (fit's reading of the forms; TODO(lead): make it public in _fit)
-    return _fit.loss_arguments(fn, population, name)
+        cache_key = (
+            target.identity or target.static,
+            _fingerprint.of(fn) or fn,
+            takes,
+            b,
+            call,
+        )
+        found = _USES.get(cache_key)
+    except TypeError:  # (unhashable: trace it)
+        cache_key = None
+    if found is None:
+        run = target.runner(_call(fn, *takes[:2]))
+        if target.members:
+            run = jax.vmap(run, in_axes=(0, None, None, 0))
+        key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+        args = (target.leaves, batches(data, b), key, target.hp)
+        found = _keys.uses_key(run, args, 2)
+        if cache_key is not None:
+            _USES[cache_key] = found
+    if found:
+        raise key_errors.key_used(call, name, takes.param, call == "scanax.fit")
+    return jr.key(0)
+
+
+def fit_eval_key(model: Any, fn: Callable, population: bool, data: Any, b: int) -> None:
+    """``scanax.fit``'s evaluation by ``fn`` (``eval_fn``, or ``loss_fn``),
+    when fit has no key: refused, naming ``key=``, if ``fn`` takes a key and
+    its result in eval mode depends on it (fit passes a placeholder)."""
+    takes = _keys.arguments(fn, "scanax.fit", "eval_fn", population)
+    if takes.key:
+        target = _target("scanax.fit", model)
+        unused_key("scanax.fit", "eval_fn", target, fn, takes, data, b)
 
 
 def _call(fn: Callable, takes_hp: bool, takes_key: bool) -> Callable:
@@ -425,7 +536,7 @@ def _batch_size(call: str, value: Any, n: int) -> int:
     return max(min(value, n), 1)
 
 
-def _check_key(key: Any) -> None:
+def _check_key(call: str, key: Any) -> None:
     if key is None:
         return
     dtype = getattr(key, "dtype", None)
@@ -434,7 +545,7 @@ def _check_key(key: Any) -> None:
             return
     elif is_array(key) and dtype == np.uint32 and np.shape(key) == (2,):
         return
-    raise errors.key_type(_CALL, key)
+    raise errors.key_type(call, key)
 
 
 def _placement(mesh: Any, target: Target, b: int) -> _mesh.Placement:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from . import (
     _compile_cache,
     _data,
     _ema,
+    _evaluate,
     _feature,
     _fingerprint,
     _fit_checks,
@@ -25,6 +25,7 @@ from . import (
     _fit_population,
     _fit_program,
     _fit_schedule,
+    _keys,
     _log,
     _mesh,
     _models,
@@ -288,7 +289,9 @@ def fit(
         raise errors.loss_fn_not_callable(loss_fn)
     pop = model if _population.is_population(model) else None
     _data.check_key(key, pop is not None)
-    takes_hp, takes_key = loss_arguments(loss_fn, pop is not None)
+    takes_hp, takes_key, key_param = _keys.arguments(
+        loss_fn, _CALL, "loss_fn", pop is not None
+    )
     if pop is None:
         _no_population_options(shared_batches, members_per_call)
         adapter = _models.adapt(model, optimizer, opt_state)
@@ -313,7 +316,7 @@ def fit(
     if pop is not None:
         shared = _shared(pop, source, shared_batches, members_per_call)
     if takes_key and key is None:
-        raise errors.loss_key_without_key()
+        raise errors.loss_key_without_key(key_param)
     features = _features(
         plateau, plateau_state, ema, ema_eval, ema_state, precision, loss_scale_state
     )
@@ -352,6 +355,10 @@ def fit(
     checks, eval_arrays, eval_call = _checks(
         *checks_args, batch_size, loss_fn, pop is not None
     )
+    if key is None and eval_call is not None:  # (a placeholder key: unused?)
+        _evaluate.fit_eval_key(
+            model, eval_call, pop is not None, eval_arrays, checks.batch_size
+        )
     logger = _logger(log, log_every, pop is not None)
     _compile_cache.enable_from_env()
     setup = _fit_loop.Setup(
@@ -385,7 +392,7 @@ def fit(
         takes = None  # eval_fn's arguments: as loss_fn's (hp, key)
         if eval_call is not None:
             name = "loss_fn" if eval_fn is None else "eval_fn"
-            takes = loss_arguments(eval_call, True, name)
+            takes = _keys.arguments(eval_call, _CALL, name, True)[:2]
         result = _fit_population.fit_population(
             pop, setup, shared, members_per_call, takes
         )
@@ -638,14 +645,17 @@ def _checks(
         size = _data.positive_int("eval_batch_size", eval_batch_size)
     if eval_fn is not None and not callable(eval_fn):
         raise errors.eval_fn_not_callable(eval_fn)
-    fn = loss_fn if eval_fn is None else eval_fn
+    name = "loss_fn" if eval_fn is None else "eval_fn"
+    b = min(size, source.n)
+    fn = _evaluate.guarded(
+        loss_fn if eval_fn is None else eval_fn, _CALL, name, "eval_data"
+    )
     if population:
         call = fn
     else:
-        name = "loss_fn" if eval_fn is None else "eval_fn"
-        takes_key = wants_key(fn, 3, name)
+        takes_key = _keys.arguments(fn, _CALL, name).key
         call = fn if takes_key else (lambda model, batch, key: fn(model, batch))
-    checks = _fit_checks.Checks(eval_every, call, source.n, min(size, source.n), rules)
+    checks = _fit_checks.Checks(eval_every, call, source.n, b, rules)
     return checks, eval_data, fn
 
 
@@ -666,57 +676,3 @@ def _with_eval(checks: Any, feats: Any) -> Any:
         call = feats.wrap_loss(checks.evaluate, feats.base.kind)
         evaluate = feats.eval_factory(lambda hp: call)
     return checks.bound(feats, evaluate)
-
-
-def loss_arguments(
-    loss_fn: Callable, population: bool, name: str = "loss_fn"
-) -> tuple[bool, bool]:
-    """``(takes_hp, takes_key)``: what ``loss_fn`` gets after ``(model, batch)``.
-    One model: a third argument is the per-step key. A population: a third is the
-    member's hyperparameters (a dict), unless it is named ``key``/``rng``, and a
-    fourth is the key."""
-    takes_key = wants_key(loss_fn, 4 if population else 3, name)
-    if not population or not takes_key:
-        return False, takes_key
-    try:
-        params = list(inspect.signature(loss_fn).parameters.values())
-    except (TypeError, ValueError):
-        return False, True
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if len(positional) < 3:  # loss_fn(model, batch, *args)
-        return True, True
-    if positional[2].name in ("key", "rng"):
-        return False, True
-    fourth = positional[3:4]
-    takes_key = bool(fourth) and (
-        fourth[0].default is fourth[0].empty or fourth[0].name in ("key", "rng")
-    )
-    return True, takes_key
-
-
-def wants_key(loss_fn: Callable, most: int = 3, name: str = "loss_fn") -> bool:
-    """Whether ``loss_fn`` takes more than ``(model, batch)``: a third positional
-    parameter without a default, or named ``key``/``rng`` (``key=None``), or
-    ``*args``; more than ``most`` required, or a required keyword-only one, is an
-    error."""
-    try:
-        params = list(inspect.signature(loss_fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C function: call it with two
-        return False
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    required = [p for p in positional if p.default is p.empty]
-    if len(required) > most:
-        names = [p.name for p in required]
-        raise errors.loss_fn_arity(len(required), names, name, most == 4)
-    for p in params:
-        if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
-            raise errors.loss_key_keyword_only(p.name)
-    if len(required) >= 3:
-        return True
-    if len(positional) >= 3:
-        return positional[2].name in ("key", "rng")
-    return any(p.kind == p.VAR_POSITIONAL for p in params)

@@ -23,7 +23,8 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _log, _plateau
+from . import _log, _model_step, _plateau
+from ._errors import evaluate as evaluate_errors
 from ._fit_program import trace_once
 from ._plateau import Plateau, PlateauCarry
 from ._stop import EarlyStop, keep_best
@@ -294,7 +295,10 @@ class Ratio:
     value ``num / den``.
 
     Arguments:
-        num, den: arrays (or numbers) of the same shape, e.g. counts.
+        num, den: real arrays or numbers (bool, integer or floating) whose
+            shapes broadcast together, e.g. counts; anything else (a complex
+            value, a string) is refused with a ``TypeError``, shapes that do
+            not broadcast with a ``ValueError``.
 
     Example:
         >>> import jax.numpy as jnp, scanax
@@ -307,6 +311,13 @@ class Ratio:
     __slots__ = ("num", "den")
 
     def __init__(self, num: Any, den: Any):
+        for part, value in (("num", num), ("den", den)):
+            if not _model_step.is_real_number(value):
+                raise evaluate_errors.ratio_part(part, value)
+        try:
+            jnp.broadcast_shapes(jnp.shape(num), jnp.shape(den))
+        except ValueError:
+            raise evaluate_errors.ratio_shapes(num, den) from None
         self.num, self.den = num, den
 
     def tree_flatten(self) -> tuple[tuple, None]:
@@ -314,7 +325,10 @@ class Ratio:
 
     @classmethod
     def tree_unflatten(cls, aux: None, children: tuple) -> Ratio:
-        return cls(*children)
+        # (not checked: JAX rebuilds pytrees with placeholders as leaves)
+        out = object.__new__(cls)
+        out.num, out.den = children
+        return out
 
     @property
     def shape(self) -> tuple:
@@ -355,24 +369,26 @@ def over_dataset(
     batch_size: int,
     key: Any = None,
     place: Callable | None = None,
+    call: str = "scanax.fit",
 ) -> dict:
     """``{"loss": ..., **metrics}`` over every example of ``data`` (``n`` of them,
-    a leading axis on every leaf), in batches of ``batch_size``: full batches in
-    a scan, then the remainder. ``metrics(batch, batch_key) -> (loss, metrics)``
-    gives a batch's means (batch ``j``'s key: ``fold_in(key, j)``, None without
-    ``key``); each is weighted by its batch's size, so that the result is the
-    mean over the examples, and a :class:`Ratio`'s ``num`` and ``den`` are
-    summed separately. ``place``: applied to each batch (a sharding constraint).
+        a leading axis on every leaf), in batches of ``batch_size``: full batches in
+        a scan, then the remainder. ``metrics(batch, batch_key) -> (loss, metrics)``
+        gives a batch's means (batch ``j``'s key: ``fold_in(key, j)``, None without
+        ``key``); each is weighted by its batch's size, so that the result is the
+        mean over the examples, and a :class:`Ratio`'s ``num`` and ``den`` are
+        summed separately. ``place``: applied to each batch (a sharding constraint);
+    ``call``: who evaluates (for messages).
 
-    Conceptually equivalent to::
+        Conceptually equivalent to::
 
-        total = {}
-        for j, start in enumerate(range(0, n, batch_size)):
-            batch = data[start:start + batch_size]
-            loss, extra = metrics(batch, fold_in(key, j))
-            for name, v in {"loss": loss, **extra}.items():
-                total[name] += (v.num, v.den) if ratio else v * len(batch)
-        return {name: num / den if ratio else v / n for name, v in total.items()}
+            total = {}
+            for j, start in enumerate(range(0, n, batch_size)):
+                batch = data[start:start + batch_size]
+                loss, extra = metrics(batch, fold_in(key, j))
+                for name, v in {"loss": loss, **extra}.items():
+                    total[name] += (v.num, v.den) if ratio else v * len(batch)
+            return {name: num / den if ratio else v / n for name, v in total.items()}
     """
     b = batch_size
     full, rest = divmod(n, b)
@@ -405,6 +421,8 @@ def over_dataset(
             total, _ = jax.lax.scan(body, zero, jnp.arange(full, dtype=jnp.int32))
         if rest:
             last = sums(at(full * b, rest), full, rest)
+            if total is not None:  # (a metric's shape must not depend on b)
+                _model_step.same_shapes(call, "eval_fn", total, last, (b, rest))
             total = last if total is None else add(total, last)
         return {k: _mean(v, n) for k, v in total.items()}
 

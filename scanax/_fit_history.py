@@ -117,7 +117,7 @@ class History:
             done = done[:, :ran]
             idx = np.flatnonzero(done.any(axis=0))
             values = {
-                k: np.where(done[:, idx], np.asarray(v)[:, idx], np.nan)
+                k: _masked(done[:, idx], np.asarray(v)[:, idx])
                 for k, v in named.items()
             }
         steps = first + 1 + idx
@@ -129,11 +129,11 @@ class History:
             self.val.setdefault(name, []).append(value)
         return steps, values
 
-    def _nan(self, count: int) -> np.ndarray:
-        """NaN for ``count`` steps (and every member)."""
+    def _nan(self, count: int, shape: tuple = ()) -> np.ndarray:
+        """NaN for ``count`` steps (and every member) of a metric of ``shape``."""
         if self.members is None:
-            return np.full(count, np.nan, np.float32)
-        return np.full((self.members, count), np.nan, np.float32)
+            return np.full((count, *shape), np.nan, np.float32)
+        return np.full((self.members, count, *shape), np.nan, np.float32)
 
     def _align(
         self, store: dict, known: set, values: dict, done: int, count: int, group: str
@@ -155,10 +155,13 @@ class History:
             )
         # (one model's training metric: a float32 start, as it always had)
         start = done or (self.members is None and not group)
+        axis = self.axis + 1  # (a metric's own shape after the steps' axis)
         for name in new:
-            store[name] = [self._nan(done)] if start else []
+            shape = np.shape(values[name])[axis:]
+            store[name] = [self._nan(done, shape)] if start else []
         for name in gone:
-            store[name].append(self._nan(count))
+            shape = np.shape(store[name][-1])[axis:] if store[name] else ()
+            store[name].append(self._nan(count, shape))
 
     def result(self) -> dict[str, np.ndarray]:
         def empty(name: str) -> np.ndarray:
@@ -175,3 +178,9 @@ class History:
                     np.int64 if name.endswith("step") else np.float32
                 )
         return out
+
+
+def _masked(done: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``v`` (``[members, entries, ...]``) where ``done`` (``[members,
+    entries]``), NaN elsewhere."""
+    return np.where(done.reshape(done.shape + (1,) * (v.ndim - 2)), v, np.nan)

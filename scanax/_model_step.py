@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import models as errors
+from ._errors import evaluate as evaluate_errors, models as errors
 from ._errors.fit import CALL as _CALL
 from ._tree import is_array
 
@@ -41,14 +41,75 @@ def split_loss(call: str, out: Any, name: str = "loss_fn") -> tuple[Any, dict]:
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise errors.loss_not_scalar(call, loss, name)
-    for key, leaf in metrics.items():  # flat: history has one entry per name
+    for key in metrics:  # flat: history has one entry per name
         reserved = key in ("loss", "step") or str(key).endswith("_step")
         # (training metrics: entries at their own steps have these prefixes)
         if reserved or (name == "loss_fn" and str(key).startswith(SPARSE_PREFIXES)):
             raise errors.metric_name_reserved(call, key)
-        if not hasattr(leaf, "shape"):
-            raise errors.metric_not_array(call, jtu.keystr((jtu.DictKey(key),)), leaf)
-    return loss, metrics
+    return loss, check_metrics(call, metrics, name)
+
+
+def check_metrics(call: str, metrics: dict, name: str) -> dict:
+    """The one rule of every metric (``loss_fn``'s, an evaluation's, a
+    ``Rollout``'s ``collect``'s), checked when it is first traced: a real
+    array (bool, integer or floating; a Python number becomes one) or a
+    ``Ratio`` of them, of any fixed shape; complex values, strings and other
+    objects are refused, naming the metric. Returns ``metrics`` with Python
+    numbers as arrays."""
+    out = {}
+    for key, leaf in metrics.items():
+        path = jtu.keystr((jtu.DictKey(key),))
+        if isinstance(leaf, (bool, int, float)):
+            leaf = jnp.asarray(leaf)
+        dtype = getattr(leaf, "dtype", None)
+        if not hasattr(leaf, "shape") or dtype is None:
+            if isinstance(leaf, complex):
+                raise errors.metric_complex(call, path, leaf, name)
+            raise errors.metric_not_array(call, path, leaf, name)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise errors.metric_complex(call, path, leaf, name)
+        if not is_real_dtype(dtype):
+            raise errors.metric_not_real(call, path, leaf, name)
+        out[key] = leaf
+    return out
+
+
+def same_shapes(
+    call: str, name: str, first: dict, last: dict, sizes: tuple[int, int]
+) -> None:
+    """Refuse metrics (``{name: value}`` of two batches of ``sizes``) whose
+    shapes differ: a per-example value, which no dataset mean can hold."""
+    rows = []
+    for key, a in first.items():
+        sa = [jnp.shape(x) for x in jtu.tree_leaves(a)]
+        sb = [jnp.shape(x) for x in jtu.tree_leaves(last[key])]
+        if sa != sb:
+            path = jtu.keystr((jtu.DictKey(key),))
+            rows.append((path, _shapes(a), _shapes(last[key])))
+    if rows:
+        raise evaluate_errors.metric_shape_varies(call, name, rows, sizes)
+
+
+def _shapes(value: Any) -> str:
+    return " / ".join(str(list(jnp.shape(x))) for x in jtu.tree_leaves(value))
+
+
+def is_real_number(value: Any) -> bool:
+    """A Python bool/int/float, or an array (or NumPy scalar) of a real
+    dtype: what a metric, or a ``Ratio``'s ``num`` and ``den``, may be."""
+    if isinstance(value, (bool, int, float)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return hasattr(value, "shape") and dtype is not None and is_real_dtype(dtype)
+
+
+def is_real_dtype(dtype: Any) -> bool:
+    """A bool, integer or floating dtype (not complex, strings or keys)."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # (a key's dtype)
+        return False
+    return dtype.kind in "biuf" or jnp.issubdtype(dtype, jnp.floating)
 
 
 def evaluation(call: Callable) -> Callable:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from . import _caller, _feature, _fingerprint
+from . import _caller, _feature, _fingerprint, _model_step
 from ._errors import rollout as errors
 from ._tree import is_array, is_arraylike
 
@@ -225,6 +225,7 @@ class Collector:
     def __init__(self, rollout: Rollout, view: Callable, n: int):
         self.rollout, self.view, self.n = rollout, view, n
         self.metric_names: list[str] = []
+        self.metric_shapes: dict = {}
         self.feed_def: Any = None
 
     def collect(self, model: list, carry: Any, key: Any, hp: Any) -> tuple:
@@ -253,13 +254,8 @@ class Collector:
                 or (name == "step" or name.endswith("_step"))
             ):
                 raise errors.metric_name(name)
-        for name, v in metrics.items():
-            if not _real(v):
-                raise errors.metric_value(name, v)
+        metrics = _model_step.check_metrics(errors.CALL, metrics, "collect")
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        for name, v in metrics.items():
-            if v.ndim:
-                raise errors.metric_shape(name, v)
         return batch, new, metrics
 
     def fresh(self, model: list, carry: Any, key: Any, hp: Any) -> tuple[Feed, dict]:
@@ -297,6 +293,7 @@ class Collector:
         """Learn the metrics' names (traced)."""
         _, metrics = jax.eval_shape(lambda: self.fresh(model, feed.carry, feed.key, hp))
         self.metric_names = sorted(metrics)
+        self.metric_shapes = {k: v.shape for k, v in metrics.items()}
 
     def step(self, inner: Callable) -> Callable:
         """``step(leaves, t, key, hp)`` on the model's and the feed's leaves
@@ -332,9 +329,14 @@ class Collector:
         feed, metrics = self.fresh(model, feed.carry, feed.key, hp)
         return [*model, *jtu.tree_leaves(feed)], metrics
 
-    def nan_metrics(self, shape: tuple = ()) -> dict:
-        """The metrics where no collection is due: NaN."""
-        return {k: jnp.full(shape, jnp.nan, jnp.float32) for k in self.metric_names}
+    def nan_metrics(self, members: tuple = ()) -> dict:
+        """The metrics where no collection is due: NaN (``members``: a
+        population's member axis first)."""
+        shapes = self.metric_shapes
+        return {
+            k: jnp.full((*members, *shapes[k]), jnp.nan, jnp.float32)
+            for k in self.metric_names
+        }
 
     def before(self, leaves: list, t: Any, hp: Any) -> tuple[list, Any, dict]:
         """One model's boundary before global step ``t``: a collection behind
@@ -359,21 +361,6 @@ def is_feed(name: str) -> bool:
     """Whether a leaf of the training state (by its checkpoint name) is a
     rollout's feed."""
     return name.startswith(("rollout.", "members.rollout."))
-
-
-def _real(value: Any) -> bool:
-    """Whether a metric is a real number (an array or a Python/NumPy scalar of
-    a bool, integer or floating dtype)."""
-    if isinstance(value, (bool, int, float)):
-        return True
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return False
-    return (
-        jnp.issubdtype(dtype, jnp.floating)
-        or jnp.issubdtype(dtype, jnp.integer)
-        or jnp.issubdtype(dtype, jnp.bool_)
-    )
 
 
 def _check_carry(old: Any, new: Any) -> None:

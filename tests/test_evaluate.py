@@ -419,9 +419,9 @@ def test_mesh_splits_the_batches():
         ),
         (
             "evaluate",
-            dict(fn=lambda m, b, k: 0.0),
+            dict(fn=lambda m, b, k: jr.normal(k)),
             TypeError,
-            r"`eval_fn` takes a key .* but no `key` was given",
+            r"`eval_fn` uses its key `k` in eval mode .* but no `key` was given",
         ),
         (
             "evaluate",
@@ -462,9 +462,10 @@ def test_mesh_splits_the_batches():
         ),
         (
             "predict",
-            dict(fn=lambda m, b, k: b),
+            dict(fn=lambda m, b, k, j: b),
             TypeError,
-            r"`fn` takes 3 required .* scanax.predict calls fn\(model, batch\)",
+            r"`fn` takes 4 required .* scanax.predict calls fn\(model, batch\) or "
+            r"fn\(model, batch, key\)",
         ),
     ],
 )
@@ -504,3 +505,164 @@ def test_a_ratio_over_nothing_is_zero_as_sklearn_gives():
     out = scanax.evaluate({"w": jnp.zeros(())}, eval_fn, (y, pred), batch_size=2)
     assert out["precision"] == metrics.precision_score(y, pred, zero_division=0) == 0
     assert float(np.asarray(scanax.Ratio(jnp.int32(0), jnp.int32(0)))) == 0.0
+
+
+# --------------------------------- issue 38: keys, metric rule, evaluation errors
+
+
+def keyed_eval(model, batch, rngs=None):
+    """As the Flax NNX tutorial's loss: a key for Dropout, unused in eval mode."""
+    return nnx_eval(model, batch)
+
+
+def test_a_key_taking_eval_fn_needs_no_key_when_eval_mode_draws_none():
+    """Dropout is off in eval mode: the result does not depend on the key, so
+    no ``key=`` is asked for (before: refused) and the result is the
+    key-less evaluation's; the same for a population and ``predict``."""
+    model = trained_net()
+    got = evaluate(model, keyed_eval, (X, Y), batch_size=8)
+    allclose(got, evaluate(model, nnx_eval, (X, Y), batch_size=8))
+    pop = scanax.population(make_member, 2, key=jr.key(4), lr=[0.01, 0.05])
+    allclose(
+        evaluate(pop, keyed_eval, (X, Y), batch_size=8),
+        evaluate(pop, nnx_eval, (X, Y), batch_size=8),
+    )
+    allclose(
+        predict(model, lambda m, b, key: outputs(m, b), (X, Y), batch_size=8),
+        predict(model, outputs, (X, Y), batch_size=8),
+    )
+
+
+def test_a_key_used_in_eval_mode_is_asked_for_before_anything_runs():
+    def noisy(params, batch, key):
+        return params_eval(params, batch)[0] + jr.normal(key)
+
+    def noisy_rows(params, x, rng):
+        return x @ params["w"] + jr.normal(rng, (x.shape[0], 1))
+
+    with count_compiles() as compiles:
+        with pytest.raises(
+            TypeError,
+            match=r"(?s)^scanax.evaluate: `eval_fn` uses its key `key` in eval mode"
+            r".*no `key` was given.*Fix: pass key=jax.random.key\(seed\)",
+        ):
+            evaluate(PARAMS, noisy, (X, Y), batch_size=8)
+        with pytest.raises(
+            TypeError, match=r"^scanax.predict: `fn` uses its key `rng` in eval mode"
+        ):
+            predict(PARAMS, noisy_rows, X, batch_size=8)
+    assert compiles.n == 0
+
+
+def test_predict_gives_per_batch_keys_as_evaluate_does():
+    def noisy_rows(params, x, key):
+        return x @ params["w"] + jr.normal(key, (x.shape[0], 1))
+
+    key = jr.key(5)
+    got = predict(PARAMS, noisy_rows, X, batch_size=8, key=key)
+    # batch j: rows j*8 ... (the last batch: the last 8 rows, its new ones kept)
+    parts = [noisy_rows(PARAMS, X[s : s + 8], jr.fold_in(key, j)) for j, s in
+             enumerate(range(0, 24, 8))]  # fmt: skip
+    last = noisy_rows(PARAMS, X[N - 8 :], jr.fold_in(key, 3))[-(N - 24) :]
+    allclose(got, jnp.concatenate([*parts, last]))
+
+
+@pytest.mark.parametrize(
+    "metric, found",
+    [
+        (lambda e: jax.lax.complex(e, e), r"metric metrics\['m'\] returned by "
+         r"`eval_fn` is complex64\[\].*Fix: return a real value"),
+        (lambda e: Ratio(jax.lax.complex(e, e), 1.0), r"scanax.Ratio: `num` must "
+         r"be a real array or number .* got complex64"),
+        (lambda e: np.array("abc"), r"metric metrics\['m'\] returned by `eval_fn` "
+         r"is str\d*\[\].*Fix: return numbers"),
+        (lambda e: e * jnp.ones(3), None),  # an array metric: kept
+    ],
+    ids=["complex", "complex-ratio", "string", "array"],
+)  # fmt: skip
+def test_one_metric_rule_in_evaluate_and_fits_evaluation(metric, found):
+    """Complex and text metrics are refused by name, in ``evaluate`` and in
+    fit's evaluation alike (before: a complex metric came back as its real
+    part, with only a ComplexWarning); an array metric works in both, with
+    its shape."""
+
+    def eval_fn(params, batch):
+        loss, extra = params_eval(params, batch)
+        return loss, {"m": metric(extra["mae"])}
+
+    kw = dict(steps=2, batch_size=8, progress=False, eval_data=(X, Y), eval_every=1)
+    if found is None:
+        got = evaluate(PARAMS, eval_fn, (X, Y), batch_size=7)
+        mae = evaluate(PARAMS, params_eval, (X, Y), batch_size=7)["mae"]
+        assert got["m"].shape == (3,)
+        allclose(got["m"], np.full(3, mae, np.float32))
+        # (trained by it too: a training metric of the same shape)
+        out = scanax.fit(PARAMS, optax.sgd(0.0), eval_fn, (X, Y), **kw)
+        assert out.history["val_m"].shape == out.history["m"].shape == (2, 3)
+        allclose(out.history["val_m"], np.full((2, 3), mae, np.float32))
+        for t in range(2):
+            batch = (X[t * 8 : t * 8 + 8], Y[t * 8 : t * 8 + 8])
+            allclose(out.history["m"][t], eval_fn(PARAMS, batch)[1]["m"])
+        return
+    prefix = "" if found.startswith("scanax.Ratio") else "{call}: "
+    with pytest.raises(
+        TypeError, match="(?s)^" + prefix.format(call="scanax.evaluate") + found
+    ):
+        evaluate(PARAMS, eval_fn, (X, Y), batch_size=7)
+    with pytest.raises(
+        TypeError, match="(?s)^" + prefix.format(call="scanax.fit") + found
+    ):
+        scanax.fit(PARAMS, optax.sgd(0.1), params_eval, (X, Y), eval_fn=eval_fn, **kw)
+
+
+def test_a_per_example_metric_is_refused_naming_it():
+    """A metric whose shape follows the batch size cannot be averaged over the
+    dataset (before: a raw broadcasting error of the last, smaller batch)."""
+
+    def eval_fn(params, batch):
+        x, y = batch
+        return params_eval(params, batch)[0], {"pred": x @ params["w"]}
+
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)^scanax.evaluate: `eval_fn` returns metrics whose shape depends "
+        r"on the batch size:\n  metrics\['pred'\]  \[8, 1\] \(batch of 8\), \[6, 1\] "
+        r"\(batch of 6\).*Fix: reduce it over the batch .* scanax.predict",
+    ):
+        evaluate(PARAMS, eval_fn, (X, Y), batch_size=8)
+
+
+def test_ratio_refuses_what_is_not_a_real_array():
+    with pytest.raises(
+        TypeError, match=r"^scanax.Ratio: `num` must be a real array .* got str"
+    ):
+        Ratio("3", 1)
+    with pytest.raises(
+        ValueError,
+        match=r"^scanax.Ratio: the shapes of `num` \(float32\[3\]\) and `den` "
+        r"\(float32\[2\]\) do not broadcast",
+    ):
+        Ratio(jnp.ones(3), jnp.ones(2))
+    r = Ratio(jnp.arange(3), 2)
+    assert jax.tree.map(lambda x: None, r).num is None  # (rebuilt unchecked)
+    assert Ratio(True, 1).value == 1.0
+
+
+@pytest.mark.parametrize(
+    "call, data, found",
+    [
+        ("evaluate", {"x": X, "y": Y}, r"TypeError .* dict: \['x'\] float32\[8, 4\]"),
+        ("evaluate", (X[:, :3], Y), r"TypeError .* tuple: \[0\] float32\[8, 3\]"),
+        ("predict", {"x": X}, r"KeyError .* dict: \['x'\] float32\[8, 4\]"),
+    ],
+)
+def test_data_unlike_what_the_function_reads_is_named(call, data, found):
+    fn = params_eval if call == "evaluate" else (lambda p, b: b[0] @ p["w"])
+    name = "eval_fn" if call == "evaluate" else "fn"
+    exc = TypeError
+    with pytest.raises(
+        exc,
+        match=rf"(?s)^scanax.{call}: `{name}` raised {found}.*Fix: if `{name}` reads "
+        "another structure",
+    ):
+        getattr(scanax, call)(PARAMS, fn, data, batch_size=8)

@@ -1,5 +1,6 @@
 """scanax.fit against Python loops of the same optimizer steps on the same batches."""
 
+import re
 import sys
 
 import jax
@@ -982,3 +983,277 @@ def test_one_while_loop_per_call(monkeypatch):
     # With a steps_per_call of the user's, the bar reports from inside the loop:
     # the check above can see a callback where there is one.
     assert "callback" in str(traced(steps=STEPS, steps_per_call=7))
+
+
+# ------------------------------------------- issue 38: keys, metrics, evaluation
+
+
+class DropNet(nnx.Module):
+    """As the Flax NNX tutorial writes it: a Dropout made without ``rngs``,
+    given a key at the call (``model(x, rngs=rngs)``)."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(3, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.l2(self.drop(jax.nn.relu(self.l1(x)), rngs=rngs))
+
+
+def tutorial_loss(model, batch, rngs=None):
+    x, y = batch
+    return jnp.mean((model(x, rngs=rngs) - y) ** 2)
+
+
+def test_a_loss_fn_with_rngs_none_gets_the_per_step_key():
+    """``loss_fn(model, batch, rngs=None)`` gets fit's per-step key (before:
+    only a third parameter without a default did, and Dropout complained),
+    equal to a Python loop of ``nnx.value_and_grad`` steps with those keys."""
+    model = DropNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    result = scanax.fit(
+        model, optimizer, tutorial_loss, (X, Y), steps=5, batch_size=BS, key=KEY,
+        progress=False,
+    )  # fmt: skip
+    ref = DropNet(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, TX, wrt=nnx.Param)
+    losses = []
+    for t in range(5):
+        key_t = jr.fold_in(jr.split(KEY)[1], t)
+        loss, grads = nnx.value_and_grad(tutorial_loss)(ref, batch_at(t), key_t)
+        ref_opt.update(ref, grads)
+        losses.append(loss)
+    np.testing.assert_allclose(result.history["loss"], losses, rtol=1e-5)
+    leaves_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+
+
+@pytest.mark.parametrize("name", ["key", "rng", "rngs"])
+def test_a_key_parameter_with_a_default_is_found_by_name(name):
+    ns: dict = {}
+    exec(  # (the parameter's name is the test's)
+        f"def loss(model, batch, {name}=None):\n"
+        f"    return eqx_loss(model, batch) + 0.1 * jr.normal({name})\n",
+        {"eqx_loss": eqx_loss, "jr": jr},
+        ns,
+    )
+    kw = dict(steps=3, batch_size=BS, key=KEY, progress=False)
+    got = scanax.fit(eqx_model(), TX, ns["loss"], (X, Y), **kw)
+    ref = scanax.fit(eqx_model(), TX, lambda m, b, k: ns["loss"](m, b, k), (X, Y), **kw)
+    np.testing.assert_array_equal(got.history["loss"], ref.history["loss"])
+    with pytest.raises(
+        TypeError,
+        match=rf"(?s)`loss_fn` takes a third argument, `{name}`.*key=None.*Fix",
+    ):
+        scanax.fit(eqx_model(), TX, ns["loss"], (X, Y), steps=3, batch_size=BS)
+
+
+def test_key_parameters_that_would_never_get_a_key_are_refused_by_name():
+    def key_like(model, batch, dropout_rng=None):
+        return eqx_loss(model, batch)
+
+    def keyword(model, batch, *, rngs=None):
+        return eqx_loss(model, batch)
+
+    kw = dict(steps=2, batch_size=BS, key=KEY, progress=False)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax.fit: `loss_fn`'s third parameter `dropout_rng` looks "
+        r"like a key.*Fix: rename it `key`",
+    ):
+        scanax.fit(eqx_model(), TX, key_like, (X, Y), **kw)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax.fit: `loss_fn`'s keyword-only parameter `rngs`.*"
+        r"Fix: drop the `\*`",
+    ):
+        scanax.fit(eqx_model(), TX, keyword, (X, Y), **kw)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax.fit: `eval_fn` takes 1 positional argument \(m\); fit "
+        r"calls eval_fn\(model, batch\).*Fix: define it as def eval_fn\(model, batch\)",
+    ):
+        scanax.fit(
+            eqx_model(), TX, eqx_loss, (X, Y), **kw, eval_data=(X, Y), eval_every=1,
+            eval_fn=lambda m: 0.0,
+        )  # fmt: skip
+
+
+def _unchanged_after(call, model):
+    """``call()`` raises; the model's arrays are as they were."""
+    before = [np.asarray(x) for x in jtu.tree_leaves(model)]
+    with pytest.raises(Exception) as info:
+        call()
+    for a, b in zip(before, jtu.tree_leaves(model)):
+        np.testing.assert_array_equal(a, b)
+    return info.value
+
+
+def test_fits_evaluation_uses_no_key_unless_the_model_draws_one_in_eval_mode():
+    """fit's evaluation of a key-taking function without ``key=`` gets a
+    placeholder: fine when the result does not depend on it (Dropout in eval
+    mode), refused before any step, naming ``key=``, when it does."""
+    model = DropNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    def plain(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2)
+
+    def noisy_eval(model, batch, key):
+        return tutorial_loss(model, batch) + 0.1 * jr.normal(key)
+
+    model.drop.deterministic = True  # (trained without dropout: no key needed)
+    kw = dict(steps=4, batch_size=BS, progress=False, eval_data=(X, Y), eval_every=2)
+    got = scanax.fit(model, optimizer, plain, (X, Y), eval_fn=tutorial_loss, **kw)
+    ref = scanax.fit(
+        *nnx_pair_of(DropNet, deterministic=True), plain, (X, Y), eval_fn=plain, **kw
+    )
+    np.testing.assert_array_equal(got.history["val_loss"], ref.history["val_loss"])
+    model, optimizer = nnx_pair_of(DropNet, deterministic=True)
+    err = _unchanged_after(
+        lambda: scanax.fit(model, optimizer, plain, (X, Y), eval_fn=noisy_eval, **kw),
+        nnx.state(model),
+    )
+    assert isinstance(err, TypeError)
+    assert re.match(
+        r"(?s)scanax.fit: `eval_fn` uses its key `key` in eval mode.*fit was "
+        r"called with key=None.*Fix: pass key=jax.random.key\(seed\) to fit",
+        str(err),
+    )
+    assert int(optimizer.step[...]) == 0
+
+
+def nnx_pair_of(cls, deterministic=False):
+    model = cls(nnx.Rngs(0))
+    if deterministic:
+        model.drop.deterministic = True
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+
+def test_an_array_metric_of_loss_fn_is_kept_per_step():
+    """A metric of any fixed shape is recorded with it, ``[steps, ...]`` (before:
+    every step ran, then the history failed to concatenate and was lost)."""
+
+    def loss(params, batch):
+        x, y = batch
+        pred = x @ params["w"]
+        return jnp.mean((pred - y) ** 2), {"pred": pred[:, 0], "n": jnp.int32(3)}
+
+    p0 = {"w": jnp.zeros((3, 1))}
+    tx = optax.sgd(0.1)
+    seen = []
+    result = scanax.fit(
+        p0, tx, loss, (X, Y), steps=5, batch_size=BS, key=KEY, progress=False,
+        log=lambda step, metrics: seen.append((step, metrics)), log_every=5,
+    )  # fmt: skip
+    params, opt, preds = p0, tx.init(p0), []
+    for t in range(5):
+        (_, extra), grads = jax.value_and_grad(loss, has_aux=True)(params, batch_at(t))
+        preds.append(extra["pred"])
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    assert result.history["pred"].shape == (5, BS)
+    np.testing.assert_allclose(
+        result.history["pred"], np.stack(preds), rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_array_equal(result.history["n"], [3] * 5)
+    ((step, logged),) = seen
+    assert step == 5
+    np.testing.assert_allclose(logged["pred"], np.mean(preds, 0), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("where", ["loss_fn", "eval_fn"])
+def test_a_complex_metric_is_refused_by_name_before_any_step(where):
+    """One rule: a complex metric is refused by name for training and
+    evaluation alike (before: training kept it complex, evaluation silently
+    kept its real part)."""
+
+    def loss(params, batch):
+        x, y = batch
+        err = x @ params["w"] - y
+        return jnp.mean(err**2), {"z": jax.lax.complex(jnp.mean(err), 1.0)}
+
+    p0 = {"w": jnp.zeros((3, 1))}
+    kw = dict(steps=2, batch_size=BS, key=KEY, progress=False)
+    if where == "eval_fn":
+        kw.update(eval_data=(X, Y), eval_every=1, eval_fn=loss)
+
+        def loss_fn(params, batch):
+            return loss(params, batch)[0]
+
+    else:
+        loss_fn = loss
+    with pytest.raises(
+        TypeError,
+        match=rf"(?s)^scanax.fit: metric metrics\['z'\] returned by `{where}` is "
+        r"complex64\[\];.*Fix: return a real value, e.g. jnp.abs\(z\), or two metrics",
+    ):
+        scanax.fit(p0, optax.sgd(0.1), loss_fn, (X, Y), **kw)
+
+
+@pytest.mark.parametrize(
+    "eval_data, found",
+    [
+        ({"x": X, "y": Y}, r"raised TypeError .* dict: \['x'\] float32\[8, 3\]"),
+        (
+            (jnp.ones((X.shape[0], 5)), Y),
+            r"raised TypeError .* tuple: \[0\] float32\[8, 5\]",
+        ),
+    ],
+    ids=["structure", "feature-shape"],
+)
+def test_eval_data_unlike_what_the_loss_reads_is_refused_before_any_step(
+    eval_data, found
+):
+    model, optimizer = nnx_pair()
+    err = _unchanged_after(
+        lambda: scanax.fit(
+            model,
+            optimizer,
+            nnx_loss,
+            (X, Y),
+            steps=4,
+            batch_size=BS,
+            key=KEY,
+            progress=False,
+            eval_data=eval_data,
+            eval_every=2,
+            eval_batch_size=8,
+        ),  # fmt: skip
+        nnx.state(model),
+    )
+    assert isinstance(err, TypeError)
+    assert re.match(
+        rf"(?s)^scanax.fit: `loss_fn` {found}.*Fix: if `loss_fn` reads", str(err)
+    )
+    assert int(optimizer.step[...]) == 0
+
+
+def test_array_metrics_of_a_population_equal_each_members_solo_run():
+    """Training and evaluation metrics of a fixed shape keep it in a
+    population's history, ``[members, steps, ...]`` and ``[members,
+    evaluations, ...]`` (before: the evaluation's failed to broadcast)."""
+
+    def loss(params, batch):
+        x, y = batch
+        err = x @ params["w"] - y
+        return jnp.mean(err**2), {"abs": jnp.mean(jnp.abs(err), 0) * jnp.ones(3)}
+
+    def make(key, lr):
+        return {"w": 0.1 * jr.normal(key, (3, 1))}, optax.sgd(lr)
+
+    lrs = [0.05, 0.2]
+    pop = scanax.population(make, 2, key=jr.key(1), lr=lrs)
+    kw = dict(steps=4, batch_size=BS, key=KEY, progress=False)
+    kw.update(eval_data=(X, Y), eval_every=2, eval_fn=loss)
+    result = scanax.fit(pop, None, loss, (X, Y), **kw, shared_batches=True)
+    assert result.history["abs"].shape == (2, 4, 3)
+    assert result.history["val_abs"].shape == (2, 2, 3)
+    for i, lr in enumerate(lrs):
+        params, tx = make(jr.split(jr.key(1), 2)[i], lr)
+        solo = scanax.fit(params, tx, loss, (X, Y), **kw)
+        for name in ("abs", "val_abs"):
+            np.testing.assert_allclose(
+                result.history[name][i], solo.history[name], rtol=1e-5
+            )

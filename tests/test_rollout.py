@@ -333,18 +333,12 @@ def test_errors_of_collect():
         batch, s, m = job.collect(params, carry, key)
         return batch, (s,), m
 
-    def vector_metric(params, carry, key):
-        batch, s, m = job.collect(params, carry, key)
-        return batch, s, {"reward": batch["adv"]}
-
     with pytest.raises(TypeError, match="must return \\(batch, carry\\)"):
         _fit(rollout(collect=no_tuple))
     with pytest.raises(TypeError, match="float32\\[4, 3\\] to float16\\[4, 3\\]"):
         _fit(rollout(collect=carry_dtype))
     with pytest.raises(TypeError, match="another structure"):
         _fit(rollout(collect=carry_tree))
-    with pytest.raises(TypeError, match="'reward' returned by `collect` is float32"):
-        _fit(rollout(collect=vector_metric))
 
 
 def test_a_rollout_kept_for_a_population_is_refused_for_one_model():
@@ -572,15 +566,38 @@ def test_resuming_with_a_new_collect_metric_keeps_one_entry_per_collection(tmp_p
 
 @pytest.mark.parametrize(
     "metric, found",
-    [("abc", "is str"), (jnp.complex64(1 + 2j), "is complex64")],
+    [("abc", "is str, expected an array"), (jnp.complex64(1 + 2j), "is complex64")],
     ids=["string", "complex"],
 )
 def test_a_metric_that_is_not_a_real_number_is_refused(metric, found):
     def collect(params, carry, key):
         return (*job.collect(params, carry, key)[:2], {"z": metric})
 
-    with pytest.raises(TypeError, match=f"metric 'z' returned by `collect` {found}"):
+    with pytest.raises(
+        TypeError, match=rf"metric metrics\['z'\] returned by `collect` {found}"
+    ):
         _fit(rollout(collect=collect))
+
+
+def test_an_array_metric_of_collect_is_kept_per_collection(solo):
+    """The one metric rule (``_model_step.check_metrics``): an array metric of
+    a fixed shape is recorded with its shape, as ``loss_fn``'s and an
+    evaluation's are (before: refused as not a scalar)."""
+
+    def collect(params, carry, key):
+        batch, s, m = job.collect(params, carry, key)
+        return batch, s, {**m, "pair": jnp.stack([m["reward"], 2 * m["reward"]])}
+
+    out = scanax.fit(
+        job.params0(), TX, job.loss_fn, rollout(collect=collect), steps=48, key=KEY,
+        progress=False,
+    )  # fmt: skip
+    rewards = solo[0].history["rollout_reward"]
+    assert out.history["rollout_pair"].shape == (6, 2)
+    np.testing.assert_array_equal(out.history["rollout_reward"], rewards)
+    np.testing.assert_array_equal(
+        out.history["rollout_pair"], np.stack([rewards, 2 * rewards], 1)
+    )
 
 
 def test_an_init_leaf_that_is_not_an_array_is_refused():

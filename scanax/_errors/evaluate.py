@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from . import listing, short_type
+from . import keys, listing, short_type
 
 CALL = "scanax.evaluate"
 PREDICT = "scanax.predict"
@@ -15,14 +15,8 @@ PREDICT = "scanax.predict"
 
 def _forms(call: str, name: str, population: bool) -> str:
     if call == PREDICT:
-        return f"{name}(model, batch)"
-    if population:
-        return (
-            f"{name}(model, batch), {name}(model, batch, hp) with a member's "
-            f"hyperparameters, {name}(model, batch, key) or "
-            f"{name}(model, batch, hp, key)"
-        )
-    return f"{name}(model, batch) or {name}(model, batch, key)"
+        return f"{name}(model, batch) or {name}(model, batch, key)"
+    return keys.forms(name, population)
 
 
 def fn_not_callable(call: str, name: str, fn: Any, population: bool) -> TypeError:
@@ -30,23 +24,6 @@ def fn_not_callable(call: str, name: str, fn: Any, population: bool) -> TypeErro
         f"{call}: `{name}` must be a function, called as "
         f"{_forms(call, name, population)}, got {short_type(fn)}.\nFix: pass the "
         f"function second: {call}(model, {name}, data)."
-    )
-
-
-def fn_arity(call: str, name: str, names: list[str], population: bool) -> TypeError:
-    return TypeError(
-        f"{call}: `{name}` takes {len(names)} required positional arguments "
-        f"({', '.join(names)}); {call} calls {_forms(call, name, population)}.\n"
-        "Fix: give the other arguments defaults, or bind them with "
-        "functools.partial."
-    )
-
-
-def fn_keyword_only(call: str, name: str, param: str) -> TypeError:
-    return TypeError(
-        f"{call}: `{name}` has a required keyword-only argument `{param}`, which "
-        f"{call} never passes.\nFix: give it a default, or bind it with "
-        "functools.partial."
     )
 
 
@@ -122,14 +99,6 @@ def key_type(call: str, key: Any) -> TypeError:
     )
 
 
-def key_missing(call: str, name: str) -> TypeError:
-    return TypeError(
-        f"{call}: `{name}` takes a key ({name}(model, batch, key)), but no `key` "
-        f"was given.\nFix: pass key=jax.random.key(seed) (batch j gets "
-        "jax.random.fold_in(key, j)), or drop the key argument."
-    )
-
-
 def model_type(call: str, model: Any) -> TypeError:
     return TypeError(
         f"{call}: `model` holds no arrays ({short_type(model)}); expected an NNX "
@@ -178,3 +147,62 @@ def output_not_batched(path: str, leaf: Any, batch_size: int) -> TypeError:
         f"{short_type(leaf)}.\nFix: return per-example outputs, e.g. model(x); "
         "reduce over the dataset with scanax.evaluate instead."
     )
+
+
+def ratio_part(part: str, value: Any) -> TypeError:
+    complex_ = "complex" in short_type(value) or isinstance(value, complex)
+    fix = (
+        "take a real value first (jnp.abs, .real)"
+        if complex_
+        else "pass counts or sums as arrays, e.g. scanax.Ratio(jnp.sum(hits), "
+        "jnp.sum(mask))"
+    )
+    return TypeError(
+        f"scanax.Ratio: `{part}` must be a real array or number (bool, integer or "
+        f"floating), got {short_type(value)}.\nFix: {fix}."
+    )
+
+
+def ratio_shapes(num: Any, den: Any) -> ValueError:
+    return ValueError(
+        f"scanax.Ratio: the shapes of `num` ({short_type(num)}) and `den` "
+        f"({short_type(den)}) do not broadcast together; the metric is "
+        "num / den element by element.\nFix: give them the same shape (a scalar "
+        "den broadcasts: one denominator for every element)."
+    )
+
+
+def metric_shape_varies(
+    call: str, name: str, rows: list[tuple[str, str, str]], sizes: tuple[int, int]
+) -> ValueError:
+    body = listing(
+        [
+            (f"metrics{path}", f"{a} (batch of {sizes[0]}), {b} (batch of {sizes[1]})")
+            for path, a, b in rows
+        ]
+    )
+    return ValueError(
+        f"{call}: `{name}` returns metrics whose shape depends on the batch "
+        f"size:\n{body}\nA metric is a summary of the batch (a mean, a count, "
+        "one value per class), of one fixed shape; a per-example value cannot be "
+        "averaged over the dataset.\nFix: reduce it over the batch (jnp.mean(..., "
+        "axis=0)); for per-example outputs, use scanax.predict."
+    )
+
+
+def fn_failed(call: str, name: str, data: str, batch: str, err: Exception) -> Exception:
+    """A ``TypeError`` (a ``ValueError`` for one): ``name`` failed on a batch."""
+    default = (
+        " (the default eval_fn is loss_fn: its batches are built like the training "
+        "batches)"
+        if call == "scanax.fit"
+        else ""
+    )
+    message = (
+        f"{call}: `{name}` raised {type(err).__name__} while it was traced on a "
+        f"batch of `{data}`, before anything ran:\n  {err}\nA batch of `{data}` "
+        f"is {batch}.\nFix: if `{name}` reads another structure or other feature "
+        f"shapes{default}, pass `{data}` built like that; else the error is in "
+        f"`{name}` itself (see the traceback above)."
+    )
+    return ValueError(message) if isinstance(err, ValueError) else TypeError(message)

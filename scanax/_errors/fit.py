@@ -214,24 +214,6 @@ def nonfinite_step(t: int, loss: Any, loss_ok: bool, grads_ok: bool, done: int) 
 # ---------------------------------------------------------------------------- steps
 
 
-def loss_fn_arity(
-    count: int, names: list[str], name: str = "loss_fn", population: bool = False
-) -> TypeError:
-    forms = (
-        f"{name}(model, batch), {name}(model, batch, hp) with a member's "
-        f"hyperparameters, {name}(model, batch, key) or {name}(model, batch, hp, "
-        "key)"
-        if population
-        else f"{name}(model, batch) or, for a fresh random key at every step, "
-        f"{name}(model, batch, key)"
-    )
-    return TypeError(
-        f"{CALL}: `{name}` takes {count} required positional arguments "
-        f"({', '.join(names)}); fit calls {forms}.\nFix: give "
-        "the other arguments defaults, or bind them with functools.partial."
-    )
-
-
 def key_type(key: Any, population: bool = False) -> TypeError:
     if isinstance(key, int) and not isinstance(key, bool):
         fix = f"key=jax.random.key({key})"
@@ -251,11 +233,14 @@ def key_type(key: Any, population: bool = False) -> TypeError:
     )
 
 
-def loss_key_without_key() -> TypeError:
+def loss_key_without_key(param: str) -> TypeError:
     return TypeError(
-        f"{CALL}: `loss_fn` takes a third argument (a per-step random key), but "
-        "fit was called with key=None.\nFix: pass key=jax.random.key(seed); step t "
-        "then gets jax.random.fold_in(jax.random.split(key)[1], t)."
+        f"{CALL}: `loss_fn` takes a third argument, `{param}`, for a per-step "
+        "random key (a parameter named key, rng or rngs, with or without a "
+        "default, or a third one without a default, is given fit's key), but fit "
+        "was called with key=None.\nFix: pass key=jax.random.key(seed); step t "
+        "then gets jax.random.fold_in(jax.random.split(key)[1], t). To call it "
+        "without a key, pass `lambda model, batch: loss_fn(model, batch)`."
     )
 
 
@@ -280,14 +265,6 @@ def cache_dir_unusable(directory: str, err: Exception) -> str:
         f"({type(err).__name__}: {err}); continuing without a persistent cache. "
         "Fix: pass a writable directory, or set SCANAX_COMPILE_CACHE=0 to turn it "
         "off."
-    )
-
-
-def loss_key_keyword_only(name: str) -> TypeError:
-    return TypeError(
-        f"{CALL}: `loss_fn` has a required keyword-only parameter `{name}`; fit "
-        "passes the per-step key as the third positional argument.\nFix: define "
-        f"loss_fn(model, batch, {name}) (without the `*`)."
     )
 
 

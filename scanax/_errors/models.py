@@ -95,14 +95,42 @@ def loss_not_scalar(call: str, loss: Any, name: str = "loss_fn") -> TypeError:
     )
 
 
-def metric_not_array(call: str, path: str, leaf: Any) -> TypeError:
+def metric_not_array(
+    call: str, path: str, leaf: Any, name: str = "loss_fn"
+) -> TypeError:
     why, fix = "", ""
     if isinstance(leaf, (dict, list, tuple)):
         why = " (metrics is one flat dict: history keeps one array per name)"
         fix = ", one name each: `{'err/mae': ..., 'err/max': ...}`"
+    by = "" if name == "loss_fn" else f" returned by `{name}`"
     return TypeError(
-        f"{call}: metric metrics{path} is {short_type(leaf)}, expected an array"
+        f"{call}: metric metrics{path}{by} is {short_type(leaf)}, expected an array"
         f"{why}.\nFix: return jax arrays (e.g. `jnp.mean(...)`) as metrics{fix}."
+    )
+
+
+# The rule every metric follows (training, evaluation, a rollout's collection).
+METRIC_RULE = (
+    "a metric is a real number or array (bool, integer or floating) of one "
+    "fixed shape, kept as such in the history, logs and evaluations"
+)
+
+
+def metric_complex(call: str, path: str, leaf: Any, name: str) -> TypeError:
+    key = path.strip("[]'\"") or "m"
+    return TypeError(
+        f"{call}: metric metrics{path} returned by `{name}` is {short_type(leaf)}; "
+        f"{METRIC_RULE} (a complex value would lose its imaginary part in "
+        "evaluation means and logs).\nFix: return a real value, e.g. "
+        f"jnp.abs(z), or two metrics: {{'{key}_re': z.real, '{key}_im': z.imag}}."
+    )
+
+
+def metric_not_real(call: str, path: str, leaf: Any, name: str) -> TypeError:
+    return TypeError(
+        f"{call}: metric metrics{path} returned by `{name}` is {short_type(leaf)}; "
+        f"{METRIC_RULE}.\nFix: return numbers (jnp arrays); keep text and other "
+        "objects out of the metrics."
     )
 
 

@@ -66,25 +66,9 @@ def output(out: Any) -> TypeError:
 
 def metrics(value: Any) -> TypeError:
     return TypeError(
-        f"{CALL}: the third value `collect` returns must be a dict of scalar "
+        f"{CALL}: the third value `collect` returns must be a dict of "
         f"metrics, got {short_type(value)}.\nFix: return (batch, carry, "
         "{'return': mean_return}) or just (batch, carry)."
-    )
-
-
-def metric_shape(name: str, value: Any) -> TypeError:
-    return TypeError(
-        f"{CALL}: metric {name!r} returned by `collect` is {short_type(value)}; "
-        "a collection records one value per metric.\nFix: reduce it to a scalar "
-        "(e.g. jnp.mean)."
-    )
-
-
-def metric_value(name: str, value: Any) -> TypeError:
-    return TypeError(
-        f"{CALL}: metric {name!r} returned by `collect` is {short_type(value)}; "
-        "a metric is a real number (bool, int or float) recorded as float32.\n"
-        "Fix: return a real scalar (for a complex value, jnp.abs or .real)."
     )
 
 
