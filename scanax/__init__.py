@@ -5,17 +5,20 @@ from importlib.metadata import PackageNotFoundError, version as _version
 from typing import TYPE_CHECKING
 
 from . import _stack_adapters  # noqa: F401 (registers Stack's NNX and Equinox adapters)
-from ._checkpoint import load_best as load_best
+from ._checkpoint import Checkpoint as Checkpoint, load_best as load_best
 from ._compile_cache import compile_cache as compile_cache
+from ._ema import Ema as Ema
 from ._errors.log import SinkError as SinkError
+from ._eval import Eval as Eval
 from ._evaluate import evaluate as evaluate, predict as predict
 from ._fit import FitResult as FitResult, fit as fit
 from ._fit_checks import Ratio as Ratio
 from ._linear_scan import linear_scan as linear_scan
-from ._log import CSV as CSV, TensorBoard as TensorBoard
+from ._log import CSV as CSV, Log as Log, MLflow as MLflow, TensorBoard as TensorBoard
 from ._loss_scale import LossScale as LossScale
 from ._plateau import Plateau as Plateau, PlateauState as PlateauState
 from ._population import Population as Population, population as population
+from ._precision import Precision as Precision
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
 from ._rollout import Rollout as Rollout

@@ -11,8 +11,10 @@ checkpoints intact; the newest few are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import numbers
 import os
 import warnings
 from typing import Any
@@ -22,8 +24,8 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from . import _caller, _tree
-from ._errors import checkpoint as errors
+from . import _caller, _feature, _tree
+from ._errors import checkpoint as errors, fit as fit_errors
 
 _FORMAT = 1
 KEEP = 3
@@ -487,3 +489,46 @@ def _stacked(x: Any, n: int) -> Any:
         return jr.wrap_key_data(stacked, impl=jr.key_impl(x))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint(_feature.Feature):
+    """Save the training state into ``directory`` every ``every`` steps and at
+    the end of each ``fit``, and resume from the newest usable checkpoint there
+    (``scanax.fit(..., callbacks=[scanax.Checkpoint("runs/ckpt", every=500)])``):
+    atomic, read-only until the first save, exact on resume (the data order,
+    the keys and every feature's state continue); see ``docs/checkpoint.md``.
+
+    Arguments:
+        directory: a path (created if missing; not a file).
+        every: steps between saves (at multiples of it); None: at the end only.
+
+    Not part of the compiled program.
+
+    Example:
+        >>> import scanax
+        >>> scanax.Checkpoint("runs/ckpt", every=500)
+        Checkpoint(directory='runs/ckpt', every=500)
+    """
+
+    directory: Any
+    _: dataclasses.KW_ONLY
+    every: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            path = os.fspath(self.directory)
+        except TypeError:
+            raise fit_errors.checkpoint_dir_type(self.directory) from None
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise fit_errors.checkpoint_dir_not_dir(path)
+        every = self.every
+        if every is not None:
+            if isinstance(every, bool) or not isinstance(every, numbers.Integral):
+                raise fit_errors.not_int("checkpoint_every", every)
+            if every < 1:
+                raise fit_errors.not_positive("checkpoint_every", every)
+            object.__setattr__(self, "every", int(every))
+
+    def program_key(self) -> None:
+        return None

@@ -2,47 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import jax
 
 from . import (
     _caller,
     _checkpoint,
-    _compile_cache,
-    _data,
-    _ema,
-    _evaluate,
     _feature,
     _fingerprint,
-    _fit_checks,
+    _fit_config,
     _fit_hooks,
     _fit_loop,
     _fit_population,
     _fit_program,
     _fit_schedule,
-    _keys,
-    _log,
-    _mesh,
     _models,
-    _plateau,
-    _population,
-    _precision,
     _progress,
     _rollout,
-    _stop,
+    _shorthand,
 )
-from ._errors import (
-    execution as execution_errors,
-    fit as errors,
-    plateau as plateau_errors,
-    population as pop_errors,
-    rollout as rollout_errors,
-)
+from ._errors import fit as errors
 
 _CALL = errors.CALL
 
@@ -60,32 +41,17 @@ def fit(
     epochs: int | None = None,
     batch_size: int | None = None,
     key: Any = None,
-    steps_per_call: int | None = None,
+    callbacks: Sequence[Any] = (),
     progress: bool | int | _progress.Progress = True,
-    opt_state: Any = None,
-    checkpoint_dir: Any = None,
-    checkpoint_every: int | None = None,
+    steps_per_call: int | None = None,
+    execution: str = "auto",
     mesh: Any = None,
     shard: str | None = None,
+    opt_state: Any = None,
+    accumulate: int = 1,
     shared_batches: bool | None = None,
     members_per_call: int | None = None,
-    eval_data: Any = None,
-    eval_every: int | None = None,
-    eval_fn: Callable | None = None,
-    eval_batch_size: int | None = None,
-    stop: Any = None,
-    plateau: Any = None,
-    plateau_state: Any = None,
-    log: Any = None,
-    log_every: int = 10,
-    accumulate: int = 1,
-    ema: float | None = None,
-    ema_eval: bool = False,
-    ema_state: Any = None,
-    precision: str | None = None,
-    loss_scale_state: Any = None,
-    best_dir: Any = None,
-    execution: str = "auto",
+    **shorthand: Any,
 ) -> FitResult:
     """Train ``model`` for ``steps`` more optimizer steps, fused into compiled
     loops (one ``lax.while_loop`` per call of ``steps_per_call`` steps).
@@ -279,217 +245,45 @@ def fit(
         >>> round(float(result.model["w"]), 3), result.steps
         (2.0, 200)
     """
-    if epochs is None:
-        if steps is None:
-            raise errors.steps_missing()
-        steps = _data.positive_int("steps", steps)
-    elif steps is not None:
-        raise errors.steps_and_epochs(steps, epochs)
-    if not callable(loss_fn):
-        raise errors.loss_fn_not_callable(loss_fn)
-    pop = model if _population.is_population(model) else None
-    _data.check_key(key, pop is not None)
-    takes_hp, takes_key, key_param = _keys.arguments(
-        loss_fn, _CALL, "loss_fn", pop is not None
-    )
-    if pop is None:
-        _no_population_options(shared_batches, members_per_call)
-        adapter = _models.adapt(model, optimizer, opt_state)
-    else:
-        members_per_call = _population_options(
-            pop, optimizer, opt_state, members_per_call
-        )
-    source = _data.make_source(data, batch_size, key)
-    accumulate = _data.positive_int("accumulate", accumulate)
-    if accumulate > 1:
-        source.accumulate(accumulate)
-    if epochs is not None:
-        epochs = _data.positive_int("epochs", epochs)
-        if isinstance(source, _rollout.RolloutSource):
-            raise rollout_errors.epochs_with_rollout(epochs)
-        if not isinstance(source, _data.ArraySource):
-            raise errors.epochs_need_arrays(epochs)
-        steps = source.steps_for(epochs)
-        checked = eval_data is not None or stop is not None or plateau is not None
-        if checked and eval_every is None and source.per_epoch % source.micro == 0:
-            eval_every = source.per_epoch // source.micro  # (Keras: every epoch)
-    if pop is not None:
-        shared = _shared(pop, source, shared_batches, members_per_call)
-    if takes_key and key is None:
-        raise errors.loss_key_without_key(key_param)
-    features = _features(
-        plateau, plateau_state, ema, ema_eval, ema_state, precision, loss_scale_state
-    )
-
-    if steps_per_call is not None:
-        steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
-    checkpoint_every = _checkpoint_options(checkpoint_dir, checkpoint_every)
-    if not isinstance(execution, str) or execution not in _fit_schedule.EXECUTIONS:
-        raise execution_errors.unknown_execution(execution, _fit_schedule.EXECUTIONS)
-    if best_dir is not None:
-        if stop is None:
-            raise errors.best_dir_without_stop()
-        _checkpoint_options(best_dir, None)
-        if checkpoint_dir is not None and os.path.abspath(
-            os.fspath(best_dir)
-        ) == os.path.abspath(os.fspath(checkpoint_dir)):
-            raise errors.best_dir_is_checkpoint_dir(best_dir)
-    _mesh.check_shard(shard, mesh, pop is not None)
-    place = _mesh.Placement.of(mesh, None if pop is None else members_per_call or pop.n)
-    place.check_source(source)
-    place.check_processes(
+    callbacks = _shorthand.callbacks(callbacks, shorthand, PARAMETERS)
+    config = _fit_config.configure(
+        model,
+        optimizer,
+        loss_fn,
         data,
+        callbacks,
         steps=steps,
+        epochs=epochs,
         batch_size=batch_size,
         key=key,
-        shard=shard,
+        progress=progress,
         steps_per_call=steps_per_call,
-        checkpoint_every=checkpoint_every,
+        execution=execution,
+        mesh=mesh,
+        shard=shard,
+        opt_state=opt_state,
+        accumulate=accumulate,
+        shared_batches=shared_batches,
+        members_per_call=members_per_call,
     )
-    spec = place.bar(_progress.resolve(_CALL, progress))
-    rules = stop
-    plateau = next((f for f in features if isinstance(f, _plateau.Plateau)), None)
-    if plateau is not None:  # (its carry's place: when the state is laid out)
-        rules = _fit_checks.Rules(stop, plateau)
-    checks_args = (eval_data, eval_every, eval_fn, eval_batch_size, rules)
-    checks, eval_arrays, eval_call = _checks(
-        *checks_args, batch_size, loss_fn, pop is not None
-    )
-    if key is None and eval_call is not None:  # (a placeholder key: unused?)
-        _evaluate.fit_eval_key(
-            model, eval_call, pop is not None, eval_arrays, checks.batch_size
-        )
-    logger = _logger(log, log_every, pop is not None)
-    _compile_cache.enable_from_env()
-    setup = _fit_loop.Setup(
-        steps,
-        loss_fn,
-        takes_hp,
-        takes_key,
-        key,
-        source,
-        accumulate,
-        steps_per_call,
-        source.length(steps, steps_per_call),
-        checkpoint_dir,
-        checkpoint_every,
-        place,
-        shard,
-        spec,
-        checks,
-        eval_arrays,
-        eval_call,
-        logger,
-        tuple(features),
-        best_dir,
-        execution,
-    )
-    if pop is None:
-        result = _fit_model(adapter, opt_state, setup)
+    setup = config.setup
+    if config.population is None:
+        result = _fit_model(config.adapter, opt_state, setup)
     else:
-        if logger is not None and (members_per_call or pop.n) < pop.n:
-            raise pop_errors.log_with_groups()
-        takes = None  # eval_fn's arguments: as loss_fn's (hp, key)
-        if eval_call is not None:
-            name = "loss_fn" if eval_fn is None else "eval_fn"
-            takes = _keys.arguments(eval_call, _CALL, name, True)[:2]
         result = _fit_population.fit_population(
-            pop, setup, shared, members_per_call, takes
+            config.population,
+            setup,
+            config.shared,
+            config.members_per_call,
+            config.eval_takes,
         )
     if epochs is not None:
-        result.history["epoch"] = source.epoch_of(result.history["step"])
+        result.history["epoch"] = setup.source.epoch_of(result.history["step"])
     return result
 
 
-def _features(
-    plateau, plateau_state, ema, ema_eval, ema_state, precision, loss_scale_state
-) -> list:
-    """The feature objects of ``fit``'s keywords, checked."""
-    features: list = []
-    if plateau_state is not None and plateau is None:
-        raise plateau_errors.state_without_plateau()
-    if plateau is not None:  # its carry joins the training state, after the model's
-        if not isinstance(plateau, _plateau.Plateau):
-            raise plateau_errors.plateau_type(plateau)
-        if plateau_state is not None:
-            plateau = dataclasses.replace(plateau, state=plateau_state)
-        features.append(plateau)
-    ema = _ema.check_decay(ema)
-    if ema is None and (ema_eval or ema_state is not None):
-        raise errors.ema_option_without_ema("ema_eval" if ema_eval else "ema_state")
-    if ema is not None:
-        features.append(_ema.Ema(ema, on_eval=bool(ema_eval), state=ema_state))
-    low = _precision.check(precision)
-    if loss_scale_state is not None and not _precision.needs_scaling(low):
-        raise errors.loss_scale_state_without_float16(precision)
-    if low is not None:
-        features.append(_precision.Precision(precision, state=loss_scale_state))
-    return features
-
-
-def _no_population_options(shared_batches: Any, members_per_call: Any) -> None:
-    options = (
-        ("shared_batches", shared_batches),
-        ("members_per_call", members_per_call),
-    )
-    for name, value in options:
-        if value is not None:
-            raise pop_errors.option_without_population(name)
-
-
-def _population_options(
-    pop: Any, optimizer: Any, opt_state: Any, members_per_call: Any
-) -> int | None:
-    """``members_per_call`` checked, after the arguments a population refuses."""
-    if optimizer is not None:
-        raise pop_errors.optimizer_with_population(optimizer)
-    if opt_state is not None:
-        raise pop_errors.opt_state_with_population()
-    if members_per_call is None:
-        return None
-    members_per_call = _data.positive_int("members_per_call", members_per_call)
-    if members_per_call > pop.n:
-        raise pop_errors.members_per_call_too_large(members_per_call, pop.n)
-    return members_per_call
-
-
-def _shared(pop: Any, source: Any, shared_batches: Any, members_per_call: Any) -> bool:
-    """Whether a population's members share their batches (iterables do)."""
-    iterable = isinstance(source, _data.IterSource)
-    if shared_batches and isinstance(source, _rollout.RolloutSource):
-        raise pop_errors.shared_batches_rollout()
-    if shared_batches is False and iterable:
-        raise pop_errors.shared_batches_iterable()
-    if iterable and (members_per_call or pop.n) < pop.n:
-        raise pop_errors.members_per_call_iterable()
-    return iterable or bool(shared_batches)
-
-
-def _checkpoint_options(checkpoint_dir: Any, checkpoint_every: Any) -> int | None:
-    if checkpoint_every is not None:
-        if checkpoint_dir is None:
-            raise errors.checkpoint_every_without_dir(checkpoint_every)
-        checkpoint_every = _data.positive_int("checkpoint_every", checkpoint_every)
-    if checkpoint_dir is not None:
-        try:
-            path = os.fspath(checkpoint_dir)
-        except TypeError:
-            raise errors.checkpoint_dir_type(checkpoint_dir) from None
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise errors.checkpoint_dir_not_dir(path)
-    return checkpoint_every
-
-
-def _logger(log: Any, log_every: Any, population: bool) -> Any:
-    """``log=``'s logger (None without sinks, and outside process 0 of a
-    multi-process job: it logs once); an unwritable path is refused here,
-    before anything runs."""
-    if log is None:
-        return None
-    log_every = _data.positive_int("log_every", log_every)
-    logger = _fit_checks.Logger(_log.Sinks(log), log_every, population)
-    logger.sinks.check()
-    return logger if jax.process_index() == 0 else None
+# fit's own parameters (what an unknown keyword is compared with)
+PARAMETERS = [p for p in inspect.signature(fit).parameters if p != "shorthand"]
 
 
 def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
@@ -534,7 +328,7 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         writer = _fit_hooks.BestWriter(setup.best_dir, feats.names()[: feats.n], None)
         # (Ema(on_eval=True): the best judged on the average, saved as such)
         best = _fit_hooks.BestSaver(writer, feats.eval_view)
-    extras = _fit_loop.Extras(checks, eval_arrays, setup.logger, best)
+    extras = _fit_loop.Extras(checks, eval_arrays, setup.loggers, best)
     kind = _fit_loop.Model(base, feats)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
     if setup.checkpoint_dir is not None:
@@ -548,8 +342,8 @@ def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
-    if setup.logger is not None:
-        setup.logger.sinks.raise_pending(result)
+    for logger in setup.loggers:
+        logger.sinks.raise_pending(result)
     return result
 
 
@@ -594,69 +388,6 @@ def _model_program(
         return _fit_program.build_chunk(lanes, sampler, setup.length, ticks, periods)
 
     return _fit_program.program(identity, build)
-
-
-def _checks(
-    eval_data: Any,
-    eval_every: Any,
-    eval_fn: Any,
-    eval_batch_size: Any,
-    stop: Any,
-    batch_size: Any,
-    loss_fn: Callable,
-    population: bool = False,
-) -> tuple[Any, Any, Any]:
-    """``(checks, eval arrays, eval call)`` from ``fit``'s evaluation, early-stop
-    and plateau arguments (``stop``: an ``EarlyStop``, or ``_fit_checks.Rules``
-    with a plateau rule), validated; ``(None, None, None)`` when none is given.
-    For a population, the checks' ``evaluate`` is ``eval_fn`` as given (its
-    arguments are a population's: ``_fit_population`` wraps it)."""
-    rules, plateau = stop, None
-    if isinstance(stop, _fit_checks.Rules):
-        stop, plateau = stop.stop, stop.plateau
-    if eval_data is None and eval_every is None and stop is None and plateau is None:
-        for name, value in (("eval_fn", eval_fn), ("eval_batch_size", eval_batch_size)):
-            if value is not None:
-                raise errors.eval_option_without_data(name)
-        return None, None, None
-    if stop is not None and not isinstance(stop, _stop.EarlyStop):
-        raise errors.stop_type(stop)
-    if eval_every is None:
-        if plateau is not None and stop is None and eval_data is None:
-            raise plateau_errors.eval_every_missing()
-        raise errors.eval_every_missing(eval_data is not None)
-    eval_every = _data.positive_int("eval_every", eval_every)
-    if eval_data is None:
-        if stop is None and plateau is None:
-            raise errors.eval_every_without_data()
-        if stop is not None and stop.monitor.startswith("val_"):
-            raise errors.val_monitor_without_data(stop.monitor)
-        if plateau is not None and plateau.monitor.startswith("val_"):
-            raise plateau_errors.val_monitor_without_data(plateau.monitor)
-        return _fit_checks.Checks(eval_every, None, 0, 1, rules), None, None
-    if isinstance(eval_data, list) or not _data.is_array_data(eval_data):
-        raise errors.eval_data_not_arrays(eval_data)
-    source = _data.ArraySource(eval_data, 1, None, "eval_data")  # (leading axes)
-    # Default: batches of 1024 examples (of batch_size if larger), so that a
-    # validation set of up to 1024 is one batch: one forward pass to compile,
-    # where a loop over small batches doubled a small model's compile time.
-    size = max(batch_size or 1, 1024)
-    if eval_batch_size is not None:
-        size = _data.positive_int("eval_batch_size", eval_batch_size)
-    if eval_fn is not None and not callable(eval_fn):
-        raise errors.eval_fn_not_callable(eval_fn)
-    name = "loss_fn" if eval_fn is None else "eval_fn"
-    b = min(size, source.n)
-    fn = _evaluate.guarded(
-        loss_fn if eval_fn is None else eval_fn, _CALL, name, "eval_data"
-    )
-    if population:
-        call = fn
-    else:
-        takes_key = _keys.arguments(fn, _CALL, name).key
-        call = fn if takes_key else (lambda model, batch, key: fn(model, batch))
-    checks = _fit_checks.Checks(eval_every, call, source.n, b, rules)
-    return checks, eval_data, fn
 
 
 def _fingerprint_or(fn: Any) -> Any:

@@ -172,7 +172,7 @@ class Setup(NamedTuple):
     checks: Any  # ``_fit_checks.Checks`` (evaluation, early stop), or None
     eval_arrays: Any
     eval_call: Any  # eval_fn (or loss_fn) as given, with evaluation
-    logger: Any  # ``_fit_checks.Logger``, or None
+    loggers: tuple  # ``_fit_checks.Logger`` per window length of the sinks
     features: tuple  # the features with state or step parts (``_feature``)
     best_dir: Any  # ``best_dir=``, or None
     execution: str = "auto"  # ``execution=``: "auto", "fused" or "stepwise"
@@ -194,7 +194,7 @@ class Extras(NamedTuple):
 
     checks: Any  # ``_fit_checks.Checks``, or None
     eval_data: Any  # the eval arrays, on the devices
-    logger: Any  # ``_fit_checks.Logger``, or None
+    loggers: tuple  # ``_fit_checks.Logger``s
     best: Any = None  # ``_fit_hooks.BestSaver`` (``best_dir=``), or None
 
 
@@ -267,7 +267,7 @@ class Run:
         # fused or stepwise calls, and auto's choice (``_fit_schedule.Execution``)
         self.execution = _fit_schedule.Execution(program, how.execution)
         # evaluation/early stop (``_fit_checks.Checks``), eval data, log=
-        self.checks, self.eval_data, self.logger, self.best = extras
+        self.checks, self.eval_data, self.loggers, self.best = extras
         self.data, self.key = source.arguments(self.place)
         self.extra = None  # the early-stop carry
         self.stopped = false()
@@ -362,8 +362,7 @@ class Run:
             out.append(_fit_hooks.Bar(self.spec, self.kind.label))
         if self.ckpt is not None:
             out.append(_fit_hooks.Saver(self.ckpt))
-        if self.logger is not None:
-            out.append(_fit_hooks.Logs(self.logger))
+        out += [_fit_hooks.Logs(logger) for logger in self.loggers]
         if self.best is not None:
             out.append(self.best)
         return out

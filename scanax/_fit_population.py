@@ -68,12 +68,12 @@ def fit_population(
             pop.n,
             lambda k: sweep.run(k, list(range(k))),
             setup.place,
-            setup.logger,
+            setup.loggers,
             setup.checkpoint_dir,
         )
     result = sweep.train(k, prepared)
-    if setup.logger is not None:
-        setup.logger.sinks.raise_pending(result)
+    for logger in setup.loggers:
+        logger.sinks.raise_pending(result)
     return result
 
 
@@ -191,7 +191,7 @@ class Sweep:
         if self.best is not None:  # (Ema(on_eval=True): the average is judged, saved)
             pick = self.feats.eval_view
             best = _fit_hooks.BestSaver(self.best, pick, np.asarray(members))
-        extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.logger, best)
+        extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.loggers, best)
         return _fit_loop.Run(kind, setup.source, program, schedule, leaves, how, extras)
 
     def train(self, k: int, prepared: _fit_loop.Run | None) -> _fit_loop.FitResult:
@@ -282,7 +282,7 @@ class Sweep:
 
 
 def _fitting_groups(
-    n: int, first_run: Callable, place: Any, logger: Any, directory: Any
+    n: int, first_run: Callable, place: Any, loggers: tuple, directory: Any
 ) -> tuple[int, Any]:
     """The members per call: all ``n`` if the first call of all fits in the
     devices' free memory, else the largest groups that do (a warning says so);
@@ -300,7 +300,7 @@ def _fitting_groups(
             first = first or (big.need, big.free)
             fit = _memory.members_that_fit(k, big.need, big.free, multiple)
             fit = min(fit, k - multiple)  # (a need not quite proportional)
-            reason = "log" if logger is not None else None
+            reason = "log" if loggers else None
             if reason is None and directory is not None:
                 reason = "checkpoint"
             if fit < 1 or reason is not None:

@@ -26,7 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _feature
 from ._errors import log as errors
+
+DEFAULT_EVERY = 10  # steps per window
 
 # --------------------------------------------------------------------------- sinks
 
@@ -49,8 +52,9 @@ def flat_items(metrics: Mapping[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
-class TensorBoard:
-    """A ``log=`` sink writing TensorBoard event files into ``logdir``.
+class TensorBoard(_feature.Feature):
+    """A log sink writing TensorBoard event files into ``logdir``
+    (``scanax.fit(..., callbacks=[scanax.TensorBoard("runs/exp1", every=20)])``).
 
     Each metric is a scalar summary under its name (population members:
     ``loss/0``, ``loss/1``, ...) at the window's step. Needs ``tensorboardX``
@@ -68,15 +72,18 @@ class TensorBoard:
 
     Arguments:
         logdir: the directory for the event files (created if needed).
+        every: in ``fit``, steps per window: each window's means are written
+            at its last step (default 10).
 
     Example:
         >>> import scanax
         >>> sink = scanax.TensorBoard("runs/exp1")  # doctest: +SKIP
     """
 
-    def __init__(self, logdir: str | os.PathLike):
+    def __init__(self, logdir: str | os.PathLike, *, every: int = DEFAULT_EVERY):
         if not isinstance(logdir, (str, os.PathLike)):
             raise errors.path_type("scanax.TensorBoard", "logdir", logdir)
+        self.every = _every("scanax.TensorBoard", every)
         _tensorboardx()  # fail now, not in the middle of training
         self.logdir = os.fspath(logdir)
         self._writer: Any = None
@@ -130,6 +137,78 @@ class TensorBoard:
             writer.close()
 
 
+class MLflow(_feature.Feature):
+    """A log sink logging each window's metrics to MLflow's active run
+    (``mlflow.log_metrics(metrics, step=step)``; start one with
+    ``mlflow.start_run()`` around ``fit``, or MLflow starts one). Needs
+    ``mlflow`` (or ``mlflow-skinny``), imported when the sink is made.
+
+    Arguments:
+        every: in ``fit``, steps per window (default 10).
+
+    Example:
+        >>> import scanax
+        >>> sink = scanax.MLflow(every=50)  # doctest: +SKIP
+    """
+
+    def __init__(self, *, every: int = DEFAULT_EVERY):
+        self.every = _every("scanax.MLflow", every)
+        self._mlflow = _mlflow()
+
+    def __repr__(self) -> str:
+        return f"scanax.MLflow(every={self.every})"
+
+    def __call__(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._mlflow.log_metrics(dict(flat_items(metrics)), step=int(step))
+
+
+class Log(_feature.Feature):
+    """Any log sink ``sink(step, metrics)`` with its window
+    (``scanax.fit(..., callbacks=[scanax.Log(my_sink, every=50)])``): the
+    means of each window of ``every`` steps are given to it at the window's
+    last step, with the evaluations at theirs (see ``docs/training_features.md``).
+    A sink may also have ``resume(step)``, ``flush()``, ``close()`` and
+    ``check()`` methods, called as ``scanax.CSV``'s are.
+
+    Arguments:
+        sink: a callable ``sink(step, metrics)``.
+        every: steps per window (default 10).
+    """
+
+    def __init__(self, sink: Callable, *, every: int = DEFAULT_EVERY):
+        (self.sink,) = resolve(sink)
+        self.every = _every("scanax.Log", every)
+
+    def __repr__(self) -> str:
+        return f"scanax.Log({self.sink!r}, every={self.every})"
+
+
+def windows(features: list) -> dict[int, list]:
+    """``{every: [sinks]}``: the log sinks among ``fit``'s features, by their
+    windows."""
+    out: dict[int, list] = {}
+    for f in features:
+        if isinstance(f, Log):
+            out.setdefault(f.every, []).append(f.sink)
+        elif isinstance(f, (TensorBoard, CSV, MLflow)):
+            out.setdefault(f.every, []).append(f)
+    return out
+
+
+def _every(call: str, every: Any) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise errors.every_type(call, every)
+    return every
+
+
+def _mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError as err:
+        raise errors.no_mlflow() from err
+    return mlflow
+
+
 def _tensorboardx() -> Any:
     """The ``tensorboardX`` modules the sink uses (synchronous event writing)."""
     try:
@@ -147,8 +226,8 @@ def _tensorboardx() -> Any:
     return tensorboardX
 
 
-class CSV:
-    """A ``log=`` sink writing one CSV row per window: ``step`` first, then one
+class CSV(_feature.Feature):
+    """A log sink writing one CSV row per window: ``step`` first, then one
     column per metric (population members: ``loss/0``, ``loss/1``, ...), in the
     order first seen; an empty cell where a metric has no value at that step
     (e.g. ``val_loss`` between evaluations; pandas reads it as NaN). A metric
@@ -161,6 +240,7 @@ class CSV:
 
     Arguments:
         path: the CSV file (its directory is created if needed).
+        every: in ``fit``, steps per window (default 10).
 
     Example:
         >>> import scanax
@@ -172,9 +252,10 @@ class CSV:
         20,0.25
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, every: int = DEFAULT_EVERY):
         if not isinstance(path, (str, os.PathLike)):
             raise errors.path_type("scanax.CSV", "path", path)
+        self.every = _every("scanax.CSV", every)
         self.path = os.fspath(path)
         self._columns: list[str] = []
         self._file: Any = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from . import _feature
 from ._errors import stop as errors
 
 # ``mode="auto"`` (documented in ``EarlyStop.direction``): words of metrics that
@@ -84,7 +86,7 @@ MODES = ("auto", "min", "max")
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyStop:
+class EarlyStop(_feature.Feature):
     """Stop training when a monitored metric stops improving, and keep the best
     model (``scanax.fit(..., stop=EarlyStop(...))``).
 
@@ -123,6 +125,11 @@ class EarlyStop:
             that grow, by the metric's name, ``"min"`` otherwise; see
             ``direction``), ``"min"`` (lower is better) or ``"max"``.
         restore_best: end with the best model (True, default) or the last one.
+        best_dir: a directory where the best model is kept on disk (atomic,
+            the newest best only), saved after each call that improved on it,
+            on a thread of its own; ``scanax.load_best(best_dir, model,
+            optimizer)`` loads it back (a population's: ``member=i``). Not
+            part of the compiled program.
 
     Example:
         >>> import jax.numpy as jnp
@@ -148,6 +155,7 @@ class EarlyStop:
     min_delta: float = 0.0
     mode: str = "auto"
     restore_best: bool = True
+    best_dir: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
@@ -170,6 +178,16 @@ class EarlyStop:
             raise errors.bad_mode(self.mode)
         if not isinstance(self.restore_best, bool):
             raise errors.restore_best_type(self.restore_best)
+        if self.best_dir is not None:
+            try:
+                os.fspath(self.best_dir)
+            except TypeError:
+                raise errors.best_dir_type(self.best_dir) from None
+
+    def program_key(self) -> tuple:
+        """The rule, and whether a best state is saved (a population keeps
+        one on device for ``best_dir``), not where."""
+        return (self, self.best_dir is not None)
 
     @property
     def direction(self) -> str:

@@ -59,6 +59,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         "fit's parts",
         {
             "_feature",
+            "_eval",
+            "_shorthand",
             "_mesh",
             "_checkpoint",
             "_compile_cache",
@@ -85,7 +87,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "fit's engine",
         {"_fit_checks", "_fit_history", "_fit_hooks", "_fit_loop", "_fit_schedule"},
     ),
-    ("fit", {"_fit_population", "_fit", "_evaluate"}),
+    ("fit", {"_fit_population", "_fit", "_fit_config", "_evaluate"}),
     ("top", {"__init__", "__main__", "_demo"}),
 ]
 

@@ -3,6 +3,7 @@ and meshes, a step's warnings (the model kinds' messages are in ``models``)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax.tree_util as jtu
@@ -530,4 +531,48 @@ def best_dir_is_checkpoint_dir(path: Any) -> ValueError:
         f"{CALL}: best_dir and checkpoint_dir are the same directory ({path!r}); "
         "each keeps its own checkpoints.\nFix: give best_dir its own directory "
         "(e.g. a subdirectory 'best' of checkpoint_dir)."
+    )
+
+
+def callbacks_type(given: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `callbacks` must be a list of features, got "
+        f"{short_type(given)}.\nFix: pass a list, e.g. callbacks=[scanax.Eval("
+        "(x_val, y_val), every=100), scanax.EarlyStop('val_loss', patience=3)]."
+    )
+
+
+def unexpected_keyword(name: str, known: list[str]) -> TypeError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    return TypeError(
+        f"{CALL}() got an unexpected keyword argument {name!r}.{hint}\nFix: "
+        "pass one of fit's keywords (see help(scanax.fit)), or a feature object "
+        "in callbacks=[...]."
+    )
+
+
+def keyword_and_object(name: str, kind: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `{name}=` and a scanax.{kind} in callbacks= both describe "
+        f"scanax.{kind}.\nFix: give it once: the object in callbacks= (the "
+        f"keyword is shorthand for it), e.g. drop `{name}=`."
+    )
+
+
+def callback_unknown(index: int, entry: Any, kinds: list[str]) -> TypeError:
+    hint = ""
+    if callable(entry) and not isinstance(entry, type):
+        hint = " A function as a log sink goes in scanax.Log(fn, every=10)."
+    return TypeError(
+        f"{CALL}: callbacks[{index}] is {short_type(entry)}, which is not a "
+        f"feature of fit.{hint}\nFix: pass objects of "
+        f"{', '.join('scanax.' + k for k in kinds)}."
+    )
+
+
+def callback_twice(kind: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: callbacks= holds two scanax.{kind} objects; a run has one.\n"
+        "Fix: keep one of them."
     )

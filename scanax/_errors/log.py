@@ -158,3 +158,14 @@ def path_wrong_kind(path: str, directory: bool, wanted: str | None = None) -> OS
 def path_not_writable(path: str, wanted: str) -> PermissionError:
     made = "" if path == wanted else f": {wanted} cannot be made"
     return PermissionError(f"{path} is not writable{made}")
+
+
+def every_type(call: str, every: Any) -> TypeError:
+    return TypeError(
+        f"{call}: `every` must be a positive int (steps per window), got "
+        f"{short_type(every)}.\nFix: pass e.g. every=10."
+    )
+
+
+def no_mlflow() -> ImportError:
+    return missing_extra("scanax.MLflow", "logging to MLflow", "mlflow", "mlflow")

@@ -96,3 +96,11 @@ def monitor_not_scalar(monitor: str, value: Any) -> ValueError:
         f"evaluation (per member, under jax.vmap), got {short_type(value)}.\nFix: "
         "return a scalar for it from loss_fn/eval_fn (e.g. a mean)."
     )
+
+
+def best_dir_type(directory: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `best_dir` must be a path (str or os.PathLike), got "
+        f"{short_type(directory)}.\nFix: pass a directory path, e.g. "
+        "best_dir='runs/best'."
+    )
