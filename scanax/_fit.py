@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import (
-    _caller,
-    _checkpoint,
-    _feature,
-    _fingerprint,
-    _fit_config,
-    _fit_hooks,
-    _fit_loop,
-    _fit_population,
-    _fit_program,
-    _fit_schedule,
-    _models,
-    _progress,
-    _rollout,
-    _shorthand,
-)
+from . import _fit_config, _fit_population, _fit_solo, _progress, _shorthand
 from ._errors import fit as errors
+from ._fit_result import FitResult
 
 _CALL = errors.CALL
-
-
-FitResult = _fit_loop.FitResult
 
 
 def fit(
@@ -268,7 +250,7 @@ def fit(
     )
     setup = config.setup
     if config.population is None:
-        result = _fit_model(config.adapter, opt_state, setup)
+        result = _fit_solo.fit_model(config.adapter, opt_state, setup)
     else:
         result = _fit_population.fit_population(
             config.population,
@@ -286,124 +268,5 @@ def fit(
 PARAMETERS = [p for p in inspect.signature(fit).parameters if p != "shorthand"]
 
 
-def _fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
-    """One model's run: its state laid out (the model's, then its features'),
-    placed, its program built (or found), then trained from its optimizer's
-    step."""
-    start = adapter.start_step()
-    if start is None:
-        if opt_state is not None:
-            warnings.warn(
-                errors.no_step_count(), RuntimeWarning, stacklevel=_caller.user_level()
-            )
-        start = 0
-    place, source, spec = setup.place, setup.source, setup.spec
-    base = _models.Flat(adapter)
-    features, feed = list(setup.features), None
-    if isinstance(source, _rollout.RolloutSource):  # the feed joins the state
-        feed = _rollout.Feeder(source)
-        features.append(feed)
-    feats = _feature.Features(base, features, start)
-    leaves = _checkpoint.strong(feats.state)
-    leaves, shardings = place.state(feats, leaves, setup.shard)
-    # In-loop bar reports only where calls are not sized to a quarter second:
-    # host batches, or a steps_per_call of the user's.
-    ticks = spec is not None and place.local
-    ticks = ticks and not source.sized_automatically(setup.steps_per_call)
-    eval_arrays = place.replicate(setup.eval_arrays)
-    checks = _with_eval(setup.checks, feats)
-    program = _model_program(feats, checks, setup, shardings, ticks, feed)
-    bar_every = spec.every if spec is not None and not ticks else None
-    schedule = _fit_schedule.Schedule(
-        program,
-        setup.length,
-        source,
-        setup.steps_per_call,
-        setup.checkpoint_every,
-        bar_every,
-    )
-    how = _fit_loop.How(start, start + setup.steps, spec, place, ticks, setup.execution)
-    best = None
-    if setup.best_dir is not None:  # the model's own leaves, first in the state
-        writer = _fit_hooks.BestWriter(setup.best_dir, feats.names()[: feats.n], None)
-        # (Ema(on_eval=True): the best judged on the average, saved as such)
-        best = _fit_hooks.BestSaver(writer, feats.eval_view)
-    extras = _fit_loop.Extras(checks, eval_arrays, setup.loggers, best)
-    kind = _fit_loop.Model(base, feats)
-    run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
-    if setup.checkpoint_dir is not None:
-        run.resume(setup.checkpoint_dir, setup.checkpoint_every)
-    try:
-        result = run.go()
-    except BaseException:
-        # (NNX objects keep the last checked state in place: the feed with it)
-        if feed is not None and kind.finished is not None and base.kind == "nnx":
-            feed.keep(kind.finished, feats.at_of(feed), run.done)
-        raise
-    if feed is not None:  # the Rollout continues from the state handed back
-        feed.keep(kind.finished, feats.at_of(feed), run.done)
-    for logger in setup.loggers:
-        logger.sinks.raise_pending(result)
-    return result
-
-
-def _model_program(
-    feats: Any, checks: Any, setup: Any, shardings: Any, ticks: bool, feed: Any
-) -> Any:
-    """One model's chunk program, from the cache when an earlier ``fit`` had
-    the same structure."""
-    base, loss_fn, takes_key = feats.base, setup.loss_fn, setup.takes_key
-    plain = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
-    call = feats.wrap_loss(plain, base.kind)
-    fingerprint = base.fingerprint()
-    identity = _fit_program.identity(
-        None if fingerprint is None else (fingerprint, feats.key()),
-        (base.static, feats.key()),
-        loss_fn,
-        None if checks is None else (checks.key(), _fingerprint_or(setup.eval_call)),
-        takes_key,
-        base.treedef,
-        setup.source.static,
-        setup.length,
-        shardings,
-        ticks,
-    )
-    sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
-
-    def build():
-        lanes = _fit_program.Solo(
-            feats.step_factory(lambda hp: call, setup.accumulate),
-            sampler,
-            setup.place,
-            shardings,
-            takes_key,
-            checks,
-            setup.accumulate,
-            None if feed is None else feed.collector,
-        )
-        periods = (
-            None if checks is None else checks.every,
-            None if feed is None else feed.rollout.period,
-        )
-        return _fit_program.build_chunk(lanes, sampler, setup.length, ticks, periods)
-
-    return _fit_program.program(identity, build)
-
-
-def _fingerprint_or(fn: Any) -> Any:
-    if fn is None:
-        return None
-    found = _fingerprint.of(fn)
-    return fn if found is None else found
-
-
-def _with_eval(checks: Any, feats: Any) -> Any:
-    """``checks`` with its evaluation on one model's flat leaves (in eval mode,
-    in the precision computed in)."""
-    if checks is None:
-        return None
-    evaluate = None
-    if checks.evaluate is not None:
-        call = feats.wrap_loss(checks.evaluate, feats.base.kind)
-        evaluate = feats.eval_factory(lambda hp: call)
-    return checks.bound(feats, evaluate)
+# fit's own parameters (what an unknown keyword is compared with)
+PARAMETERS = [p for p in inspect.signature(fit).parameters if p != "shorthand"]

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _checkpoint, _mesh, _progress
 from ._errors import fit as errors
+from ._fit_program import Carry
 
 _CALL = errors.CALL
 # ``best_dir=``: after a save that took d seconds, the next one starts no sooner
@@ -30,7 +31,7 @@ class Collected(NamedTuple):
     start: int  # the call's first step (0-based global step)
     end: int  # the step it was asked to reach
     complete: bool  # it ran every step asked and nothing stopped it
-    state: tuple  # (leaves, stopped, early-stop carry) after it (not a later call's)
+    state: Carry  # the state after it (not a later call's)
     recorded: tuple  # (steps, values, sparse): what the history got (History.add)
     postfix: dict  # what the bar shows after it
 
@@ -109,12 +110,12 @@ class Saver:
     def after_call(self, run: Any, call: Collected) -> None:
         every = self.ckpt.every
         if call.complete and every and call.end % every == 0:
-            saved = run.kind.saved(run, *call.state)
+            saved = run.kind.saved(run, call.state)
             data = run.source.state_at(call.end - run.start)
             self.ckpt.save(call.end, saved, run.key, run.history.result(), data)
 
     def end(self, run: Any) -> None:
-        saved = run.kind.saved(run, run.leaves, run.stopped, run.extra)
+        saved = run.kind.saved(run, run.state)
         data = run.source.state_at(run.done - run.start)
         self.ckpt.save(run.done, saved, run.key, run.history.result(), data)
 
@@ -307,7 +308,7 @@ class BestSaver:
         self.writer.open()
 
     def after_call(self, run: Any, call: Collected) -> None:
-        extra = call.state[2]  # this call's early-stop carry, not a later one's
+        extra = call.state.extra  # this call's early-stop carry, not a later one's
         steps = _mesh.host_value(extra.rule.best_step).astype(np.int64)
         if self.members is None:
             new = steps >= 0 and steps != self.offered
@@ -341,7 +342,7 @@ class Logs:
         self.logger = logger
 
     def start(self, run: Any) -> None:
-        self.logger.open(*run.replay)
+        self.logger.open(*run.replay())
 
     def after_call(self, run: Any, call: Collected) -> None:
         steps, values, sparse = call.recorded

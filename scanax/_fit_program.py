@@ -175,6 +175,16 @@ class Chunk(NamedTuple):
     aux: Any  # {"eval": eval arrays, "stop": early-stop carry}, or None
 
 
+class Carry(NamedTuple):
+    """The training state between calls (a population's: a member axis
+    first): the state's leaves, stopped (by a non-finite step), the early-stop
+    carry."""
+
+    leaves: list
+    stopped: Any
+    extra: Any
+
+
 class Report(NamedTuple):
     """What the host reads of a compiled call (per member for a population)."""
 

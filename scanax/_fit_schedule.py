@@ -137,6 +137,8 @@ class Execution:
         self.trial: Any = None  # (the stepwise programs, the compile's future)
         self.pool: Any = None
         self.compile_seconds = 0.0
+        self.fns: dict = {}  # the run's compiled calls, by execution
+        self.read_at: float | None = None  # when the last call was read
         if requested != "auto":
             self.mode, self.deciding = requested, False
         elif jax.process_count() > 1:
@@ -152,7 +154,24 @@ class Execution:
             return _fit_stepwise.executable(self.program, args)
         return self.program.executable(args)
 
-    def compiled(self, seconds: float) -> None:
+    def get(self, mode: str, compile: Any) -> Any:
+        """The run's compiled call in ``mode`` (``compile()`` it the first
+        time: for the first call's arguments)."""
+        fn = self.fns.get(mode)
+        if fn is None:
+            fn = self.fns[mode] = compile()
+        return fn
+
+    def read(self, mode: str, steps: int, began: float) -> None:
+        """A call of ``steps`` steps in ``mode``, dispatched at ``began``, was
+        read: its time, from when it was dispatched or the one before it was
+        read (calls overlap), to now, is auto's measurement."""
+        now = time.perf_counter()
+        since = began if self.read_at is None else max(began, self.read_at)
+        self.read_at = now
+        self.ran(mode, steps, now - since)
+
+    def took(self, seconds: float) -> None:
         """The first call's program compiled in ``seconds``; with the compile
         cache on, a choice made by an earlier process for it applies."""
         # (a program found compiled costs nothing now, but a trial of the

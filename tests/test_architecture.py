@@ -85,8 +85,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("fit's program", {"_fit_program", "_fit_stepwise"}),
     (
         "fit's engine",
-        {"_fit_checks", "_fit_history", "_fit_hooks", "_fit_loop", "_fit_schedule"},
+        {
+            "_fit_checks",
+            "_fit_history",
+            "_fit_hooks",
+            "_fit_loop",
+            "_fit_result",
+            "_fit_schedule",
+        },
     ),
+    ("fit's kinds", {"_fit_solo", "_fit_members"}),
     ("fit", {"_fit_population", "_fit", "_fit_config", "_evaluate"}),
     ("top", {"__init__", "__main__", "_demo"}),
 ]
@@ -350,8 +358,20 @@ FIT_WING = [
     "_fit_hooks",
     "_fit_loop",
     "_fit_schedule",
+    "_fit_result",
+    "_fit_solo",
+    "_fit_members",
     "_fit_population",
+    "_fit_config",
     "_fit",
+    "_feature",
+    "_eval",
+    "_shorthand",
+    "_ema",
+    "_plateau",
+    "_precision",
+    "_loss_scale",
+    "_rollout",
 ]
 
 
