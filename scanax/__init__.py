@@ -12,11 +12,11 @@ from ._errors.log import SinkError as SinkError
 from ._eval import Eval as Eval
 from ._evaluate import evaluate as evaluate, predict as predict
 from ._fit import fit as fit
-from ._fit_checks import Ratio as Ratio
 from ._fit_result import FitResult as FitResult
 from ._linear_scan import linear_scan as linear_scan
 from ._log import CSV as CSV, Log as Log, MLflow as MLflow, TensorBoard as TensorBoard
 from ._loss_scale import LossScale as LossScale
+from ._metrics import Ratio as Ratio
 from ._plateau import Plateau as Plateau, PlateauState as PlateauState
 from ._population import Population as Population, population as population
 from ._precision import Precision as Precision

@@ -114,7 +114,7 @@ class Checkpoints:
                 self.reader.close()
                 self.reader = None
             # A best-only store writes synchronously (on its own thread, see
-            # ``_fit_hooks.BestWriter``): no finalize thread of orbax's.
+            # ``_best.BestWriter``): no finalize thread of orbax's.
             options = self.ocp.CheckpointManagerOptions(
                 max_to_keep=None,
                 create=True,

@@ -6,7 +6,7 @@ eval mode: the user's objects are never switched or written). Programs are kept
 by fingerprint of the model's structure and the function's code, as ``fit``'s
 are (``_fit_program.program``): a second call with a same-structured model or
 new data of the same shapes runs the compiled program again. ``evaluate``
-reduces with fit's in-loop evaluation (``_fit_checks.over_dataset``).
+reduces with fit's in-loop evaluation (``_metrics.over_dataset``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import numpy as np
 
 from . import (
     _fingerprint,
-    _fit_checks,
     _fit_program,
     _keys,
     _mesh,
+    _metrics,
     _model_step,
     _nnx,
     _population,
@@ -149,7 +149,7 @@ def evaluate(
                     out = out[:2]  # (a TrainState loss_fn's updates)
                 return _model_step.split_loss(_CALL, out, "eval_fn")
 
-            return _fit_checks.over_dataset(
+            return _metrics.over_dataset(
                 batch_metrics, data, n, b, key, place.constrain_even, _CALL
             )
 

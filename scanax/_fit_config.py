@@ -18,6 +18,7 @@ from . import (
     _eval,
     _evaluate,
     _fit_checks,
+    _fit_logs,
     _fit_loop,
     _fit_schedule,
     _keys,
@@ -248,7 +249,7 @@ def _loggers(callbacks: list, population: bool) -> tuple:
     before anything runs."""
     out = []
     for every, sinks in _log.windows(callbacks).items():
-        logger = _fit_checks.Logger(_log.Sinks(sinks), every, population)
+        logger = _fit_logs.Logger(_fit_logs.Sinks(sinks), every, population)
         logger.sinks.check()
         out.append(logger)
     return tuple(out) if jax.process_index() == 0 else ()

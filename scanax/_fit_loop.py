@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from . import _caller, _checkpoint, _fit_hooks, _fit_schedule
+from . import _caller, _checkpoint, _fit_hooks, _fit_logs, _fit_schedule
 from ._errors import checkpoint as ckpt_errors
 from ._fit_history import History
 from ._fit_program import Carry, Chunk, false
@@ -44,7 +44,7 @@ class Setup(NamedTuple):
     checks: Any  # ``_fit_checks.Checks`` (evaluation, early stop), or None
     eval_arrays: Any
     eval_call: Any  # eval_fn (or loss_fn) as given, with evaluation
-    loggers: tuple  # ``_fit_checks.Logger`` per window length of the sinks
+    loggers: tuple  # ``_fit_logs.Logger`` per window length of the sinks
     features: tuple  # the features with state or step parts (``_feature``)
     best_dir: Any  # ``EarlyStop(best_dir=)``, or None
     execution: str = "auto"  # ``execution=``: "auto", "fused" or "stepwise"
@@ -66,8 +66,8 @@ class Extras(NamedTuple):
 
     checks: Any  # ``_fit_checks.Checks``, or None
     eval_data: Any  # the eval arrays, on the devices
-    loggers: tuple  # ``_fit_checks.Logger``s
-    best: Any = None  # ``_fit_hooks.BestSaver`` (``best_dir=``), or None
+    loggers: tuple  # ``_fit_logs.Logger``s
+    best: Any = None  # ``_best.BestSaver`` (``best_dir=``), or None
 
 
 class Read(NamedTuple):
@@ -249,7 +249,7 @@ class Run:
             out.append(_fit_hooks.Bar(self.spec, self.kind.label))
         if self.ckpt is not None:
             out.append(_fit_hooks.Saver(self.ckpt))
-        out += [_fit_hooks.Logs(logger) for logger in self.extras.loggers]
+        out += [_fit_logs.Logs(logger) for logger in self.extras.loggers]
         if self.extras.best is not None:
             out.append(self.extras.best)
         return out

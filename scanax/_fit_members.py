@@ -14,7 +14,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _fit_checks, _fit_hooks, _fit_program, _mesh, _population
+from . import _fit_checks, _fit_chunks, _fit_hooks, _fit_program, _mesh, _population
 from ._errors import population as errors
 from ._fit_loop import Read
 from ._fit_program import Carry
@@ -23,7 +23,7 @@ from ._fit_result import best_state
 _CALL = errors.FIT
 
 
-class Members(_fit_program.Lanes):
+class Members(_fit_chunks.Lanes):
     """A population's members side by side: their step under ``vmap`` in one
     loop. A member takes step ``i`` while ``i < count[m]`` and it has not
     stopped; a non-finite step is not applied (a select per state leaf) and
@@ -147,7 +147,7 @@ class Members(_fit_program.Lanes):
 
         due = checks.due(t1)
         args = (leaves, c.aux["eval"], c.key, c.hp, extra)
-        checked = _fit_program.when(due & jnp.any(took), work, args)
+        checked = _fit_chunks.when(due & jnp.any(took), work, args)
         keep = ft.partial(_where, took)  # (the rest: as they were)
         leaves = [keep(n, x) for n, x in zip(checked.leaves, leaves)]
         if extra is not None:

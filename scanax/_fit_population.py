@@ -21,11 +21,12 @@ import jax.random as jr
 import numpy as np
 
 from . import (
+    _best,
     _caller,
     _data,
     _feature,
     _fingerprint,
-    _fit_hooks,
+    _fit_chunks,
     _fit_loop,
     _fit_members,
     _fit_program,
@@ -100,7 +101,7 @@ class Sweep:
         self.best = None  # best_dir=: one writer for every group
         if setup.best_dir is not None:  # the members' own leaves, first
             names = feats.names()[: feats.n]
-            self.best = _fit_hooks.BestWriter(setup.best_dir, names, pop.n)
+            self.best = _best.BestWriter(setup.best_dir, names, pop.n)
 
     def _evaluation(self, eval_fn: Any, eval_takes: Any) -> None:
         """Each member's evaluation (``eval_fn`` None: early stop on a
@@ -153,7 +154,7 @@ class Sweep:
                 self.checks,
                 None if self.feed is None else self.feed.collector,
             )
-            return _fit_program.build_chunk(
+            return _fit_chunks.build_chunk(
                 lanes, sampler, setup.length, False, _periods(self.checks, setup)
             )
 
@@ -189,7 +190,7 @@ class Sweep:
         best = None
         if self.best is not None:  # (Ema(on_eval=True): the average is judged, saved)
             pick = self.feats.eval_view
-            best = _fit_hooks.BestSaver(self.best, pick, np.asarray(members))
+            best = _best.BestSaver(self.best, pick, np.asarray(members))
         extras = _fit_loop.Extras(self.checks, self.eval_arrays, setup.loggers, best)
         return _fit_loop.Run(kind, setup.source, program, schedule, leaves, how, extras)
 

@@ -12,10 +12,12 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import (
+    _best,
     _caller,
     _checkpoint,
     _feature,
     _fingerprint,
+    _fit_chunks,
     _fit_hooks,
     _fit_loop,
     _fit_program,
@@ -70,9 +72,9 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     how = _fit_loop.How(start, start + setup.steps, spec, place, ticks, setup.execution)
     best = None
     if setup.best_dir is not None:  # the model's own leaves, first in the state
-        writer = _fit_hooks.BestWriter(setup.best_dir, feats.names()[: feats.n], None)
+        writer = _best.BestWriter(setup.best_dir, feats.names()[: feats.n], None)
         # (Ema(on_eval=True): the best judged on the average, saved as such)
-        best = _fit_hooks.BestSaver(writer, feats.eval_view)
+        best = _best.BestSaver(writer, feats.eval_view)
     extras = _fit_loop.Extras(checks, eval_arrays, setup.loggers, best)
     kind = Model(base, feats)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
@@ -116,7 +118,7 @@ def _model_program(
     sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
 
     def build():
-        lanes = _fit_program.Solo(
+        lanes = _fit_chunks.Solo(
             feats.step_factory(lambda hp: call, setup.accumulate),
             sampler,
             setup.place,
@@ -130,7 +132,7 @@ def _model_program(
             None if checks is None else checks.every,
             None if feed is None else feed.rollout.period,
         )
-        return _fit_program.build_chunk(lanes, sampler, setup.length, ticks, periods)
+        return _fit_chunks.build_chunk(lanes, sampler, setup.length, ticks, periods)
 
     return _fit_program.program(identity, build)
 
@@ -158,7 +160,7 @@ class Model:
     """What ``Run`` trains for one model: its state as flat leaves (the
     model's, ``base``: a ``_models.Flat``, then its features', ``feats``). A
     non-finite step stops the run: the call's good steps are recomputed and
-    the run ends with the last good state (see ``_fit_program.Chunks``)."""
+    the run ends with the last good state (see ``_fit_chunks.Chunks``)."""
 
     members = None
     hp = None

@@ -3,7 +3,7 @@ host one compiled chunk at a time (on CPU a chunk is one step: as a Python loop
 of ``jax.jit`` steps runs), instead of one ``lax.while_loop`` over the chunks
 (``execution="fused"``).
 
-The programs are built from the fused loop's own pieces (``_fit_program.Chunks``:
+The programs are built from the fused loop's own pieces (``_fit_chunks.Chunks``:
 ``begin``, ``advance``, ``close``), so the two run the same step on the same
 state: bit-identical results on CPU, every feature of the loop (a non-finite
 step's stop, evaluation and the early-stop rule, accumulation, a population's
@@ -28,7 +28,8 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._fit_program import Chunk, Chunks, Out, Program
+from ._fit_chunks import Chunks
+from ._fit_program import Chunk, Out, Program
 
 _SYNC_EVERY = 16
 

@@ -82,7 +82,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_plateau",
         },
     ),
-    ("fit's program", {"_fit_program", "_fit_stepwise"}),
+    ("fit's program", {"_fit_program", "_fit_chunks", "_fit_stepwise", "_metrics"}),
     (
         "fit's engine",
         {
@@ -90,6 +90,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fit_history",
             "_fit_hooks",
             "_fit_loop",
+            "_fit_logs",
+            "_best",
             "_fit_result",
             "_fit_schedule",
         },
@@ -353,6 +355,7 @@ FIT_WING = [
     "_stop",
     "_plot",
     "_fit_program",
+    "_fit_chunks",
     "_fit_checks",
     "_fit_history",
     "_fit_hooks",
@@ -377,7 +380,7 @@ FIT_WING = [
 
 def test_the_fit_wing_has_one_training_loop():
     """One loop program for a single model and a population: the fit wing calls
-    ``lax.while_loop`` in one place (``_fit_program.build_chunk``); what differs
+    ``lax.while_loop`` in one place (``_fit_chunks.build_chunk``); what differs
     between them is a ``Lanes`` strategy."""
     sites = []
     for name in FIT_WING:
@@ -389,7 +392,7 @@ def test_the_fit_wing_has_one_training_loop():
                 and node.func.attr == "while_loop"
             ):
                 sites.append(f"{name}:{node.lineno}")
-    assert len(sites) == 1 and sites[0].startswith("_fit_program:"), sites
+    assert len(sites) == 1 and sites[0].startswith("_fit_chunks:"), sites
 
 
 def test_one_placement_object_decides_mesh_or_not():

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import scanax
-from scanax import _checkpoint, _fit_hooks, _models
+from scanax import _best, _checkpoint, _models
 
 HERE = Path(__file__).resolve().parent
 XV = job.X[:16] + 0.5
@@ -121,13 +121,13 @@ def test_saves_made_inline_equal_threaded_ones(tmp_path, monkeypatch):
     processes save together), they are made where they are offered: the same
     best on disk."""
     threaded = _fit(tmp_path / "a")
-    init = _fit_hooks.BestWriter.__init__
+    init = _best.BestWriter.__init__
 
     def inline(self, *args):
         init(self, *args)
         self.threaded = False
 
-    monkeypatch.setattr(_fit_hooks.BestWriter, "__init__", inline)
+    monkeypatch.setattr(_best.BestWriter, "__init__", inline)
     _fit(tmp_path / "b")
     a, _ = scanax.load_best(tmp_path / "a", job.P0, optax.adam(0.3))
     b, _ = scanax.load_best(tmp_path / "b", job.P0, optax.adam(0.3))
@@ -139,7 +139,7 @@ def test_a_slow_save_never_holds_training_back(tmp_path, monkeypatch):
     """The first save lasts ten calls: training goes on, the bests found
     meanwhile replace one another (the newest is saved next), and fit returns
     once the last best is on disk: the best state."""
-    save, after = _checkpoint.Checkpoints.save, _fit_hooks.BestSaver.after_call
+    save, after = _checkpoint.Checkpoints.save, _best.BestSaver.after_call
     calls, steps = [], []
 
     def counted(self, run, call):
@@ -153,7 +153,7 @@ def test_a_slow_save_never_holds_training_back(tmp_path, monkeypatch):
         save(self, step, *args)
         steps.append(step)
 
-    monkeypatch.setattr(_fit_hooks.BestSaver, "after_call", counted)
+    monkeypatch.setattr(_best.BestSaver, "after_call", counted)
     monkeypatch.setattr(_checkpoint.Checkpoints, "save", slow)
     out = _fit(
         tmp_path, 80, optax.sgd(0.02), steps_per_call=4, eval_data=(job.X, job.Y)
@@ -261,19 +261,19 @@ def test_saves_pause_after_each_save(tmp_path, monkeypatch):
     monkeypatch.setattr(_checkpoint.Checkpoints, "save", timed)
     adapter = _models.adapt(job.P0, optax.sgd(0.01))
     state = _checkpoint.strong(jax.tree_util.tree_leaves(adapter.state))
-    writer = _fit_hooks.BestWriter(tmp_path, adapter.names(), None)
+    writer = _best.BestWriter(tmp_path, adapter.names(), None)
     writer.open()
     (i,) = [i for i, x in enumerate(state) if x.shape == (3, 1)]  # (w)
     for step in range(1, 151):
         leaves = [*state[:i], jnp.full((3, 1), float(step)), *state[i + 1 :]]
-        rows = _fit_hooks.Rows(None, leaves, np.asarray(step), np.asarray(0.0))
+        rows = _best.Rows(None, leaves, np.asarray(step), np.asarray(0.0))
         writer.offer(None, rows)
         time.sleep(0.01)
     writer.flush()
     writer.close()
     assert 2 <= len(spans) < 40 and spans[-1][0] == 150
     for (_, a, b), (_, c, _) in zip(spans[:-2], spans[1:-1]):
-        assert c - b >= _fit_hooks.PAUSE * (b - a) * 0.99
+        assert c - b >= _best.PAUSE * (b - a) * 0.99
     loaded, _ = scanax.load_best(tmp_path, job.P0, optax.sgd(0.01))
     np.testing.assert_array_equal(loaded["w"], np.full((3, 1), 150.0))
 

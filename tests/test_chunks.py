@@ -21,7 +21,7 @@ import pytest
 from fit_helpers import BS, KEY, MLP, TX, X, Y, nnx, nnx_loss, nnx_pair
 
 import scanax
-from scanax import _backend, _fit_program
+from scanax import _backend, _fit_chunks, _fit_program
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*non-finite.*:RuntimeWarning")
 
@@ -149,13 +149,13 @@ def test_chunk_length_rule(gpu):
     small = jax.make_jaxpr(tiny)(jnp.ones((8, 8))).jaxpr
     large = jax.make_jaxpr(big)(jax.ShapeDtypeStruct((8192, 8192), jnp.float32)).jaxpr
     printing = jax.make_jaxpr(lambda x: jax.debug.print("{}", x) or x)(1.0).jaxpr
-    assert _fit_program.chunk_length(small) == 64
-    assert _fit_program.chunk_length(large) == 1  # (~11 ms a step)
-    assert _fit_program.chunk_length(printing) == 1
-    assert _fit_program.chunk_length(small, (100,)) == 50  # evaluation every 100
-    assert _fit_program.chunk_length(small, (16,)) == 16  # a rollout's period
-    assert _fit_program.chunk_length(small, (100, 16)) == 16  # gcd 4: cut chunks
-    assert _fit_program.chunk_length(small, (97,)) == 64  # prime: cut chunks
+    assert _fit_chunks.chunk_length(small) == 64
+    assert _fit_chunks.chunk_length(large) == 1  # (~11 ms a step)
+    assert _fit_chunks.chunk_length(printing) == 1
+    assert _fit_chunks.chunk_length(small, (100,)) == 50  # evaluation every 100
+    assert _fit_chunks.chunk_length(small, (16,)) == 16  # a rollout's period
+    assert _fit_chunks.chunk_length(small, (100, 16)) == 16  # gcd 4: cut chunks
+    assert _fit_chunks.chunk_length(small, (97,)) == 64  # prime: cut chunks
 
 
 def test_one_step_per_iteration_on_cpu():
@@ -166,7 +166,7 @@ def test_one_step_per_iteration_on_cpu():
 
 
 def test_plan_counts_and_ends():
-    plan = _fit_program.Plan(8, (20,))
+    plan = _fit_chunks.Plan(8, (20,))
     # windows of the global grid, cut at multiples of 20 and at the call's end
     ends, t = [], 5
     while t < 45:

@@ -19,7 +19,7 @@ from helpers import close, count_compiles
 
 import scanax
 from scanax._evaluate import evaluate, predict
-from scanax._fit_checks import Ratio
+from scanax._metrics import Ratio
 
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")

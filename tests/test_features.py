@@ -43,7 +43,8 @@ EVAL = (X[:16], Y[:16])
 KEY = jr.key(7)
 
 
-def params0(key=jr.key(1)):
+def params0(key=None):
+    key = jr.key(1) if key is None else key
     return {"w": jr.normal(key, (3, 4)) * 0.5, "v": jnp.zeros((4, 1))}
 
 

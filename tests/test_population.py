@@ -596,7 +596,7 @@ def test_clock_follows_the_steps_run_and_resume_counts_restored_steps(tmp_path):
 def test_log_writes_per_member_window_means(tmp_path):
     seen = []
     _, result = pop_fit("eqx", log=lambda s, m: seen.append((s, m)), log_every=5)
-    from scanax._log import window_reduce
+    from scanax._fit_logs import window_reduce
 
     assert [s for s, _ in seen] == [5, 10, 12]
     for i in range(N):
