@@ -7,6 +7,16 @@ done (which is also the data position: step ``t`` always uses the same batch) an
 the history so far. Orbax writes each checkpoint to a temporary directory and
 renames it when complete, so a process killed mid-save leaves the previous
 checkpoints intact; the newest few are kept.
+
+One orbax save at a time in a process (``_ORBAX``): orbax numbers its
+operations with one process-wide counter, and a best-only store saving on its
+own thread while a checkpoint's asynchronous save was still writing made the
+two wait for each other's signals (a save timed out after 300 s, or the process
+exited while writes were still running). A store's asynchronous save is
+finished (``_finish_others``) before another store saves, and a store's
+directories are created before ``save`` returns (a directory that cannot be
+written fails there, not in a thread the interpreter then waits for at exit).
+A failed save is raised naming the step and the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import importlib.util
 import json
 import numbers
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -29,6 +40,10 @@ from ._errors import checkpoint as errors, fit as fit_errors
 
 _FORMAT = 1
 KEEP = 3
+# Held around every orbax call that writes or waits, in every thread; the
+# stores with an asynchronous save still writing.
+_ORBAX = threading.RLock()
+_IN_FLIGHT: set = set()
 
 
 def _ocp():
@@ -98,11 +113,15 @@ class Checkpoints:
             options = ocp.CheckpointManagerOptions(
                 create=False, cleanup_tmp_directories=False
             )
-            self.reader = ocp.CheckpointManager(
-                self.directory, options=options, item_names=_ITEMS
-            )
+            with _ORBAX:
+                _finish_others(self)
+                self.reader = ocp.CheckpointManager(
+                    self.directory, options=options, item_names=_ITEMS
+                )
         self.manager = None  # the writer, made by the first save
         self.last_saved = None
+        self.writing: int | None = None  # the step an asynchronous save writes
+        self.failed: BaseException | None = None  # its error, seen by another
         self.data_state: Any = None  # the data iterator's, of the checkpoint restored
         self.starts = _read_index(self.directory)  # step -> its call's start
 
@@ -120,6 +139,10 @@ class Checkpoints:
                 create=True,
                 cleanup_tmp_directories=True,
                 enable_async_checkpointing=self.keep is None,
+                # (made before save returns: see the module's docstring)
+                async_options=self.ocp.options.AsyncOptions(
+                    create_directories_asynchronously=False
+                ),
             )
             self.manager = self.ocp.CheckpointManager(
                 self.directory, options=options, item_names=_ITEMS
@@ -150,13 +173,25 @@ class Checkpoints:
         }
         if data is not None:
             meta["data_state"] = data
+        with _ORBAX:
+            self._raise_failed()
+            _finish_others(self)
+            try:
+                self._save(int(step), state, history, empty, meta)
+            except (OSError, ValueError, RuntimeError) as err:
+                raise self._failure(int(step), err) from err
+        self.last_saved = step
+
+    def _save(self, step: int, state: dict, history: dict, empty: dict, meta: dict):
         ocp = self.ocp
         manager = self._writer()
-        slot = int(step)
+        slot = step
         if self.keep is None:
+            self._finish()  # (a failure: the step that failed is named)
             self._prune(manager, slot)
         else:  # a best-only store: numbered by save, the newest kept once written
             slot = max(manager.all_steps(), default=0) + 1
+        self.writing = step
         manager.save(
             slot,
             args=ocp.args.Composite(
@@ -167,11 +202,44 @@ class Checkpoints:
                 meta=ocp.args.JsonSave(meta),
             ),
         )
-        self.last_saved = step
-        if self.keep is not None:  # (a kill before this leaves the older too)
-            manager.wait_until_finished()
-            for old in sorted(manager.all_steps())[: -self.keep]:
-                manager.delete(old)
+        if self.keep is None:
+            _IN_FLIGHT.add(self)
+            return
+        manager.wait_until_finished()  # (a kill before this leaves the older too)
+        self.writing = None
+        for old in sorted(manager.all_steps())[: -self.keep]:
+            manager.delete(old)
+
+    def _finish(self) -> None:
+        """Wait for this store's asynchronous save (its error raised)."""
+        _IN_FLIGHT.discard(self)
+        if self.manager is not None and self.writing is not None:
+            self.manager.wait_until_finished()
+        self.writing = None
+
+    def _raise_failed(self) -> None:
+        """Raise the error of a save that another store's wait saw fail."""
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise failed
+
+    def _failure(self, step: int, err: BaseException) -> OSError:
+        """The error of a failed save of ``step`` (the asynchronous one still
+        writing, if that one failed): which step, the newest complete one."""
+        step = self.writing if self.writing is not None else step
+        self.writing = None
+        _IN_FLIGHT.discard(self)
+        try:
+            complete = [s for s in self.manager.all_steps() if s != step]
+        except Exception:  # noqa: BLE001 - (the directory unreadable too)
+            complete = []
+        if self.keep is None:
+            newest = max(complete, default=None)
+        else:  # (a best-only store's numbers are its saves')
+            newest = "the previous best" if complete else None
+        return errors.save_failed(
+            self.directory, step, err, newest, best=self.keep is not None
+        )
 
     def _prune(self, manager: Any, step: int) -> None:
         """Before saving ``step``: delete the checkpoints that are neither among
@@ -195,12 +263,26 @@ class Checkpoints:
             _write_index(self.directory, self.starts)
 
     def close(self) -> None:
-        """Wait for the last save and close; a second call does nothing."""
-        managers, self.manager, self.reader = (self.manager, self.reader), None, None
-        for manager in managers:
-            if manager is not None:
-                manager.wait_until_finished()
-                manager.close()
+        """Wait for the last save and close (a failed save raised, named, once
+        both are closed); a second call does nothing."""
+        error = None
+        with _ORBAX:
+            try:
+                self._raise_failed()
+                self._finish()
+            except (OSError, ValueError, RuntimeError) as err:
+                error = self._failure(-1, err)
+                error.__cause__ = err
+            managers, self.manager = (self.manager, self.reader), None
+            self.reader = None
+            for manager in managers:
+                if manager is not None:
+                    try:
+                        manager.close()
+                    except Exception as err:  # noqa: BLE001 - the save's is raised
+                        error = error or self._failure(-1, err)
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ restore
 
@@ -225,6 +307,11 @@ class Checkpoints:
         # too when calls end early (an early stop, a NaN, an iterable's end).
         own = [s for s in steps if self.starts.get(s) == self.start and s > start]
         steps = own + [s for s in steps if s not in own]
+        with _ORBAX:
+            _finish_others(self)
+            return self._restore(steps, leaves, key, start)
+
+    def _restore(self, steps: list, leaves: list, key: Any, start: int) -> Any:
         for i, step in enumerate(steps):
             try:
                 meta = self.reader.restore(
@@ -246,6 +333,11 @@ class Checkpoints:
     def newest_meta(self) -> dict | None:
         """The meta of the newest checkpoint whose meta reads, or None."""
         ocp = self.ocp
+        with _ORBAX:
+            _finish_others(self)
+            return self._newest_meta(ocp)
+
+    def _newest_meta(self, ocp: Any) -> dict | None:
         for step in sorted(self._steps(), reverse=True):
             try:
                 out = self.reader.restore(
@@ -336,12 +428,31 @@ def _read_index(directory: str) -> dict[int, int]:
 
 
 def _write_index(directory: str, starts: dict[int, int]) -> None:
-    """Written whole, atomically (a temporary file renamed)."""
+    """Written whole, atomically (a temporary file renamed; removed if the
+    write fails)."""
     path = os.path.join(directory, _INDEX)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({str(k): v for k, v in sorted(starts.items())}, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({str(k): v for k, v in sorted(starts.items())}, f)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _finish_others(store: Checkpoints) -> None:
+    """Finish every other store's asynchronous save (``_ORBAX`` held): one
+    orbax save at a time. A failure is kept for its own store to raise."""
+    for other in list(_IN_FLIGHT):
+        if other is store:
+            continue
+        try:
+            other._finish()
+        except (OSError, ValueError, RuntimeError) as err:
+            other.failed = other._failure(-1, err)
+            other.failed.__cause__ = err
 
 
 def _size(x: Any) -> int:

@@ -79,16 +79,22 @@ def evaluate(
             arrays (``eqx.nn.inference_mode``), a flax ``TrainState``
             (``eval_fn`` gets the state), or a ``scanax.Population`` (every
             member, in eval mode). Nothing in it is changed.
-        eval_fn: ``eval_fn(model, batch)`` or ``eval_fn(model, batch, key)``,
+        eval_fn: ``eval_fn(model, batch)`` or ``eval_fn(model, batch, key)``
+            (the key found as ``fit`` finds ``loss_fn``'s: a third parameter
+            without a default, or one named ``key``, ``rng`` or ``rngs``),
             returning a scalar floating-point loss or ``(loss, metrics)`` with a
-            dict of arrays, as ``fit``'s ``loss_fn``; a metric (or the loss) may
-            be a ``scanax.Ratio`` of sums. A population's may also take the
-            member's hyperparameters, ``eval_fn(model, batch, hp[, key])``.
+            dict of real arrays of a fixed shape, as ``fit``'s ``loss_fn``; a
+            metric (or the loss) may be a ``scanax.Ratio`` of sums. A
+            population's may also take the member's hyperparameters,
+            ``eval_fn(model, batch, hp[, key])``.
         data: a pytree of arrays with a leading example axis.
         batch_size: examples per batch. Default: 1024 (all of them when fewer).
         key: a ``jax.random`` key, for an ``eval_fn`` taking one: batch ``j``
             gets ``jax.random.fold_in(key, j)`` (every member of a population
-            the same keys).
+            the same keys). Without it, such an ``eval_fn`` gets a placeholder
+            when its result does not depend on the key (a model whose Dropout
+            is off in eval mode), checked by tracing it once; else it is
+            refused before anything runs.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis: each batch split
             over it (``batch_size`` a multiple of its size), the model
             replicated (or kept where its arrays already live on the mesh).
@@ -100,12 +106,14 @@ def evaluate(
 
     Raises:
         TypeError: ``eval_fn`` not callable or taking other arguments, data not
-            arrays, ``batch_size`` not an int, an ``eval_fn`` taking a key
-            without ``key``, ``eval_fn`` not returning a scalar loss (found while
-            tracing, before compiling).
+            arrays, ``batch_size`` not an int, an ``eval_fn`` whose result
+            depends on its key without ``key``, ``eval_fn`` not returning a
+            scalar loss or real metrics, or failing on a batch of ``data`` (its
+            error chained; all found while tracing, before compiling).
         ValueError: arrays in ``data`` with different leading sizes or no
             examples, a ``batch_size`` that is not positive (or not divisible
-            by the mesh), a mesh without a ``"data"`` axis or with a population.
+            by the mesh), a mesh without a ``"data"`` axis or with a population,
+            a metric whose shape follows the batch size (a per-example value).
 
     Example:
         >>> import jax.numpy as jnp, scanax

@@ -74,9 +74,13 @@ def fit(
             from ``state.step``.
         loss_fn: ``loss_fn(model, batch)`` or ``loss_fn(model, batch, key)``
             (a fresh key per step: ``jax.random.fold_in(jax.random.split(key)[1],
-            t)`` at global step ``t``), returning a scalar floating-point loss or
-            ``(loss, metrics)`` with a dict of array metrics. For a TrainState it
-            receives the state holding the parameters being differentiated.
+            t)`` at global step ``t``; the key goes to a third parameter without
+            a default, or to one named ``key``, ``rng`` or ``rngs`` with one),
+            returning a scalar floating-point loss or ``(loss, metrics)`` with a
+            dict of metrics: real arrays (bool, integer, floating) of a fixed
+            shape each, recorded per step with that shape (complex values and
+            text are refused by name). For a TrainState it receives the state
+            holding the parameters being differentiated.
         data: a pytree of arrays with a leading example axis (with ``batch_size``):
             minibatches are drawn on device, reshuffled every epoch from ``key`` (in
             order when ``key`` is None), an incomplete last batch dropped; or an
@@ -132,7 +136,9 @@ def fit(
             its metrics join
             ``history`` as ``val_<name>`` at ``history["val_step"]``. With
             ``epochs=``, ``eval_every`` defaults to one epoch's steps (Keras
-            validates every epoch).
+            validates every epoch). An ``eval_fn`` taking a key gets keys from
+            ``key``; without ``key``, it is refused before training if its
+            result in eval mode depends on the key.
         stop: a ``scanax.EarlyStop``: checked every ``eval_every`` steps; keeps
             the best state on device and restores it (``result.best_step``).
             A population: evaluation and ``stop`` run per member, each member
@@ -174,8 +180,9 @@ def fit(
             good steps in a row double it; it starts at 2**15 in each call
             unless continued (``loss_scale_state``; ``history["loss_scale"]``:
             each step's; checkpoints save it). A non-finite loss, or non-finite
-            gradients at scale 1, stop training as usual. Default None: as
-            given. See ``docs/training_features.md``.
+            gradients at scale 1, stop training as usual. Default None (or
+            ``"float32"``, the same): nothing cast, the model computes in its
+            own dtypes. See ``docs/training_features.md``.
         loss_scale_state: ``result.loss_scale`` of an earlier call with
             ``precision="float16"``: this call's loss scale continues from it
             (its scale and count of good steps) instead of 2**15, so that an
@@ -187,8 +194,9 @@ def fit(
             (the same step program: the same results, bit-identical on CPU,
             every feature kept); ``"auto"`` (default): fused, and once a call
             is timed and the steps left are worth it, the stepwise programs
-            compiled on another thread and one call timed with them; the
-            faster runs the rest, and the choice is kept for the program (and
+            compiled on another thread and one call timed with them (not on a
+            CPU of two cores or fewer, where that compile would slow the
+            training it measures: fused there); the faster runs the rest, and the choice is kept for the program (and
             on disk with ``scanax.compile_cache``). ``result.execution`` says
             which ran last. See ``docs/compile.md``.
         shared_batches, members_per_call: populations only
@@ -205,10 +213,16 @@ def fit(
         TypeError: an unsupported (model, optimizer) pair, a non-scalar loss,
             ``steps`` or ``batch_size`` not an int, missing ``batch_size``,
             ``opt_state`` with a non-optax pair or unlike ``tx.init(params)``, a
-            three-argument ``loss_fn`` without ``key``.
+            ``loss_fn`` taking a key without ``key``, a metric that is not a
+            real array, ``eval_data`` unlike what the evaluation reads (named
+            while tracing, before any step).
         ValueError: arrays in ``data`` with different leading sizes, a
             ``batch_size`` larger than the data, a non-positive ``steps``, a
             ``checkpoint_dir`` holding only steps past this call's end.
+        OSError: a checkpoint or best state that could not be written (its
+            class the cause's, e.g. ``PermissionError``), naming the newest
+            complete checkpoint; ``fit`` returns or raises only once what it
+            saved is on disk.
 
     A step whose loss or gradients are not finite is not applied: training stops
     there with a ``RuntimeWarning`` naming the step, and the result holds the last

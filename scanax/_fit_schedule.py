@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from . import _fit_stepwise
+from . import _backend, _fit_stepwise
 
 # The wall time that the automatic schedule aims each call at (array data: calls
 # grow from 8 steps to this, up to the source's compiled length).
@@ -105,14 +105,40 @@ def choose(fused: float, stepwise: float) -> str:
     return "stepwise" if stepwise < _MARGIN * fused else "fused"
 
 
+# The trial compiles on another thread while the fused calls go on; where the
+# steps run on the host's own cores (CPU) and there are at most this many, the
+# compile takes a core from training for its whole length: a first fit of the
+# Flax NNX tutorial's CNN (2 cores) measured 1.07-1.20x a fused one, its
+# compile 5.4-5.6 s, to keep fused anyway. There, no trial: fused.
+_TRIAL_MIN_CORES = 3
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not on Linux)
+        return os.cpu_count() or 1
+
+
+def trial_competes() -> bool:
+    """Whether a trial's background compile would take cores from the
+    training it measures: the steps run on the CPU, which has at most
+    ``_TRIAL_MIN_CORES - 1`` cores for this process."""
+    return _backend.platform() == "cpu" and cores() < _TRIAL_MIN_CORES
+
+
 def worth_a_trial(fused: float, steps_left: int, compile_seconds: float) -> bool:
     """Whether to try the other execution: a fused step of at least
     ``_MIN_STEP_SECONDS`` (below it, a dispatched step's own cost on the host
-    would have to be won back from the loop), and ``steps_left`` steps long
-    enough for the trial's compile (about ``compile_seconds``) and its call."""
+    would have to be won back from the loop), ``steps_left`` steps long
+    enough for the trial's compile (about ``compile_seconds``) and its call,
+    and a compile that does not compete with training (``trial_competes``)."""
     left = fused * steps_left
-    return fused >= _MIN_STEP_SECONDS and left >= max(
-        _TRIAL_SECONDS, _TRIAL_COMPILES * compile_seconds
+    return (
+        fused >= _MIN_STEP_SECONDS
+        and left >= max(_TRIAL_SECONDS, _TRIAL_COMPILES * compile_seconds)
+        and not trial_competes()
     )
 
 
@@ -123,7 +149,8 @@ class Execution:
     ``"auto"``: the choice already made for this program (in this process, or
     on disk next to JAX's compilation cache when it is on), else fused first:
     the first call costs what it costs with ``"fused"``. Once a fused call is
-    timed, if the steps left are worth it (``worth_a_trial``), the stepwise
+    timed, if the steps left are worth it (``worth_a_trial``; never on a CPU
+    of two cores or fewer, where the compile competes with training), the stepwise
     programs are traced and compiled on another thread while the fused calls go
     on; the next call after the compile runs stepwise, timed; the faster
     (``choose``) runs the rest, and the choice is kept with the program. The two

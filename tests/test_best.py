@@ -289,3 +289,23 @@ def test_a_population_split_over_devices(tmp_path):
         pair = job.make(keys[i], 0.1)
         loaded, _ = scanax.load_best(tmp_path, *pair, member=i)
         np.testing.assert_array_equal(loaded["w"], out.model[i]["w"])
+
+
+def test_an_unwritable_best_dir_raises_and_the_process_exits(tmp_path):
+    """A best_dir that stops taking new folders mid-run: fit raises a
+    PermissionError naming the best store, the previous best stays loadable,
+    and the process exits 0 (issue 38; run in a subprocess with a timeout)."""
+    import _save_job as save_job
+
+    proc = save_job.run("fault-best", tmp_path, 16, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt, best, _ = save_job.dirs(tmp_path)
+    assert (
+        f"RAISED PermissionError: scanax.fit: saving the best state in {best} "
+        "failed: PermissionError: [Errno 13]"
+    ) in proc.stdout
+    assert "The previous best state stays complete and loadable" in proc.stdout
+    assert "END" in proc.stdout and "Traceback" not in proc.stderr
+    first = save_job.fit(None, None, 4)  # (the best of the first 4 steps)
+    loaded, _ = scanax.load_best(best, save_job.P0, save_job.TX)
+    np.testing.assert_allclose(loaded["w"], first.model["w"], rtol=1e-6)

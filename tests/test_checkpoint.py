@@ -336,3 +336,80 @@ def test_checkpoint_of_another_format_is_refused(tmp_path, monkeypatch):
         rf"{_checkpoint._FORMAT - 1}, expected {_checkpoint._FORMAT}\.\nFix:",
     ):
         fit(model, opt, 12, checkpoint_dir=tmp_path, checkpoint_every=6)
+
+
+# ------------------------------------- issue 38: saves finished, failures named
+
+
+def _clean(proc, expect):
+    """The job exited 0, printed ``expect``, no orbax save overlapped another
+    and nothing was raised on the way out."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert expect in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "OVERLAP" not in proc.stdout  # (one orbax save at a time)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def _resumes_at(tmp_path, steps, done):
+    """``fit`` with the job's arguments finds checkpoint ``done`` complete:
+    it says the run is already there, and holds that state."""
+    import _save_job as save_job
+
+    ckpt, best, _ = save_job.dirs(tmp_path)
+    with pytest.warns(RuntimeWarning, match=f"already holds step {done}"):
+        out = save_job.fit(ckpt, best, steps)
+    assert out.steps == done
+    ref = save_job.fit(None, None, steps)
+    np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=1e-6)
+    return out
+
+
+def test_a_script_ending_after_fit_leaves_every_save_complete(tmp_path):
+    """Checkpoints and best saves with slowed writes (a loaded machine):
+    before, a best save started while a checkpoint's asynchronous save was
+    still writing (orbax counts operations process-wide: such runs timed out
+    after 300 s or exited with status 1). Now one save at a time, and the
+    process exits 0 with the newest checkpoint and the best complete, after a
+    fresh start and after kill -9 and the same call again."""
+    import _save_job as save_job
+
+    ckpt, best, _ = save_job.dirs(tmp_path)
+    _clean(save_job.run("slow", tmp_path, 12), "RETURNED")
+    assert save_job.saved_steps(ckpt) == ([8, 10, 12], [])
+    _resumes_at(tmp_path, 12, 12)
+    loaded, _ = scanax.load_best(best, save_job.P0, save_job.TX)
+    assert loaded["w"].shape == (3, 1)
+    proc = save_job.run("slow", tmp_path, 40, popen=True)
+    deadline = time.time() + 120
+    while max(save_job.saved_steps(ckpt)[0]) < 20 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    _clean(save_job.run("slow", tmp_path, 40), "RETURNED")
+    done, partial = save_job.saved_steps(ckpt)
+    assert done[-1] == 40 and not partial
+    _resumes_at(tmp_path, 40, 40)
+
+
+def test_an_unwritable_checkpoint_dir_raises_and_the_process_exits(tmp_path):
+    """A checkpoint directory that stops taking new folders (a full disk, a
+    permission change): fit raises a PermissionError naming the step and the
+    newest complete checkpoint, and the process exits (before: orbax's threads
+    waited for a directory that was never made, for 20 minutes); the same
+    call resumes from that checkpoint once the directory is writable."""
+    import _save_job as save_job
+
+    proc = save_job.run("fault-ckpt", tmp_path, 16, timeout=120)
+    _clean(proc, "END")
+    assert (
+        "RAISED PermissionError: scanax.fit: saving checkpoint 6 in "
+        f"{save_job.dirs(tmp_path)[0]} failed: PermissionError: [Errno 13]"
+    ) in proc.stdout
+    assert "the newest, step 4, is where the same call resumes" in proc.stdout
+    assert save_job.saved_steps(save_job.dirs(tmp_path)[0]) == ([2, 4], [])
+    ckpt, best, _ = save_job.dirs(tmp_path)
+    out = save_job.fit(ckpt, best, 16)  # (restored at 4: steps 5... trained)
+    ref = save_job.fit(None, None, 16)
+    np.testing.assert_array_equal(out.history["step"], np.arange(1, 17))
+    np.testing.assert_allclose(out.history["loss"], ref.history["loss"], rtol=1e-6)
+    np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=1e-6)

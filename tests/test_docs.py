@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import inspect
 import os
 import pkgutil
 import re
@@ -174,3 +175,103 @@ def test_rnn_is_one_scan_per_layer_on_cpu(order, scans):
     xs = jax.numpy.ones((7, 2))
     jaxpr = jax.make_jaxpr(lambda x: scanax.rnn(cells, x, order=order))(xs)
     assert _count_eqns(jaxpr.jaxpr, "scan") == scans
+
+
+# ------------------------------------------------ issue 38: docs match the code
+
+
+def public_names() -> list[str]:
+    """What ``scanax/__init__.py`` re-exports (``from .x import a as a``, the
+    form that makes a name public), in order."""
+    import ast
+
+    tree = ast.parse((ROOT / "scanax" / "__init__.py").read_text())
+    return [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+        for alias in node.names
+        if alias.asname == alias.name
+    ]
+
+
+def documented_signature(text: str, call: str) -> inspect.Signature:
+    """The signature of the first ``result = call(...)`` block of a page (the
+    parameters as Python writes them, comments allowed), read with ``ast``."""
+    import ast
+
+    start = text.index(f"= {call}(")
+    body, depth = [], 0
+    for ch in text[start + len(f"= {call}(") - 1 :]:
+        depth += ch == "("
+        depth -= ch == ")"
+        body.append(ch)
+        if depth == 0:
+            break
+    params = re.sub(r"#[^\n]*", "", "".join(body))
+    fn = ast.parse(f"def f{params}: pass").body[0]
+    args = fn.args
+    kinds = inspect.Parameter
+    out = [kinds(a.arg, kinds.POSITIONAL_OR_KEYWORD) for a in args.args]
+    for a, d in zip(args.kwonlyargs, args.kw_defaults):
+        default = kinds.empty if d is None else ast.literal_eval(d)
+        out.append(kinds(a.arg, kinds.KEYWORD_ONLY, default=default))
+    return inspect.Signature(out)
+
+
+def test_fits_documented_signature_is_its_real_one():
+    """docs/fit.md's signature block, parsed, against ``scanax.fit``'s own:
+    names, order, kinds and defaults (before: 13 of its keywords, and
+    ``steps`` marked required)."""
+    documented = documented_signature(
+        (ROOT / "docs" / "fit.md").read_text(), "scanax.fit"
+    )
+    real = inspect.signature(scanax.fit).replace(
+        return_annotation=inspect.Signature.empty
+    )
+    real = real.replace(
+        parameters=[p.replace(annotation=p.empty) for p in real.parameters.values()]
+    )
+    assert list(documented.parameters) == list(real.parameters)
+    for name, p in real.parameters.items():
+        d = documented.parameters[name]
+        assert (d.kind, d.default) == (p.kind, p.default), name
+
+
+def test_every_public_name_is_on_the_index_and_the_api_page():
+    names = public_names()
+    assert {"fit", "evaluate", "linear_scan", "scan_until", "LRU"} <= set(names)
+    index = (ROOT / "docs" / "index.md").read_text()
+    api = (ROOT / "docs" / "api.md").read_text()
+    for name in names:
+        assert f"`scanax.{name}`" in index, name
+        assert f"::: scanax.{name}\n" in api, name
+    assert names == [n for n in names if hasattr(scanax, n)]
+
+
+def test_the_readme_leads_with_the_commands_and_the_answers():
+    """The two commands first, then the three answers; the long tables live on
+    pages of their own (docs/features.md, docs/performance.md), linked."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    assert block.splitlines() == [
+        'pip install -e ".[all]" && scanax demo',
+        'pip install -e ".[test]" && python -m pytest -n 2 tests',
+    ]
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[0] == "Three problems, three answers"
+    first_table = text.index("\n|")
+    assert text.index("### 3. Training inside one compiled loop") < first_table
+    for page in ("features.md", "performance.md"):
+        assert f"](docs/{page})" in text
+        assert (ROOT / "docs" / page).exists()
+    assert text.count("\n|") < 20  # (a few headline rows, not the tables)
+
+
+def test_every_precision_fit_accepts_is_documented():
+    """``precision=`` values ``fit`` accepts are each in its docstring (before:
+    ``"float32"`` was accepted silently)."""
+    from scanax import _precision
+
+    for value in _precision._KNOWN:
+        assert f'"{value}"' in scanax.fit.__doc__, value

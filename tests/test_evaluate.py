@@ -666,3 +666,57 @@ def test_data_unlike_what_the_function_reads_is_named(call, data, found):
         "another structure",
     ):
         getattr(scanax, call)(PARAMS, fn, data, batch_size=8)
+
+
+def test_a_key_is_followed_through_jitted_helpers_and_loops():
+    """What ``uses_key`` follows: a ``jax.jit`` helper given the key but
+    returning nothing drawn from it leaves the result key-free (no ``key=``
+    needed); a key that reaches the loss only through a loop's carry, a later
+    step's, is found (a loop's outputs count as depending on all its inputs)."""
+
+    @jax.jit
+    def helper(x, key):
+        return x * 2, jr.normal(key)  # (the draw is dropped below)
+
+    def jitted(params, batch, key):
+        loss, _ = params_eval(params, batch)
+        doubled, _ = helper(loss, key)
+        return doubled
+
+    got = evaluate(PARAMS, jitted, (X, Y), batch_size=8)
+    allclose(got["loss"], 2 * evaluate(PARAMS, params_eval, (X, Y))["loss"])
+
+    def through_a_carry(params, batch, key):
+        def body(carry, _):
+            a, b = carry
+            return (b, jr.normal(key)), a  # the key's draw reaches a a step later
+
+        _, outs = jax.lax.scan(body, (0.0, 0.0), None, length=3)
+        return params_eval(params, batch)[0] + outs[-1]
+
+    with pytest.raises(TypeError, match="uses its key `key` in eval mode"):
+        evaluate(PARAMS, through_a_carry, (X, Y), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    "signature, population, takes",
+    [
+        ("model, batch", False, (False, False)),
+        ("model, batch, key", False, (False, True)),
+        ("model, batch, rngs=None", False, (False, True)),
+        ("model, batch, rng=None", False, (False, True)),
+        ("model, batch, scale=2.0", False, (False, False)),
+        ("model, batch, *args", False, (False, True)),
+        ("model, batch, hp", True, (True, False)),
+        ("model, batch, hp, rngs=None", True, (True, True)),
+        ("model, batch, key=None", True, (False, True)),
+        ("model, batch, hp=None", True, (False, False)),
+    ],
+)
+def test_the_key_rule(signature, population, takes):
+    """``_keys.arguments``, the one rule of fit, evaluate and predict."""
+    from scanax import _keys
+
+    ns: dict = {}
+    exec(f"def fn({signature}): pass", ns)
+    assert _keys.arguments(ns["fn"], "scanax.fit", "loss_fn", population)[:2] == takes

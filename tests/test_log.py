@@ -376,3 +376,19 @@ def test_window_means_written_to_csv_match_history(tmp_path):
     ]
     assert [float(r["loss"]) for r in rows] == pytest.approx(ref, rel=1e-6)
     assert all(math.isfinite(float(r["loss"])) for r in rows)
+
+
+def test_a_sink_that_stops_taking_writes_keeps_the_result_and_exits(tmp_path):
+    """A CSV file whose disk fills mid-run (issue 38): training goes on to the
+    end, the sink's error comes after with the result kept
+    (``SinkError.result``), the checkpoints are complete, the process exits 0
+    (run in a subprocess with a timeout)."""
+    import _save_job as save_job
+
+    proc = save_job.run("fault-log", tmp_path, 16, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAISED SinkError: scanax.fit: a log sink raised" in proc.stdout
+    assert "raised OSError at step" in proc.stdout
+    assert "[Errno 28] No space left on device" in proc.stdout
+    assert "RESULT STEPS 16" in proc.stdout and "END" in proc.stdout
+    assert save_job.saved_steps(save_job.dirs(tmp_path)[0]) == ([12, 14, 16], [])

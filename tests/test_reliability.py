@@ -295,6 +295,16 @@ def vector_eval(model, batch):
     return jnp.abs(model(x) - y)  # not a scalar
 
 
+def complex_metric_loss(model, batch):
+    loss, extra = nnx_loss(model, batch)
+    return loss, {"z": jax.lax.complex(extra["mae"], extra["mae"])}
+
+
+def per_example_eval(model, batch):
+    x, y = batch
+    return nnx_loss(model, batch)[0], {"err": model(x) - y}
+
+
 REFUSED_WHILE_TRACING = {
     "unknown monitor": (
         dict(stop=scanax.EarlyStop("val_nothing", patience=1), eval_data=(X, Y)),
@@ -309,6 +319,20 @@ REFUSED_WHILE_TRACING = {
         "eval_fn",
     ),
     "loss_fn vector": (dict(), vector_loss, TypeError, "loss_fn"),
+    # issue 38: the metric rule, and evaluation data unlike what is read
+    "complex metric": (dict(), complex_metric_loss, TypeError, r"complex64\[\]"),
+    "per-example eval metric": (
+        dict(eval_data=(X, Y), eval_fn=per_example_eval, eval_batch_size=10),
+        nnx_loss,
+        ValueError,
+        "shape depends on the batch size",
+    ),
+    "eval_data structure": (
+        dict(eval_data={"x": X, "y": Y}),
+        nnx_loss,
+        TypeError,
+        "`loss_fn` raised TypeError while it was traced on a batch of `eval_data`",
+    ),
 }
 
 
@@ -806,3 +830,37 @@ def test_best_of_a_population_with_an_empty_history_and_the_warning_when_none_tr
     again = fit_quiet(pop, None, nan_loss, (X, Y), steps=3, batch_size=BS)
     assert again.history["loss"].shape == (2, 0)
     assert again.best("loss") == 0
+
+
+def test_a_populations_refusals_while_tracing_change_no_member():
+    """Issue 38's refusals for a population: a complex metric, evaluation data
+    unlike what the loss reads, an evaluation drawing from its key without
+    ``key=``; named before any step, every member as it was."""
+
+    def population():
+        return scanax.population(make_member, 2, key=jr.key(3), lr=[1e-3, 1e-2])
+
+    def draws(model, batch, key):
+        return eqx_loss(model, batch) + jr.normal(key)
+
+    def complex_metric(model, batch):
+        loss = eqx_loss(model, batch)
+        return loss, {"z": jax.lax.complex(loss, loss)}
+
+    cases = [
+        (complex_metric, {}, r"metrics\['z'\] returned by `loss_fn` is complex64"),
+        (
+            eqx_loss,
+            dict(eval_data={"x": X, "y": Y}),
+            "traced on a batch of `eval_data`",
+        ),
+        (eqx_loss, dict(eval_data=(X, Y), eval_fn=draws), "uses its key `key` in eval"),
+    ]
+    for loss_fn, options, match in cases:
+        pop = population()
+        before = jax.device_get(list(pop.state))
+        if "eval_data" in options:
+            options = {"eval_every": 2, **options}
+        with pytest.raises(TypeError, match=match):
+            fit_quiet(pop, None, loss_fn, (X, Y), steps=4, batch_size=BS, **options)
+        leaves_equal(list(pop.state), before)

@@ -188,3 +188,31 @@ def best_member_none(path: str, member: int) -> FileNotFoundError:
         "stop= monitor never improved (no evaluation, or none finite).\nFix: "
         "pick another member (result.best_step[i] >= 0), or train longer."
     )
+
+
+def save_failed(
+    directory: Any, step: int, err: BaseException, newest: Any, best: bool = False
+) -> OSError:
+    """An ``OSError`` of the cause's class where it is one (PermissionError,
+    a full disk's OSError), naming what is kept."""
+    what = "the best state" if best else f"checkpoint {step}"
+    if newest is None:
+        kept = "No complete checkpoint was there before it"
+    elif best:
+        kept = "The previous best state stays complete and loadable"
+    else:
+        kept = (
+            f"The checkpoints before it are complete: the newest, step {newest}, "
+            "is where the same call resumes"
+        )
+    cause = f"{type(err).__name__}: {err}".split("\n", 1)[0][:500]
+    message = (
+        f"{CALL}: saving {what} in {directory} failed: {cause}\n{kept}.\nFix: make "
+        "the directory writable (or free space on its disk), then run the same "
+        "call again."
+    )
+    cls = type(err) if isinstance(err, OSError) else OSError
+    try:
+        return cls(message)
+    except TypeError:  # (a subclass with other arguments)
+        return OSError(message)
