@@ -108,19 +108,47 @@ def fit(
             the compiled loop). As in ``scanax.scan``: ``True``, ``False``
             (silent), an int (update every that many steps) or
             ``scanax.Progress(every=..., desc=..., ...)``.
-        opt_state: for an optax pair only: the optax state to start from (the
-            ``result.optimizer`` of an earlier ``fit``), to continue training exactly
-            where it stopped. Default: ``tx.init`` of the model's parameters.
-        checkpoint_dir, checkpoint_every: save, and resume from, checkpoints; see
-            ``docs/checkpoint.md``.
-        best_dir: keep the best model by ``stop=``'s monitor on disk (atomic,
-            the newest best only), saved after each call that improved on it;
-            ``scanax.load_best(best_dir, model, optimizer)`` loads it back into
-            a pair of the same structure. Needs ``stop=scanax.EarlyStop(...)``
-            (``patience=None``: never stop, only keep the best). A population:
-            each member's best, ``load_best(..., member=i)``. Saves run on a
-            thread of their own while training goes on; ``fit`` returns once
-            the last is on disk (see ``docs/training_features.md``).
+        callbacks: the run's features, objects in any order (the engine orders
+            their parts; each class at most once, log sinks any number):
+            ``scanax.Eval(data, every=)``: evaluation inside the loop, and
+            when the rules are checked; ``scanax.EarlyStop(monitor,
+            patience=, best_dir=)``: stop on a monitored metric, keep the best
+            model (restored; on disk with ``best_dir``); ``scanax.Plateau``:
+            reduce the learning rate on a plateau; ``scanax.Ema(decay)``: a
+            moving average of the parameters (``result.ema``);
+            ``scanax.Precision("bfloat16" | "float16")``: compute in a lower
+            precision (float16 with dynamic loss scaling, ``result.loss_scale``);
+            ``scanax.Checkpoint(directory, every=)``: save and resume;
+            ``scanax.TensorBoard``, ``scanax.CSV``, ``scanax.MLflow``,
+            ``scanax.Log(fn)``: log sinks of windows of ``every`` steps. A
+            stateful feature continues an earlier call's state with
+            ``state=``. A population: each runs per member. See
+            ``docs/training_features.md`` and ``docs/checkpoint.md``.
+        progress: a tqdm bar with steps/s and the latest loss, updated between
+            calls (and, for iterables or a given ``steps_per_call``, from inside
+            the compiled loop). As in ``scanax.scan``: ``True``, ``False``
+            (silent), an int (update every that many steps) or
+            ``scanax.Progress(every=..., desc=..., ...)``.
+        steps_per_call: steps run per compiled call; the progress bar, NaN check and
+            checkpoints happen between calls. Results do not depend on it. Default:
+            array data: sized automatically to about a quarter second per call
+            (8 steps first, at most 1000; in a multi-process job, where every
+            process must run the same calls, the compiled length: up to 1000);
+            an iterable: 100 batches per call
+            (fewer, rounded up to a power of two, when ``steps`` is smaller).
+        execution: how each call runs its steps. ``"fused"``: one compiled
+            loop per call, over chunks of steps of a static length (on a GPU,
+            no host round trip per step; see ``docs/compile.md``);
+            ``"stepwise"``: each chunk one dispatched compiled call (on CPU a
+            chunk is one step: as a Python loop of ``jax.jit`` steps; the same
+            program, the same results, every feature kept); ``"auto"``
+            (default): fused, and once a call is timed and the steps left are
+            worth it, the stepwise programs compiled on another thread and one
+            call timed with them (not on a CPU of two cores or fewer, where
+            that compile would slow the training it measures: fused there);
+            the faster runs the rest, and the choice is kept for the program
+            (and on disk with ``scanax.compile_cache``). ``result.execution``
+            says which ran last.
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis to shard batches
             over; see ``docs/multi_device.md``. A population: a ``"members"``
             axis to split the members over (and optionally ``"data"``).
@@ -129,82 +157,27 @@ def fit(
         shard: ``"fsdp"``: parameters and optimizer state split over the mesh's
             ``"data"`` axis too (each leaf on its largest axis the axis size
             divides; see ``docs/multi_device.md``). Default: replicated.
-        eval_data, eval_every, eval_fn, eval_batch_size: evaluate the whole
-            ``eval_data`` (arrays) every ``eval_every`` steps inside the compiled
-            loop, with ``eval_fn`` (default ``loss_fn``) in eval mode, in batches
-            of ``eval_batch_size`` (default 1024, or ``batch_size`` if larger);
-            its metrics join
-            ``history`` as ``val_<name>`` at ``history["val_step"]``. With
-            ``epochs=``, ``eval_every`` defaults to one epoch's steps (Keras
-            validates every epoch). An ``eval_fn`` taking a key gets keys from
-            ``key``; without ``key``, it is refused before training if its
-            result in eval mode depends on the key.
-        stop: a ``scanax.EarlyStop``: checked every ``eval_every`` steps; keeps
-            the best state on device and restores it (``result.best_step``).
-            A population: evaluation and ``stop`` run per member, each member
-            stopping on its own; ``val_*`` histories are ``[members,
-            evaluations]`` and ``result.best_step`` an int array (``-1``: the
-            member kept no best state); see ``docs/populations.md``.
-        plateau: a ``scanax.Plateau``: Keras's ``ReduceLROnPlateau``, checked
-            every ``eval_every`` steps on its monitored metric: each step's
-            update of the trained parameters is multiplied by a scale the rule
-            lowers (``history["lr_scale"]``: each step's); its state is saved
-            in checkpoints. A population: per member. See
-            ``docs/training_features.md``.
-        plateau_state: ``result.plateau`` of an earlier call with the same
-            ``plateau=``: this call's rule continues from it (its scale, best
-            value, wait and cooldown) instead of starting at scale 1, as an
-            epoch loop of ``fit`` calls needs. A population's: per member.
-        log, log_every: a sink (``scanax.TensorBoard``, ``scanax.CSV``, or any
-            ``sink(step, metrics)``) or a list of them, given the metrics'
-            means over each window of ``log_every`` steps and the evaluations,
-            at the end of each compiled call. See ``docs/training_features.md``.
+        opt_state: for an optax pair only: the optax state to start from (the
+            ``result.optimizer`` of an earlier ``fit``), to continue training exactly
+            where it stopped. Default: ``tx.init`` of the model's parameters.
         accumulate: micro-batches per optimizer step, their gradients averaged
             (as ``optax.MultiSteps``).
-        ema, ema_eval, ema_state: keep an exponential moving average of the
-            trained parameters in the loop: ``e = p`` before the call's first
-            step, then ``e = ema * e + (1 - ema) * p`` after each step applied
-            (a non-finite step is not); ``result.ema`` is a model of the same
-            kind holding it (a population's: ``result.ema[i]``, per member).
-            ``ema_eval=True``: evaluations (and ``stop=`` on them) use the
-            average. ``ema_state=result.ema`` continues an earlier call's
-            average (checkpoints hold it too).
-        precision: ``"bfloat16"``: compute the loss (and evaluations) in
-            bfloat16, on a copy of the model whose floating parameters and on
-            batches whose floating leaves are cast; the gradient, the update,
-            the parameters and the optimizer state stay float32; loss and
-            metrics are float32. ``"float16"``: the same in float16, with
-            dynamic loss scaling (Keras's ``LossScaleOptimizer``): the gradient
-            of ``scale * loss``, divided by ``scale``; a step whose gradients
-            are not finite is skipped and halves the scale (down to 1), 2000
-            good steps in a row double it; it starts at 2**15 in each call
-            unless continued (``loss_scale_state``; ``history["loss_scale"]``:
-            each step's; checkpoints save it). A non-finite loss, or non-finite
-            gradients at scale 1, stop training as usual. Default None (or
-            ``"float32"``, the same): nothing cast, the model computes in its
-            own dtypes. See ``docs/training_features.md``.
-        loss_scale_state: ``result.loss_scale`` of an earlier call with
-            ``precision="float16"``: this call's loss scale continues from it
-            (its scale and count of good steps) instead of 2**15, so that an
-            epoch loop of calls skips no step twice to find it. A
-            population's: per member.
-        execution: how each call runs its steps. ``"fused"``: one compiled
-            ``lax.while_loop`` per call; ``"stepwise"``: each step one
-            dispatched compiled call, as a Python loop of ``jax.jit`` steps
-            (the same step program: the same results, bit-identical on CPU,
-            every feature kept); ``"auto"`` (default): fused, and once a call
-            is timed and the steps left are worth it, the stepwise programs
-            compiled on another thread and one call timed with them (not on a
-            CPU of two cores or fewer, where that compile would slow the
-            training it measures: fused there); the faster runs the rest, and the choice is kept for the program (and
-            on disk with ``scanax.compile_cache``). ``result.execution`` says
-            which ran last. See ``docs/compile.md``.
         shared_batches, members_per_call: populations only
             (``fit(scanax.population(...), None, ...)``, see
             ``docs/populations.md``): every member gets the batches of a solo
             ``fit(key=key)`` instead of its own order; train that many members
             at a time (default: all, or groups that fit in the devices' free
             memory, checked before the call runs).
+        **shorthand: the keywords of the previous release, kept for this one
+            as shorthand for the objects of ``callbacks``: ``eval_data``,
+            ``eval_every``, ``eval_fn``, ``eval_batch_size`` (``Eval``),
+            ``stop``, ``best_dir`` (``EarlyStop``), ``plateau``,
+            ``plateau_state`` (``Plateau``), ``ema``, ``ema_eval``,
+            ``ema_state`` (``Ema``), ``precision``, ``loss_scale_state``
+            (``Precision``; ``"float32"``: none), ``checkpoint_dir``,
+            ``checkpoint_every`` (``Checkpoint``), ``log``, ``log_every``
+            (``Log`` of each sink). A keyword with its object in
+            ``callbacks`` is refused.
 
     Returns:
         A :class:`FitResult` ``(model, optimizer, history, steps, best_step)``.

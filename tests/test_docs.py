@@ -216,6 +216,8 @@ def documented_signature(text: str, call: str) -> inspect.Signature:
     for a, d in zip(args.kwonlyargs, args.kw_defaults):
         default = kinds.empty if d is None else ast.literal_eval(d)
         out.append(kinds(a.arg, kinds.KEYWORD_ONLY, default=default))
+    if args.kwarg is not None:
+        out.append(kinds(args.kwarg.arg, kinds.VAR_KEYWORD))
     return inspect.Signature(out)
 
 
