@@ -274,11 +274,7 @@ class Model:
         )  # count + 1: no reports
         out = run.call(again)
         if int(out.report.applied) != count:
-            raise RuntimeError(
-                f"{_CALL}: internal error: replaying {count} good steps applied "
-                f"{int(out.report.applied)}. Please report this with your model "
-                "and data."
-            )
+            raise errors.replay_mismatch(_CALL, count, int(out.report.applied))
         return out.leaves, out.extra
 
     def hand_over(self, run: Any) -> None:

@@ -288,7 +288,7 @@ def eval_every_missing(has_data: bool) -> TypeError:
     return TypeError(
         f"{CALL}: `{what}` is given without eval_every: evaluation and the early-stop "
         "rule run every eval_every steps, inside the compiled loop.\nFix: pass "
-        "eval_every=N (e.g. 100)."
+        "scanax.Eval(..., every=N) in callbacks (eval_every=N), e.g. N=100."
     )
 
 
@@ -302,8 +302,8 @@ def eval_every_without_data() -> TypeError:
 def val_monitor_without_data(monitor: str) -> ValueError:
     return ValueError(
         f"{CALL}: stop monitors {monitor!r}, a validation metric, but no eval_data "
-        "is given.\nFix: pass eval_data=..., or monitor a training metric such as "
-        "'loss'."
+        "is given.\nFix: pass scanax.Eval((x_val, y_val), every=N) in callbacks "
+        "(eval_data=...), or monitor a training metric such as 'loss'."
     )
 
 
@@ -451,9 +451,9 @@ def ema_option_without_ema(name: str) -> TypeError:
 
 def ema_state_mismatch() -> TypeError:
     return TypeError(
-        f"{CALL}: `ema_state` is not a model of this model's structure (its "
-        "trained parameters differ in structure, shape or dtype).\nFix: pass "
-        "the `result.ema` of an earlier fit of this model."
+        f"{CALL}: `ema_state` (scanax.Ema's `state`) is not a model of this "
+        "model's structure (its trained parameters differ in structure, shape or "
+        "dtype).\nFix: pass the `result.ema` of an earlier fit of this model."
     )
 
 
@@ -486,18 +486,19 @@ def loss_scale_metric_taken(name: str) -> ValueError:
 
 def loss_scale_state_without_float16(precision: Any) -> TypeError:
     return TypeError(
-        f"{CALL}: `loss_scale_state` continues float16's dynamic loss scale, "
-        f"but precision={precision!r}.\nFix: pass precision='float16' (as in the "
-        "call whose `result.loss_scale` this is), or drop `loss_scale_state`."
+        f"{CALL}: `loss_scale_state` (scanax.Precision's `state`) continues "
+        f"float16's dynamic loss scale, but precision={precision!r}.\nFix: pass "
+        "precision='float16' (as in the call whose `result.loss_scale` this is), "
+        "or drop the state."
     )
 
 
 def loss_scale_state_type(state: Any, want: str) -> TypeError:
     return TypeError(
-        f"{CALL}: `loss_scale_state` must be the `result.loss_scale` of an "
-        f"earlier fit with precision='float16' ({want}), got "
-        f"{short_type(state)}.\nFix: pass `loss_scale_state=result.loss_scale` "
-        "of the previous call to continue its scale and count of good steps."
+        f"{CALL}: `loss_scale_state` (scanax.Precision's `state`) must be the "
+        f"`result.loss_scale` of an earlier fit with precision='float16' ({want}), "
+        f"got {short_type(state)}.\nFix: pass `state=result.loss_scale` of the "
+        "previous call to continue its scale and count of good steps."
     )
 
 
@@ -521,8 +522,9 @@ def loss_scale_state_value(name: str, value: Any, rule: str) -> ValueError:
 def best_dir_without_stop() -> TypeError:
     return TypeError(
         f"{CALL}: best_dir= keeps the best model by a monitored metric, and "
-        "none is given.\nFix: pass stop=scanax.EarlyStop(monitor, patience=...) "
-        "too (patience=None: never stop, only keep the best), with eval_every=."
+        "none is given.\nFix: pass scanax.EarlyStop(monitor, patience=..., "
+        "best_dir=...) in callbacks instead (patience=None: never stop, only keep "
+        "the best), with scanax.Eval(..., every=N)."
     )
 
 
@@ -575,4 +577,12 @@ def callback_twice(kind: str) -> ValueError:
     return ValueError(
         f"{CALL}: callbacks= holds two scanax.{kind} objects; a run has one.\n"
         "Fix: keep one of them."
+    )
+
+
+def replay_mismatch(call: str, count: int, applied: int) -> RuntimeError:
+    """An internal invariant: replaying a call's good steps applied another count."""
+    return RuntimeError(
+        f"{call}: internal error: replaying {count} good steps applied {applied}. "
+        "Please report this with your model and data."
     )

@@ -113,15 +113,16 @@ def eval_every_missing() -> TypeError:
     return TypeError(
         f"{FIT}: `plateau` is given without eval_every: the plateau rule is "
         "checked every eval_every steps, inside the compiled loop.\nFix: pass "
-        "eval_every=N (e.g. 100)."
+        "scanax.Eval(every=N) in callbacks (eval_every=N), e.g. N=100."
     )
 
 
 def val_monitor_without_data(monitor: str) -> ValueError:
     return ValueError(
         f"{FIT}: plateau monitors {monitor!r}, a validation metric, but no "
-        "eval_data is given.\nFix: pass eval_data=..., or monitor a training "
-        "metric such as 'loss' (Plateau('loss', ...))."
+        "eval_data is given.\nFix: pass scanax.Eval((x_val, y_val), every=N) "
+        "(eval_data=...), or monitor a training metric such as 'loss' "
+        "(Plateau('loss', ...))."
     )
 
 
@@ -143,10 +144,10 @@ def state_without_plateau() -> TypeError:
 
 def state_type(state: Any, want: str) -> TypeError:
     return TypeError(
-        f"{FIT}: `plateau_state` must be the `result.plateau` of an earlier fit "
-        f"with `plateau=` ({want}), got {short_type(state)}.\nFix: pass "
-        "`plateau_state=result.plateau` of the previous call to continue its "
-        "scale, best value, wait and cooldown."
+        f"{FIT}: `plateau_state` (scanax.Plateau's `state`) must be the "
+        f"`result.plateau` of an earlier fit with `plateau=` ({want}), got "
+        f"{short_type(state)}.\nFix: pass `state=result.plateau` of the previous "
+        "call to continue its scale, best value, wait and cooldown."
     )
 
 
