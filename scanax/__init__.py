@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 from typing import TYPE_CHECKING
 
 from . import _stack_adapters  # noqa: F401 (registers Stack's NNX and Equinox adapters)
-from ._checkpoint import Checkpoint as Checkpoint, load_best as load_best
+from ._checkpointing import Checkpoint as Checkpoint, load_best as load_best
 from ._compile_cache import compile_cache as compile_cache
 from ._ema import Ema as Ema
 from ._errors.log import SinkError as SinkError

@@ -13,7 +13,7 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from . import _checkpoint, _mesh
+from . import _checkpoint, _checkpointing, _mesh
 from ._fit_hooks import Collected
 
 # ``best_dir=``: after a save that took d seconds, the next one starts no sooner
@@ -151,11 +151,11 @@ class BestWriter:
                 self.directory,
                 None,
                 self.names,
-                _checkpoint.best_data(self.members),
+                _checkpointing.best_data(self.members),
                 0,
                 keep=1,
             )
-            self.key = _checkpoint.best_key()
+            self.key = _checkpointing.best_key()
         if self.members is None:
             (rows,) = items.values()
             leaves, step = rows.leaves, int(rows.steps)

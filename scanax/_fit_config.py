@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 
 from . import (
-    _checkpoint,
+    _checkpointing,
     _compile_cache,
     _data,
     _ema,
@@ -48,7 +48,7 @@ KINDS = (
     _eval.Eval,
     _stop.EarlyStop,
     *STATEFUL,
-    _checkpoint.Checkpoint,
+    _checkpointing.Checkpoint,
 )
 SINKS = (_log.Log, _log.TensorBoard, _log.CSV, _log.MLflow)
 
@@ -117,7 +117,7 @@ def configure(
         raise errors.loss_key_without_key(key_param)
     if steps_per_call is not None:
         steps_per_call = _data.positive_int("steps_per_call", steps_per_call)
-    saving = found.get(_checkpoint.Checkpoint)
+    saving = found.get(_checkpointing.Checkpoint)
     checkpoint_dir = None if saving is None else saving.directory
     checkpoint_every = None if saving is None else saving.every
     if not isinstance(execution, str) or execution not in _fit_schedule.EXECUTIONS:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import _checkpoint, _ema, _eval, _feature, _log, _plateau, _precision, _stop
+from . import _checkpointing, _ema, _eval, _feature, _log, _plateau, _precision, _stop
 from ._errors import fit as errors, plateau as plateau_errors
 
 # keyword -> the feature class it makes (its group's)
@@ -38,8 +38,8 @@ KEYWORDS = {
     "ema_state": _ema.Ema,
     "precision": _precision.Precision,
     "loss_scale_state": _precision.Precision,
-    "checkpoint_dir": _checkpoint.Checkpoint,
-    "checkpoint_every": _checkpoint.Checkpoint,
+    "checkpoint_dir": _checkpointing.Checkpoint,
+    "checkpoint_every": _checkpointing.Checkpoint,
     "log": _log.Log,
     "log_every": _log.Log,
 }
@@ -112,7 +112,7 @@ def _objects(
     if checkpoint_every is not None and checkpoint_dir is None:
         raise errors.checkpoint_every_without_dir(checkpoint_every)
     if checkpoint_dir is not None:
-        out.append(_checkpoint.Checkpoint(checkpoint_dir, every=checkpoint_every))
+        out.append(_checkpointing.Checkpoint(checkpoint_dir, every=checkpoint_every))
     if log is not None:
         out += [_log.Log(sink, every=log_every) for sink in _log.resolve(log)]
     return out
