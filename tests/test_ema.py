@@ -148,7 +148,9 @@ def test_errors():
         _fit(ema="0.9")
     with pytest.raises(TypeError, match="`ema_eval` is given without `ema`"):
         _fit(ema=None, ema_eval=True)
-    with pytest.raises(TypeError, match="`ema_state` is not a model of this"):
+    with pytest.raises(
+        TypeError, match=r"`ema_state` \(scanax.Ema.s `state`\) is not a model of this"
+    ):
         _fit(ema_state={"w": jnp.zeros((2, 1)), "b": jnp.zeros(())})
 
 

@@ -666,8 +666,8 @@ def test_plateau_state_errors_and_the_keras_recipe():
         fit(params0(), optax.adam(LR), linear_loss, plateau_state=1)
     state = _plateau.PlateauState(1.0, 0, 0, 1.0)
     for bad, message in (
-        (1.0, r"`plateau_state` must be the"),
-        ({"scale": 1.0}, r"`plateau_state` must be the"),
+        (1.0, r"`plateau_state` \(scanax.Plateau.s `state`\) must be the"),
+        ({"scale": 1.0}, r"`plateau_state` \(scanax.Plateau.s `state`\) must be the"),
         (state._replace(scale=jnp.ones(2)), r"`plateau_state.scale` must be a"),
     ):
         with pytest.raises(TypeError, match=message):

@@ -619,12 +619,18 @@ def test_loss_scale_state_continues_each_population_member():
 
 def test_loss_scale_state_errors():
     state = scanax.LossScale(jnp.float32(4.0), jnp.int32(0))
-    with pytest.raises(TypeError, match=r"`loss_scale_state` continues float16's"):
+    with pytest.raises(
+        TypeError,
+        match=r"`loss_scale_state` \(scanax.Precision's `state`\) continues float16's",
+    ):
         scanax.fit(P0, TX, loss_fn, (X, Y, LABELS), steps=1, batch_size=16,
                    precision="bfloat16", loss_scale_state=state)  # fmt: skip
     for bad, message in (
-        (4.0, r"`loss_scale_state` must be the"),
-        ((jnp.float32(4.0), jnp.int32(0)), r"`loss_scale_state` must be the"),
+        (4.0, r"`loss_scale_state` \(scanax.Precision's `state`\) must be the"),
+        (
+            (jnp.float32(4.0), jnp.int32(0)),
+            r"`loss_scale_state` \(scanax.Precision's `state`\) must be the",
+        ),
         (state._replace(scale=jnp.ones(2)), r"`loss_scale_state.scale` must be a"),
         (state._replace(good_steps="3"), r"`loss_scale_state.good_steps` must be"),
     ):
