@@ -21,6 +21,7 @@ from . import (
     _fit_logs,
     _fit_loop,
     _fit_schedule,
+    _iterables,
     _keys,
     _log,
     _mesh,
@@ -233,7 +234,7 @@ def _population_options(
 
 def _shared(pop: Any, source: Any, shared_batches: Any, members_per_call: Any) -> bool:
     """Whether a population's members share their batches (iterables do)."""
-    iterable = isinstance(source, _data.IterSource)
+    iterable = isinstance(source, _iterables.IterSource)
     if shared_batches and isinstance(source, _rollout.RolloutSource):
         raise pop_errors.shared_batches_rollout()
     if shared_batches is False and iterable:

@@ -32,7 +32,7 @@ class Setup(NamedTuple):
     takes_hp: bool  # loss_fn takes a member's hyperparameters (a population)
     takes_key: bool  # loss_fn takes a per-step key
     key: Any  # fit's key, or None
-    source: Any  # ``_data.ArraySource`` or ``_data.IterSource``
+    source: Any  # ``_data.ArraySource`` or ``_iterables.IterSource``
     accumulate: int
     steps_per_call: int | None
     length: int  # the compiled call's buffers

@@ -23,7 +23,6 @@ import numpy as np
 from . import (
     _best,
     _caller,
-    _data,
     _feature,
     _fingerprint,
     _fit_chunks,
@@ -31,6 +30,7 @@ from . import (
     _fit_members,
     _fit_program,
     _fit_schedule,
+    _iterables,
     _memory,
     _population,
     _rollout,
@@ -62,7 +62,7 @@ def fit_population(
     if (
         members_per_call is None
         and jax.process_count() == 1
-        and not isinstance(setup.source, _data.IterSource)
+        and not isinstance(setup.source, _iterables.IterSource)
     ):
         k, prepared = _fitting_groups(
             pop.n,
@@ -85,7 +85,7 @@ class Sweep:
         self.pop, self.setup = pop, setup
         source, key = setup.source, setup.key
         self.per_member = not shared and getattr(source, "shuffle", False)
-        self.keys = jr.split(key if key is not None else _data.unused_key(), pop.n)
+        self.keys = jr.split(key if key is not None else _iterables.unused_key(), pop.n)
         features, self.feed = list(setup.features), None
         if isinstance(source, _rollout.RolloutSource):  # the feeds join the state
             self.feed = _rollout.Feeder(source, self.keys)

@@ -72,6 +72,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_models_optax",
             "_models_trainstate",
             "_data",
+            "_iterables",
             "_population",
             "_log",
             "_stop",
@@ -342,6 +343,7 @@ def test_only_the_adapters_touch_flax_nnx():
 
 FIT_WING = [
     "_data",
+    "_iterables",
     "_model_step",
     "_models",
     "_models_nnx",
