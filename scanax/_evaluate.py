@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
-import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from . import (
     _metrics,
     _model_step,
     _nnx,
-    _population,
+    _targets,
 )
 from ._errors import evaluate as errors, keys as key_errors, short_type
 from ._tree import is_array
@@ -124,7 +123,7 @@ def evaluate(
         >>> scanax.evaluate({"w": jnp.array(1.0)}, eval_fn, x, batch_size=4)
         {'loss': 28.5, 'mae': 4.5}
     """
-    target = _target(_CALL, model)
+    target = _targets.of(_CALL, model)
     _check_callable(_CALL, "eval_fn", eval_fn, target.members)
     n = _check_data(_CALL, data)
     b = _batch_size(_CALL, batch_size, n)
@@ -223,7 +222,7 @@ def predict(
         >>> out.tolist()
         [0.0, 3.0, 6.0, 9.0, 12.0]
     """
-    target = _target(_PREDICT, model)
+    target = _targets.of(_PREDICT, model)
     _check_callable(_PREDICT, "fn", fn, target.members)
     n = _check_data(_PREDICT, data)
     b = _batch_size(_PREDICT, batch_size, n)
@@ -275,115 +274,6 @@ def _batched(fn: Callable, data: Any, n: int, b: int) -> Any:
     with jax.named_scope(_PREDICT):
         _, ys = jax.lax.scan(body, None, jnp.arange(count))
         return jtu.tree_map(rows, ys)
-
-
-# ---------------------------------------------------------------------------- models
-
-
-class Target(NamedTuple):
-    """What is evaluated: its arrays (``leaves``; a population's with a member
-    axis, and its hyperparameters ``hp``), what the compiled program depends on
-    (``identity``, a fingerprint, or None and then ``static``), and
-    ``runner(call) -> run(leaves, batch, key, hp)``: ``call(model, batch, key,
-    hp)`` on the model rebuilt from ``leaves`` in eval mode, its result as it
-    is. ``runner`` closes over no array: programs are cached."""
-
-    leaves: list
-    hp: Any
-    identity: Any
-    static: Any
-    runner: Callable
-    members: bool
-    trainstate: bool
-
-
-def _target(call: str, model: Any) -> Target:
-    if _population.is_population(model):
-        return _population_target(model)
-    if _nnx.is_node(model):
-        return _nnx_target(model)
-    return _tree_target(call, model)
-
-
-def _nnx_target(model: Any) -> Target:
-    graphdef, leaves = _nnx.values([model])
-
-    def runner(call):
-        def run(leaves, batch, key, hp):
-            (copy,) = _nnx.unflatten(graphdef, leaves)
-            copy.eval()
-            return call(copy, batch, key, hp)
-
-        return run
-
-    found = _nnx.graphdef_fingerprint(graphdef)
-    identity = None if found is None else ("nnx", found)
-    return Target(leaves, None, identity, ("nnx", graphdef), runner, False, False)
-
-
-def _tree_target(call: str, model: Any) -> Target:
-    """An Equinox module, a TrainState or any pytree: its arrays are the
-    program's arguments, every other leaf is static."""
-    flat, treedef = jtu.tree_flatten(model)
-    dynamic = [i for i, x in enumerate(flat) if is_array(x)]
-    if not dynamic:
-        raise errors.model_type(call, model)
-    template = [None if is_array(x) else x for x in flat]
-    statics = tuple((i, x) for i, x in enumerate(template) if i not in set(dynamic))
-    trainstate = _is_train_state(model)
-
-    def runner(fn):
-        def run(leaves, batch, key, hp):
-            full = list(template)
-            for i, x in zip(dynamic, leaves):
-                full[i] = x
-            rebuilt = jtu.tree_unflatten(treedef, full)
-            eqx = sys.modules.get("equinox")
-            if eqx is not None:
-                rebuilt = eqx.nn.inference_mode(rebuilt)
-            return fn(rebuilt, batch, key, hp)
-
-        return run
-
-    static = ("tree", treedef, tuple(dynamic), statics)
-    identity = _fingerprint.of(static)
-    leaves = [flat[i] for i in dynamic]
-    return Target(leaves, None, identity, static, runner, False, trainstate)
-
-
-def _population_target(pop: Any) -> Target:
-    """Each member rebuilt by the population's own eval (``eval_factory``: its
-    kind's eval mode); ``call``'s result is passed out around the split into
-    ``(loss, metrics)`` that the fit loop's evaluation makes."""
-
-    def runner(call):
-        def run(leaves, batch, key, hp):
-            box = []
-
-            def inner(model, batch, key):
-                box.append(call(model, batch, key, hp))
-                return jnp.zeros(()), {}
-
-            pop.eval_factory(lambda hp: inner)(leaves, batch, key, hp)
-            return box[0]
-
-        return run
-
-    identity = pop.fingerprint()
-    return Target(
-        list(pop.state),
-        pop.hp(),
-        identity,
-        pop.make,
-        runner,
-        True,
-        pop.kind == "trainstate",
-    )
-
-
-def _is_train_state(x: Any) -> bool:
-    mod = sys.modules.get("flax.training.train_state")
-    return mod is not None and isinstance(x, mod.TrainState)
 
 
 # ---------------------------------------------------------------------- arguments
@@ -463,7 +353,13 @@ _USES: dict = {}
 
 
 def unused_key(
-    call: str, name: str, target: Target, fn: Callable, takes: Any, data: Any, b: int
+    call: str,
+    name: str,
+    target: _targets.Target,
+    fn: Callable,
+    takes: Any,
+    data: Any,
+    b: int,
 ) -> Any:
     """The key to pass a function that takes one (``takes``) when none was
     given: a placeholder if what it returns in eval mode does not depend on
@@ -501,7 +397,7 @@ def fit_eval_key(model: Any, fn: Callable, population: bool, data: Any, b: int) 
     its result in eval mode depends on it (fit passes a placeholder)."""
     takes = _keys.arguments(fn, "scanax.fit", "eval_fn", population)
     if takes.key:
-        target = _target("scanax.fit", model)
+        target = _targets.of("scanax.fit", model)
         unused_key("scanax.fit", "eval_fn", target, fn, takes, data, b)
 
 
@@ -556,7 +452,7 @@ def _check_key(call: str, key: Any) -> None:
     raise errors.key_type(call, key)
 
 
-def _placement(mesh: Any, target: Target, b: int) -> _mesh.Placement:
+def _placement(mesh: Any, target: _targets.Target, b: int) -> _mesh.Placement:
     """Where the evaluation runs: the default device, or ``mesh`` (checked; its
     axes ``Auto``, as ``fit`` uses it) with each batch split over ``"data"``."""
     if mesh is None:

@@ -72,6 +72,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_models_optax",
             "_models_trainstate",
             "_data",
+            "_targets",
             "_iterables",
             "_population",
             "_log",
