@@ -30,7 +30,8 @@ import jax.random as jr
 import optax
 
 import scanax
-from scanax import _conv_layout, _fit_program
+from scanax import _conv_layout
+from scanax._fit.api import program as _fit_program
 
 try:
     from benchmarks import _timing

@@ -5,27 +5,32 @@ from importlib.metadata import PackageNotFoundError, version as _version
 from typing import TYPE_CHECKING
 
 from . import _stack_adapters  # noqa: F401 (registers Stack's NNX and Equinox adapters)
-from ._checkpointing import Checkpoint as Checkpoint, load_best as load_best
-from ._compile_cache import compile_cache as compile_cache
-from ._ema import Ema as Ema
 from ._errors.log import SinkError as SinkError
-from ._eval import Eval as Eval
-from ._evaluate import evaluate as evaluate, predict as predict
-from ._fit import fit as fit
-from ._fit_result import FitResult as FitResult
+from ._fit.api import fit as fit
+from ._fit.callbacks.checkpoint import Checkpoint as Checkpoint, load_best as load_best
+from ._fit.callbacks.early_stop import EarlyStop as EarlyStop
+from ._fit.callbacks.ema import Ema as Ema
+from ._fit.callbacks.evaluation import Eval as Eval
+from ._fit.callbacks.loss_scale import LossScale as LossScale
+from ._fit.callbacks.plateau import Plateau as Plateau, PlateauState as PlateauState
+from ._fit.callbacks.precision import Precision as Precision
+from ._fit.callbacks.sinks import (
+    CSV as CSV,
+    Log as Log,
+    MLflow as MLflow,
+    TensorBoard as TensorBoard,
+)
+from ._fit.compile_cache import compile_cache as compile_cache
+from ._fit.data.rollout import Rollout as Rollout
+from ._fit.evaluate import evaluate as evaluate, predict as predict
+from ._fit.metrics import Ratio as Ratio
+from ._fit.models.population import Population as Population, population as population
+from ._fit.result import FitResult as FitResult
 from ._linear_scan import linear_scan as linear_scan
-from ._log import CSV as CSV, Log as Log, MLflow as MLflow, TensorBoard as TensorBoard
-from ._loss_scale import LossScale as LossScale
-from ._metrics import Ratio as Ratio
-from ._plateau import Plateau as Plateau, PlateauState as PlateauState
-from ._population import Population as Population, population as population
-from ._precision import Precision as Precision
 from ._progress import Progress as Progress
 from ._rnn import birnn as birnn, rnn as rnn
-from ._rollout import Rollout as Rollout
 from ._scan import scan as scan
 from ._stack import Stack as Stack, StackWarning as StackWarning
-from ._stop import EarlyStop as EarlyStop
 from ._until import scan_until as scan_until
 
 if TYPE_CHECKING:

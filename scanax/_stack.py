@@ -43,14 +43,7 @@ from ._stack_plan import (
     signature_ids,
     span,
 )
-from ._tree import (
-    Partition,
-    is_array,
-    is_arraylike,
-    leaf_type,
-    partition,
-    same_static,
-)
+from ._tree import Partition, is_array, is_arraylike, leaf_type, partition, same_static
 
 
 class ShapeChange(Exception):

@@ -397,7 +397,7 @@ def test_nnx_array_outside_a_variable():
 def test_interrupt_keeps_the_last_checked_state(monkeypatch):
     """Ctrl-C while fit waits for a call: the NNX objects hold the state after the
     calls already checked (here the first 7 steps), exactly, not a half-run one."""
-    import scanax._fit_loop as fit_module
+    import scanax._fit.engine as fit_module
 
     batches = [batch_at(t) for t in range(STEPS)]
     real_get, calls = jax.device_get, []
@@ -957,7 +957,7 @@ def test_one_while_loop_per_call(monkeypatch):
     """docs/index.md and docs/fit.md say each call is one compiled lax.while_loop:
     the traced chunk holds exactly one while loop at its top level, and no host
     callback for array data with automatic calls (so a bar changes nothing)."""
-    import scanax._fit_program as fit_module
+    import scanax._fit.program as fit_module
 
     seen = []
     real = fit_module.Program.executable

@@ -24,7 +24,7 @@ import pytest
 from helpers import close, count_compiles
 
 import scanax
-from scanax._fit_logs import window_reduce
+from scanax._fit.logs import window_reduce
 
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")

@@ -13,8 +13,8 @@ import pytest
 from helpers import read_csv, read_tensorboard
 
 import scanax
-from scanax._fit_logs import Sinks, merge, window_reduce
-from scanax._log import CSV
+from scanax._fit.callbacks.sinks import CSV
+from scanax._fit.logs import Sinks, merge, window_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ import os, signal, sys
 import numpy as np
 sys.path.insert(0, {root!r})
 import scanax
-from scanax._fit_logs import Sinks
+from scanax._fit.logs import Sinks
 sinks = Sinks([scanax.CSV({csv!r}), {tb}])
 sinks.resume(0)
 for start in range(1, 51, 10):  # chunks of 10 steps, flushed at their ends

@@ -31,10 +31,11 @@ import numpy as np
 import pytest
 from fit_helpers import MLP, X, Y, batch_at, joined, nnx, nnx_loss, optax, train_state
 from helpers import close
+from scanax._fit.api.callbacks import plateau as _plateau
 
 import scanax
-from scanax import _fit_checks, _fit_program, _plateau
-from scanax._plateau import Plateau
+from scanax._fit.api import checks as _fit_checks, program as _fit_program
+from scanax._fit.callbacks.plateau import Plateau
 
 allclose = ft.partial(close, rtol=1e-5, atol=1e-6)
 STEPS, BS = 48, 8

@@ -1,4 +1,4 @@
-"""FitResult.plot's drawing (scanax._plot.plot): the lines it draws for one model
+"""FitResult.plot's drawing (scanax._fit.plot.plot): the lines it draws for one model
 and for a population, saving, and its errors."""
 
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from scanax._plot import ema, plot
+from scanax._fit.plot import ema, plot
 
 pytest.importorskip("matplotlib")
 

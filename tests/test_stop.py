@@ -14,7 +14,7 @@ import pytest
 from helpers import leaves_equal
 
 import scanax
-from scanax._stop import MAX_WORDS, MIN_WORDS, StopState, keep_best
+from scanax._fit.callbacks.early_stop import MAX_WORDS, MIN_WORDS, StopState, keep_best
 
 # Values on a grid of 1/8: exact in float32 and float64, so that Keras's float64
 # arithmetic and ours agree on every comparison, including ties with min_delta.

@@ -1,0 +1,2 @@
+"""The training wing: ``scanax.fit`` and what it is made of (see
+``docs/architecture.md``)."""

@@ -1,0 +1,1 @@
+"""``fit``'s features, one module each (the protocol: ``_fit.feature``)."""

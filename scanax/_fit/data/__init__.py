@@ -1,0 +1,1 @@
+"""Where ``fit``'s batches come from: arrays, iterables, a ``Rollout``."""

@@ -1,0 +1,266 @@
+"""Host batches for ``scanax.fit``: an iterable (a list of batches, a
+generator, a data loader) consumed in order, stacked ``steps_per_call`` batches
+at a time and moved to the device while the previous chunk trains. An iterator
+with ``get_state``/``set_state`` (Grain) or ``state_dict``/``load_state_dict``
+(PyTorch) resumes from a checkpoint exactly; others are skipped forward."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import itertools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+from ..._errors import fit as errors, short_type
+from ..._tree import is_array
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.cache
+def unused_key() -> Any:
+    """A placeholder key argument when nothing is shuffled (made once)."""
+    return jr.key(0)
+
+
+class IterSource:
+    """An iterable of host batches, stacked into chunks of ``steps_per_call``
+    (the same interface as ``ArraySource``)."""
+
+    LENGTH = 100  # batches per call by default
+
+    def __init__(self, data: Any, key: Any = None):
+        try:
+            self.iterator: Iterator = iter(data)
+        except TypeError as err:
+            raise errors.data_not_batches(data) from err
+        self.key = key if key is not None else unused_key()  # per-step keys only
+        # data=[x, y]: arrays meant as array data, read as a list of batches
+        self.from_list = isinstance(data, list) and all(is_array(b) for b in data)
+        self.consumed = 0  # batches taken from the iterator so far
+        self.treedef = None
+        self.types: list[tuple[tuple[int, ...], Any]] = []
+        self.paths: list[str] = []
+        self.impls: list[Any] = []  # per leaf: the PRNG impl of a key leaf, or None
+        self.static = ("iter",)
+        self.micro = 1
+        # A resumable iterator (Grain's get_state/set_state, or a loader's
+        # state_dict/load_state_dict): its state before each chunk was taken,
+        # by the batches taken by then (the last few).
+        self.resumable = _resumable(self.iterator)
+        self.restart = None  # a loader's state applies to its next iterator
+        if self.resumable is None:
+            self.resumable = _resumable(data)
+            self.restart = None if self.resumable is None else data
+        self.states: dict[int, Any] | None = None  # kept with checkpoints only
+
+    def length(self, steps: int, steps_per_call: int | None) -> int:
+        """Host batches are stacked per call, so the buffers are as long as a
+        call: ``steps_per_call``, else 100, or a power of two above a smaller
+        ``steps`` (a few programs at most, never one per ``steps`` value)."""
+        if steps_per_call is not None:
+            return steps_per_call
+        return min(self.LENGTH, 1 << (min(steps, self.LENGTH) - 1).bit_length())
+
+    def sized_automatically(self, steps_per_call: int | None) -> bool:
+        return False
+
+    def use_key(self, key: Any) -> None:
+        """Per-step keys from ``key`` (a restored run's saved key)."""
+        self.key = key
+
+    def check_mesh(self, mesh: Any) -> None:
+        """Checked per chunk (``_mesh.put_chunk``): the batch size is the
+        iterable's."""
+
+    def arguments(self, place: Any) -> tuple[Any, Any]:
+        return None, place.replicate(self.key)
+
+    def accumulate(self, k: int) -> None:
+        """Each step takes ``k`` consecutive batches (stacked on a leading axis)."""
+        self.micro = k
+        self.static = ("iter", k)
+
+    def describe(self) -> dict:
+        out = {"kind": "iter"}
+        return {**out, "accumulate": self.micro} if self.micro > 1 else out
+
+    def calls(self, start: int, end: int, schedule: Any, place: Any) -> Iterator:
+        """``(start, end, xs)`` of each call, with its batches stacked (padded to
+        ``schedule.length``) and put on the devices (for the next call, while
+        the previous one trains)."""
+        k = self.micro  # batches per step (accumulate)
+        while start < end:
+            taken = self.take(
+                place.fewest(schedule.want(start, end)) * k, schedule.length * k
+            )
+            # Across processes: as many steps as the shortest iterable gave.
+            count = place.fewest(0 if taken is None else taken[1] // k)
+            if not count:
+                return
+            xs = taken[0]
+            if k > 1:  # [length * k, ...] -> [length, k, ...]
+                xs = jtu.tree_map(lambda a: a.reshape(-1, k, *a.shape[1:]), xs)
+            xs = place.put_chunk(xs, 2 if k > 1 else 1)
+            yield start, start + count, self.on_device(xs)
+            start += count
+
+    def sampler(self) -> IterSource:
+        """The in-loop part: batch ``i`` of the call's stacked batches."""
+        return _HOST_BATCHES
+
+    def skip(self, count: int, state: Any = None) -> int:
+        """Move past the batches of ``count`` steps (to resume): a resumable
+        iterator is set to ``state`` (a checkpoint's ``state_at``), any other
+        has them drawn and dropped; returns how many batches that was."""
+        if state is not None and self.resumable is not None:
+            self.resumable[1](decode_state(state))
+            if self.restart is not None:  # (PyTorch's StatefulDataLoader)
+                self.iterator = iter(self.restart)
+            self.consumed += count * self.micro
+            return count * self.micro
+        skipped = sum(1 for _ in itertools.islice(self.iterator, count * self.micro))
+        self.consumed += skipped
+        return skipped
+
+    def keep_states(self) -> None:
+        """Keep the iterator's states for checkpoints (a resumable one's)."""
+        if self.resumable is not None:
+            self.states = {}
+
+    def state_at(self, steps: int) -> Any:
+        """For a checkpoint: the iterator's state after the batches of this
+        call's first ``steps`` steps (batches taken ahead of the device not
+        counted), encoded for the checkpoint's meta; None when it keeps none."""
+        if self.resumable is None or self.states is None:
+            return None
+        taken = steps * self.micro
+        if taken == self.consumed:
+            return encode_state(self.resumable[0]())
+        return self.states.get(taken)
+
+    def take(self, count: int, length: int) -> tuple[Any, int] | None:
+        """Up to ``count`` batches stacked on a new leading axis (host arrays),
+        padded to ``length`` with zeros, and how many are real; None when done."""
+        if self.states is not None:  # (before drawing: a checkpoint may need it)
+            self.states[self.consumed] = encode_state(self.resumable[0]())
+            for old in sorted(self.states)[:-3]:
+                del self.states[old]
+        batches = list(itertools.islice(self.iterator, count))
+        if not batches:
+            return None
+        self.consumed += len(batches)
+        columns = [
+            self._leaves(b, self.consumed - len(batches) + k)
+            for k, b in enumerate(batches)
+        ]
+        stacked = []
+        for j, (shape, dtype) in enumerate(self.types):
+            col = np.empty((length, *shape), dtype)
+            for k, leaves in enumerate(columns):
+                col[k] = leaves[j]
+            if len(batches) < length:
+                col[len(batches) :] = 0
+            stacked.append(col)
+        return jtu.tree_unflatten(self.treedef, stacked), len(batches)
+
+    def on_device(self, xs: Any) -> Any:
+        """Stacked batches on device, typed PRNG keys made keys again (they travel
+        as their key data)."""
+        if not any(self.impls):
+            return xs
+        leaves = jtu.tree_leaves(xs)
+        leaves = [
+            x if impl is None else jr.wrap_key_data(x, impl=impl)
+            for x, impl in zip(leaves, self.impls)
+        ]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def _leaves(self, batch: Any, index: int) -> list[np.ndarray]:
+        flat, treedef = jtu.tree_flatten_with_path(batch)
+        impls = [jr.key_impl(x) if _is_key(x) else None for _, x in flat]
+        leaves = [
+            np.asarray(jr.key_data(x) if impl else x)
+            for (_, x), impl in zip(flat, impls)
+        ]
+        for (path, x), a in zip(flat, leaves, strict=True):
+            if a.dtype.kind not in "biufc":  # strings, objects: nothing JAX can carry
+                raise errors.batch_leaf_not_numeric(index, jtu.keystr(path), x)
+        if self.treedef is None:
+            self.treedef = treedef
+            self.impls = impls
+            self.paths = [jtu.keystr(p) for p, _ in flat]
+            self.types = [(x.shape, x.dtype) for x in leaves]
+            return leaves
+        if treedef != self.treedef:
+            raise errors.batch_structure_changed(index, treedef, self.treedef)
+        rows = [
+            (
+                f"batch{p}",
+                f"{short_type(x)}, first batch had "
+                f"{np.dtype(d).name}[{', '.join(map(str, s))}]",
+            )
+            for p, x, (s, d) in zip(self.paths, leaves, self.types)
+            if x.shape != s or x.dtype != d
+        ]
+        if rows:
+            raise errors.batch_shape_changed(index, rows, self.from_list)
+        return leaves
+
+
+def _resumable(obj: Any) -> tuple[Any, Any] | None:
+    """``(get_state, set_state)`` of an iterator or loader that has them
+    (Grain's names, or PyTorch's ``state_dict``/``load_state_dict``)."""
+    for get, put in (("get_state", "set_state"), ("state_dict", "load_state_dict")):
+        if callable(getattr(obj, get, None)) and callable(getattr(obj, put, None)):
+            return getattr(obj, get), getattr(obj, put)
+    return None
+
+
+def encode_state(state: Any) -> dict:
+    """An iterator's state as the checkpoint's meta (JSON) holds it: bytes, or
+    anything ``json`` writes and reads back equal."""
+    if isinstance(state, (bytes, bytearray)):
+        return {"bytes": base64.b64encode(bytes(state)).decode()}
+    try:
+        text = json.dumps(state)
+    except (TypeError, ValueError) as err:
+        raise errors.iterator_state_type(state) from err
+    if json.loads(text) != state:
+        raise errors.iterator_state_type(state)
+    return {"json": state}
+
+
+def decode_state(saved: dict) -> Any:
+    if "bytes" in saved:
+        return base64.b64decode(saved["bytes"])
+    return saved["json"]
+
+
+class _HostBatches:
+    """Inside the loop: batch ``i`` of the stacked host batches ``xs``."""
+
+    def first(self, key: Any, t: Any) -> None:
+        return None
+
+    def advance(self, state: Any, key: Any, t: Any) -> None:
+        return None
+
+    def batch(self, state: Any, data: Any, xs: Any, t: Any, i: Any) -> Any:
+        return jtu.tree_map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
+        )
+
+
+_HOST_BATCHES = _HostBatches()

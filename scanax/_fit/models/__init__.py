@@ -1,0 +1,2 @@
+"""The model kinds ``fit`` trains (NNX, optax over a pytree, TrainState) and
+a population of members, as flat leaves."""

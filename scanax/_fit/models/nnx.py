@@ -1,0 +1,175 @@
+"""The NNX kind of ``scanax.fit``: an ``(nnx.Module, nnx.Optimizer)`` pair.
+
+The only module of ``fit`` that touches ``flax.nnx`` (through ``sys.modules``: it
+imports nothing the user has not already imported); splitting and merging NNX
+objects is ``_nnx``'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+
+from ... import _nnx
+from ..._errors import models as errors
+from ..._errors.fit import CALL as _CALL
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+
+
+class NNXAdapter:
+    """``(nnx.Module, nnx.Optimizer)``: both carried as one flat list of Variable
+    values, written back into the same Variables at the end."""
+
+    kind = "nnx"
+
+    def __init__(self, model: Any, optimizer: Any):
+        self.objects = (model, optimizer)
+        self.graphdef, self.variables, self.paths = _nnx.flatten([model, optimizer])
+        # Plain Variables are read and written directly; anything else (a leaf
+        # outside a Variable, an array ref) goes through nnx.update at the end.
+        nnx = sys.modules["flax.nnx"]
+        self.writable = all(
+            isinstance(v, nnx.Variable) and isinstance(v.get_raw_value(), jax.Array)
+            for v in self.variables
+        )
+        self.state = [
+            v.get_raw_value() if isinstance(v, nnx.Variable) else v
+            for v in self.variables
+        ]
+        self.static = ("nnx", self.graphdef)
+
+    def fingerprint(self) -> Any:
+        """``static`` as a fingerprint (``_fingerprint``): equal for rebuilt
+        objects of the same structure; None when it cannot be described."""
+        graphdef = _nnx.graphdef_fingerprint(self.graphdef)
+        return None if graphdef is None else ("nnx", graphdef)
+
+    def start_step(self) -> int:
+        """The optimizer's own step count: where this call continues from."""
+        return int(self.objects[1].step.get_raw_value())
+
+    def names(self) -> list[str]:
+        """``model['l1']['kernel']`` for each leaf of the state."""
+        out = []
+        for path, _ in jtu.tree_flatten_with_path(self.state)[0]:
+            out.append(_variable_name(self.paths[path[0].idx]) + jtu.keystr(path[1:]))
+        return out
+
+    def trained(self) -> list[int]:
+        """The positions in ``state`` of the trained parameters: the model's
+        floating Variables the optimizer's ``wrt`` filter takes."""
+        nnx = sys.modules["flax.nnx"]
+        takes = nnx.filterlib.to_predicate(self.objects[1].wrt)
+        return [
+            i
+            for i, (path, v) in enumerate(zip(self.paths, self.variables))
+            if path[0] == 0 and takes(path[1:], v) and is_inexact(self.state[i])
+        ]
+
+    def model_of(self, state: Any) -> Any:
+        """A new model holding ``state`` (the objects passed in unchanged)."""
+        return _nnx.unflatten(self.graphdef, state)[0]
+
+    def trained_of(self, model: Any) -> list | None:
+        """The trained parameters of another model of this structure (None if
+        it is not one)."""
+        try:
+            _, variables, paths = _nnx.flatten([model])
+        except Exception:
+            return None
+        values = dict(zip(paths, variables))
+        out = []
+        for i in self.trained():
+            v = values.get(self.paths[i])
+            if v is None:
+                return None
+            out.append(v.get_raw_value())
+        return out
+
+    def partition_specs(self) -> Any:
+        """The Variables' sharding annotations, one per leaf of the state."""
+        return sys.modules["flax.nnx"].get_partition_spec(self.variables)
+
+    def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
+        """``step(state, batch, key)``; with ``accumulate`` > 1, ``batch`` and
+        ``key`` hold that many micro-batches (see ``accumulated``)."""
+        nnx = sys.modules["flax.nnx"]
+        graphdef, known = self.graphdef, self.paths
+
+        def grads_at(model, optimizer, batch, key):
+            grad_fn = nnx.value_and_grad(
+                lambda m, b: split_loss(_CALL, loss_fn(m, b, key)),
+                argnums=nnx.DiffState(0, optimizer.wrt),
+                has_aux=True,
+            )
+            (loss, metrics), grads = grad_fn(model, batch)
+            return loss, metrics, grads
+
+        def one(state, batch, key):  # a micro-batch, on the state as values
+            model, optimizer = _nnx.unflatten(graphdef, state)
+            loss, metrics, grads = grads_at(model, optimizer, batch, key)
+            return _nnx.values([model, optimizer])[1], loss, metrics, grads
+
+        def step(state, batch, key):
+            if accumulate > 1:
+                state, loss, metrics, grads = accumulated(
+                    one, state, batch, key, accumulate
+                )
+                model, optimizer = _nnx.unflatten(graphdef, state)
+            else:
+                model, optimizer = _nnx.unflatten(graphdef, state)
+                loss, metrics, grads = grads_at(model, optimizer, batch, key)
+            optimizer.update(model, grads, **extra_args(optimizer.tx, loss))
+            after, values = _nnx.values([model, optimizer])
+            same = after == graphdef and (
+                jtu.tree_structure(values) == jtu.tree_structure(state)
+            )
+            if not same:  # checked while tracing: costs nothing per step
+                paths = _nnx.flatten([model, optimizer])[2]
+                added = [_variable_name(p) for p in paths if p not in known]
+                removed = [_variable_name(p) for p in known if p not in paths]
+                raise errors.state_structure_changed(added, removed)
+            return values, loss, metrics, grads
+
+        return step
+
+    def make_call(self, fn: Callable) -> Callable:
+        """``call(state, *args) -> fn(model, *args)`` with the model in eval mode
+        (``Module.eval()``: Dropout off, BatchNorm on its running averages), on
+        a copy: nothing it changes is kept."""
+        graphdef = self.graphdef
+
+        def call(state, *args):
+            model, _ = _nnx.unflatten(graphdef, state)
+            model.eval()
+            return fn(model, *args)
+
+        return call
+
+    def make_eval(self, loss_fn: Callable) -> Callable:
+        """``evaluate(state, batch, key) -> (loss, metrics)`` in eval mode."""
+        return evaluation(self.make_call(loss_fn))
+
+    def finish(self, state: Any) -> tuple[Any, Any]:
+        if self.writable:
+            for var, value in zip(self.variables, state, strict=True):
+                var.set_raw_value(value)
+        else:
+            new = _nnx.unflatten(self.graphdef, state)
+            _nnx.update(list(self.objects), _nnx.split(new)[1])
+        return self.objects
+
+
+def _variable_name(path: tuple) -> str:
+    """``model['l1']['kernel']`` from a joint ``_nnx.flatten`` path."""
+    head, *rest = path
+    return ("model", "optimizer")[head] + "".join(f"[{k!r}]" for k in rest)
+
+
+def is_optimizer(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Optimizer)

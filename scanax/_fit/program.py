@@ -1,0 +1,257 @@
+"""What ``scanax.fit`` compiles: the chunk program (a ``lax.while_loop`` of steps)
+and its cache by fingerprint, and the pieces of a step it is built from (tracing
+once, finiteness, per-step keys, the state's dtypes)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+from .. import _backend, _conv_layout, _fingerprint
+from .._errors import fit as errors
+
+_CALL = errors.CALL
+_CACHE_SIZE = 32
+
+# Chunk programs (oldest dropped first), keyed on fingerprints of (loss_fn, model
+# and optimizer structure, data layout, length): a second ``fit`` of a
+# same-structured model with the same loss code reuses them, even when every
+# object was rebuilt.
+PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+# Compiled executables keyed on their lowered program, with the seconds their
+# tracing and compile took: what a new structure that traces to an already
+# compiled program (a re-defined model class) reuses.
+EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+
+
+# ---------------------------------------------------------------------------- compile
+
+
+class _Key:
+    """A cache key hashed once (hashing a fingerprint takes about a millisecond)."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Key) and (
+            self is other or (self.hash == other.hash and self.parts == other.parts)
+        )
+
+
+class Program:
+    """The chunk function of one structure: jitted, compiled once per argument
+    signature, and the time per step it last ran at (to size the calls of the
+    next ``fit`` with it from the start)."""
+
+    def __init__(self, fn: Callable):
+        self.chunks = fn  # (a ``Chunks``: its pieces make the stepwise programs)
+        self.jitted = jax.jit(fn)
+        self.seconds_per_step: float | None = None
+        self.executables: dict = {}
+        self.stepwise: dict = {}  # ``_fit_stepwise``'s, by argument signature
+        # ``execution="auto"``'s measured choice for this program, once made
+        # (``_fit_schedule.Execution``), and the fused program's text's hash
+        # (the choice's key on disk)
+        self.choice: str | None = None
+        self.digest: str | None = None
+        # the longest this program took to trace and compile (by this fit or
+        # the one that compiled it first): what auto's trial of the stepwise
+        # programs is expected to cost, also when a later call finds it compiled
+        self.compile_seconds = 0.0
+
+    def executable(self, args: tuple) -> Callable:
+        """The compiled program for arguments like ``args``: one already compiled
+        for the same lowered program (by any earlier ``fit``) if there is one."""
+        signature = self.signature(args)
+        exe = self.executables.get(signature)
+        if exe is None:
+            began = time.perf_counter()
+            lowered = self.jitted.trace(*args).lower()
+            text = lowered.as_text()
+            self.digest = hashlib.sha256(text.encode()).hexdigest()
+            if "callback" in text:  # host callbacks: functions the text cannot show
+                exe, seconds = lowered.compile(), None
+            else:
+                key = (hashlib.sha256(text.encode()).digest(), signature)
+                exe, seconds = EXECUTABLES.get(key, (None, None))
+                if exe is None:
+                    exe = lowered.compile()
+                    EXECUTABLES[key] = (exe, time.perf_counter() - began)
+                    while len(EXECUTABLES) > _CACHE_SIZE:
+                        EXECUTABLES.popitem(last=False)
+            seconds = time.perf_counter() - began if seconds is None else seconds
+            self.compile_seconds = max(self.compile_seconds, seconds)
+            self.executables[signature] = exe
+        return exe
+
+    def signature(self, args: tuple) -> tuple:
+        """What a compiled program is specific to: the arguments' structure,
+        shapes, dtypes and placements."""
+        leaves, treedef = jtu.tree_flatten(args)
+        return (treedef, *(_leaf_signature(x) for x in leaves))
+
+
+def _trace_context() -> Any:
+    """The JAX configuration that ``jax.jit`` keys its caches on (matmul
+    precision, PRNG implementation...): a program traced under other settings is
+    another program."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - another JAX: every setting counts
+        return tuple(sorted((k, repr(v)) for k, v in jax.config.values.items()))
+    return config.trace_context()
+
+
+def _leaf_signature(x: Any) -> tuple:
+    if isinstance(x, jax.Array):
+        return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
+    return (np.shape(x), np.result_type(x), type(x))
+
+
+def program(identity: tuple, build: Callable[[], Callable]) -> Program:
+    """The chunk program for a structure, from the cache when an earlier ``fit``
+    had the same one; else ``build()``'s chunk function. ``identity``: what the
+    program depends on, by fingerprint where there is one (a rebuilt
+    ``optax.adam(1e-3)`` or a re-defined ``loss_fn`` with the same code is the
+    same), with JAX's trace context added."""
+    try:
+        cache_key = _Key((_trace_context(), _backend.platform(), *identity))
+    except TypeError:  # an unhashable static part: compile for this call only
+        cache_key = None
+    found = None if cache_key is None else PROGRAMS.get(cache_key)
+    if found is not None:  # (one lookup: comparing keys is the costly part)
+        return found
+    program = Program(build())
+    if cache_key is not None:
+        PROGRAMS[cache_key] = program
+        while len(PROGRAMS) > _CACHE_SIZE:
+            PROGRAMS.popitem(last=False)
+    return program
+
+
+def identity(fingerprint: Any, fallback: Any, loss_fn: Callable, *rest: Any) -> tuple:
+    """Cache-key parts: the model's and ``loss_fn``'s fingerprints (the objects
+    themselves where there is none), then ``rest``."""
+    loss_key = _fingerprint.of(loss_fn)
+    return (
+        loss_fn if loss_key is None else loss_key,
+        fallback if fingerprint is None else fingerprint,
+        *rest,
+    )
+
+
+# ---------------------------------------------------------------------------- chunk
+
+
+class Chunk(NamedTuple):
+    """A compiled call's arguments (a population's with a member axis first)."""
+
+    leaves: list  # the training state
+    stopped: Any  # bool: stopped before the call (per member)
+    start: Any  # int32: the global step of the call's first step
+    count: Any  # int32: the steps to run (per member)
+    every: Any  # int32: steps between in-loop progress reports
+    data: Any  # array data (None for host batches)
+    key: Any  # fit's key (the members' keys)
+    xs: Any  # the call's example orders, or its stacked host batches
+    hp: Any  # the members' hyperparameters, else None
+    aux: Any  # {"eval": eval arrays, "stop": early-stop carry}, or None
+
+
+class Carry(NamedTuple):
+    """The training state between calls (a population's: a member axis
+    first): the state's leaves, stopped (by a non-finite step), the early-stop
+    carry."""
+
+    leaves: list
+    stopped: Any
+    extra: Any
+
+
+class Report(NamedTuple):
+    """What the host reads of a compiled call (per member for a population)."""
+
+    applied: Any  # steps applied
+    ran: Any  # steps the loop ran
+    stopped: Any  # stopped by a non-finite step (a population: or before)
+    ended: Any  # stopped by the early-stop rule
+    loss_ok: Any = None  # one model: the last step run's loss was finite
+    grads_ok: Any = None  # and its gradients
+
+
+class Out(NamedTuple):
+    """A compiled call's outputs."""
+
+    leaves: list
+    stopped: Any  # the next call's ``Chunk.stopped``
+    report: Report
+    bufs: Any  # per-step outputs, ``[length, ...]`` ({"loss", "metrics", ...})
+    extra: Any  # the early-stop carry
+
+
+def outputs(loss: Any, metrics: dict) -> dict:
+    """A step's outputs for the buffers: ``{"loss", "metrics"}``."""
+    return {"loss": loss, "metrics": dict(metrics)}
+
+
+def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
+    """``fn`` traced once, for arguments like ``args``: a function that replays
+    its equations, and the shapes of its output. The loop needs the shapes of a
+    step's outputs before the loop (its buffers) and the step inside it; tracing
+    the step twice (``eval_shape``, then the loop body) made a model's trace, the
+    Python part of the first call, about a third longer. Values ``fn`` closes
+    over (the call's tracers) are kept as the replay's constants. On CPU, its
+    convolutions are replayed in the layout XLA runs fast inside a loop body
+    (``_conv_layout``); a step without convolutions replays as traced."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jtu.tree_structure(shapes)
+
+    def replay(*args: Any) -> Any:
+        flat = _conv_layout.replay(closed, *jtu.tree_leaves(args))
+        return jtu.tree_unflatten(out_tree, flat)
+
+    replay.jaxpr = closed.jaxpr  # (what was traced: ``chunk_length`` reads it)
+    return replay, shapes
+
+
+def finite(loss: Any, grads: Any) -> tuple[Any, Any]:
+    """``(loss_ok, grads_ok)``. Per gradient leaf, the largest magnitude, finite
+    iff every element is: one reduction and a scalar test, cheaper to compile
+    than an elementwise finite test and its reduction (about 15% of a small
+    model's compile)."""
+    grads_ok = jnp.array(True)
+    for g in jtu.tree_leaves(grads):
+        if g.size:
+            grads_ok = grads_ok & jnp.isfinite(jnp.max(jnp.abs(g)))
+    return jnp.isfinite(loss), grads_ok
+
+
+def step_key(root: Any, t: Any, accumulate: int) -> Any:
+    """The key of global step ``t`` from ``root`` (``split(key)[1]``); with
+    ``accumulate=k``, one per micro-batch: those of data steps ``t*k ...
+    t*k+k-1``."""
+    if accumulate == 1:
+        return jr.fold_in(root, t)
+    micro = t * accumulate + jnp.arange(accumulate, dtype=jnp.int32)
+    return jax.vmap(lambda m: jr.fold_in(root, m))(micro)
+
+
+@functools.cache
+def false() -> Any:
+    """A device ``False`` (``jnp.array(False)`` compiles a program, ~20 ms)."""
+    return jax.device_put(np.False_)

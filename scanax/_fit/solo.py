@@ -1,0 +1,323 @@
+"""``scanax.fit`` of one model: its run (``fit_model``: the state laid out,
+placed, its program built or found, trained) and its kind (``Model``: what
+``_fit_loop.Run`` trains for it, and what that changes on the host)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .. import _caller, _fingerprint
+from .._errors import fit as errors
+from . import (
+    checkpoint as _checkpoint,
+    chunks as _fit_chunks,
+    engine as _fit_loop,
+    feature as _feature,
+    hooks as _fit_hooks,
+    program as _fit_program,
+    schedule as _fit_schedule,
+)
+from .callbacks import best as _best
+from .data import rollout as _rollout
+from .engine import Read
+from .models import adapt as _models
+from .program import Carry, Chunk, false
+from .result import FitResult, best_state
+
+_CALL = errors.CALL
+
+
+def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
+    """One model's run: its state laid out (the model's, then its features'),
+    placed, its program built (or found), then trained from its optimizer's
+    step."""
+    start = adapter.start_step()
+    if start is None:
+        if opt_state is not None:
+            warnings.warn(
+                errors.no_step_count(), RuntimeWarning, stacklevel=_caller.user_level()
+            )
+        start = 0
+    place, source, spec = setup.place, setup.source, setup.spec
+    base = _models.Flat(adapter)
+    features, feed = list(setup.features), None
+    if isinstance(source, _rollout.RolloutSource):  # the feed joins the state
+        feed = _rollout.Feeder(source)
+        features.append(feed)
+    feats = _feature.Features(base, features, start)
+    leaves = _checkpoint.strong(feats.state)
+    leaves, shardings = place.state(feats, leaves, setup.shard)
+    # In-loop bar reports only where calls are not sized to a quarter second:
+    # host batches, or a steps_per_call of the user's.
+    ticks = spec is not None and place.local
+    ticks = ticks and not source.sized_automatically(setup.steps_per_call)
+    eval_arrays = place.replicate(setup.eval_arrays)
+    checks = _with_eval(setup.checks, feats)
+    program = _model_program(feats, checks, setup, shardings, ticks, feed)
+    bar_every = spec.every if spec is not None and not ticks else None
+    schedule = _fit_schedule.Schedule(
+        program,
+        setup.length,
+        source,
+        setup.steps_per_call,
+        setup.checkpoint_every,
+        bar_every,
+    )
+    how = _fit_loop.How(start, start + setup.steps, spec, place, ticks, setup.execution)
+    best = None
+    if setup.best_dir is not None:  # the model's own leaves, first in the state
+        writer = _best.BestWriter(setup.best_dir, feats.names()[: feats.n], None)
+        # (Ema(on_eval=True): the best judged on the average, saved as such)
+        best = _best.BestSaver(writer, feats.eval_view)
+    extras = _fit_loop.Extras(checks, eval_arrays, setup.loggers, best)
+    kind = Model(base, feats)
+    run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
+    if setup.checkpoint_dir is not None:
+        run.resume(setup.checkpoint_dir, setup.checkpoint_every)
+    try:
+        result = run.go()
+    except BaseException:
+        # (NNX objects keep the last checked state in place: the feed with it)
+        if feed is not None and kind.finished is not None and base.kind == "nnx":
+            feed.keep(kind.finished, feats.at_of(feed), run.done)
+        raise
+    if feed is not None:  # the Rollout continues from the state handed back
+        feed.keep(kind.finished, feats.at_of(feed), run.done)
+    for logger in setup.loggers:
+        logger.sinks.raise_pending(result)
+    return result
+
+
+def _model_program(
+    feats: Any, checks: Any, setup: Any, shardings: Any, ticks: bool, feed: Any
+) -> Any:
+    """One model's chunk program, from the cache when an earlier ``fit`` had
+    the same structure."""
+    base, loss_fn, takes_key = feats.base, setup.loss_fn, setup.takes_key
+    plain = loss_fn if takes_key else (lambda model, batch, key: loss_fn(model, batch))
+    call = feats.wrap_loss(plain, base.kind)
+    fingerprint = base.fingerprint()
+    identity = _fit_program.identity(
+        None if fingerprint is None else (fingerprint, feats.key()),
+        (base.static, feats.key()),
+        loss_fn,
+        None if checks is None else (checks.key(), _fingerprint_or(setup.eval_call)),
+        takes_key,
+        base.treedef,
+        setup.source.static,
+        setup.length,
+        shardings,
+        ticks,
+    )
+    sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
+
+    def build():
+        lanes = _fit_chunks.Solo(
+            feats.step_factory(lambda hp: call, setup.accumulate),
+            sampler,
+            setup.place,
+            shardings,
+            takes_key,
+            checks,
+            setup.accumulate,
+            None if feed is None else feed.collector,
+        )
+        periods = (
+            None if checks is None else checks.every,
+            None if feed is None else feed.rollout.period,
+        )
+        return _fit_chunks.build_chunk(lanes, sampler, setup.length, ticks, periods)
+
+    return _fit_program.program(identity, build)
+
+
+def _fingerprint_or(fn: Any) -> Any:
+    if fn is None:
+        return None
+    found = _fingerprint.of(fn)
+    return fn if found is None else found
+
+
+def _with_eval(checks: Any, feats: Any) -> Any:
+    """``checks`` with its evaluation on one model's flat leaves (in eval mode,
+    in the precision computed in)."""
+    if checks is None:
+        return None
+    evaluate = None
+    if checks.evaluate is not None:
+        call = feats.wrap_loss(checks.evaluate, feats.base.kind)
+        evaluate = feats.eval_factory(lambda hp: call)
+    return checks.bound(feats, evaluate)
+
+
+class Model:
+    """What ``Run`` trains for one model: its state as flat leaves (the
+    model's, ``base``: a ``_models.Flat``, then its features', ``feats``). A
+    non-finite step stops the run: the call's good steps are recomputed and
+    the run ends with the last good state (see ``_fit_chunks.Chunks``)."""
+
+    members = None
+    hp = None
+    label = _CALL
+
+    def __init__(self, base: Any, feats: Any):
+        self.base, self.feats = base, feats
+        self.handed = None  # the (model, optimizer) given the last state early
+        self.first: list | None = None  # the state training started from
+        self.finished: list | None = None  # the state last handed back
+        self.results: dict = {}  # the features' results of that state
+
+    def init(self, run: Any, carry: Carry, key: Any) -> tuple[Carry, Any]:
+        if run.checks is not None:
+            carry = carry._replace(extra=run.checks.init(carry.leaves))
+        return carry, key
+
+    def begin(self, run: Any) -> None:
+        self.first = run.good
+
+    def names(self, run: Any) -> list[str]:
+        """The names of the checkpointed leaves."""
+        names = self.feats.names()
+        if run.extra is None:
+            return names
+        rule = [f"stop.rule.{f}" for f in run.extra.rule._fields]
+        return [
+            *names,
+            *rule,
+            *(f"stop.best.{n}" for n in names),
+            "stop.total",
+            "stop.count",
+        ]
+
+    def describe(self, run: Any) -> dict:
+        """What a checkpoint records of the run's inputs (a resume must see the
+        same): the data."""
+        return run.source.describe()
+
+    def saved(self, run: Any, carry: Carry) -> list:
+        """What a checkpoint holds: the state's leaves (and, with an early stop,
+        the rule's state and the best state kept)."""
+        if carry.extra is None:
+            return list(carry.leaves)
+        return [*carry.leaves, *jtu.tree_leaves(carry.extra)]
+
+    def load(self, run: Any, saved: list) -> Carry:
+        n, extra = len(run.leaves), run.extra
+        if extra is not None:
+            extra = jtu.tree_unflatten(jtu.tree_structure(extra), saved[n:])
+        return Carry(list(saved[:n]), run.stopped, extra)
+
+    def use_key(self, run: Any, key: Any) -> Any:
+        """Continue with ``key`` (a checkpoint's): the shuffle and the per-step
+        keys both come from it."""
+        run.source.use_key(key)
+        return key
+
+    def restored(self, run: Any, history: dict) -> None:
+        """(nothing to count: the history holds one model's steps)"""
+
+    def stopped_by_rule(self, run: Any) -> bool:
+        """Whether the early-stop rule has said stop (a restored checkpoint of
+        a call that stopped early): nothing is left to train."""
+        if run.extra is None:
+            return False
+        return bool(jax.device_get(run.extra.rule.stopped))
+
+    def count(self, run: Any, steps: int) -> tuple[Any, int]:
+        return np.int32(steps), run.every(steps)
+
+    def compile(self, run: Any, args: Chunk, mode: str) -> Any:
+        return run.execution.executable(args, mode)
+
+    def collect(self, run, start, end, out, args, report, ys, dispatched) -> Read:
+        count, early = int(report.applied), bool(report.ended)
+        run.schedule.ran(end - start, dispatched)
+        recorded = run.history.add(start, ys, count, count)
+        leaves, extra, redone = out.leaves, out.extra, None
+        halted = run.halted or early  # (early: the rule said stop, a clean end)
+        if not halted and start + count < end:
+            halted = True
+            leaves, extra = self._redo(run, args, count)
+            redone = Carry(leaves, out.stopped, extra)
+            done = run.done + count - run.start
+            run.warn(
+                errors.nonfinite_step(
+                    start + count,
+                    ys["loss"][count],
+                    bool(report.loss_ok),
+                    bool(report.grads_ok),
+                    done,
+                )
+            )
+        postfix = {}  # (only what a bar shows)
+        if count and run.spec is not None:
+            postfix["loss"] = f"{float(ys['loss'][count - 1]):.4g}"
+            for name, values in run.history.val.items():  # the last evaluation
+                if name != "val_step" and values and len(values[-1]):
+                    postfix[name] = f"{float(np.ravel(values[-1][-1])[0]):.4g}"
+        complete = not halted and start + count == end
+        state = Carry(leaves, out.stopped, extra)
+        call = _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
+        return Read(count, halted, leaves, redone, call)
+
+    def _redo(self, run: Any, args: Chunk, count: int) -> tuple:
+        """The state after the ``count`` good steps of a call that hit a bad one
+        (the same program on the same inputs: bit-identical)."""
+        again = args._replace(
+            stopped=false(), count=np.int32(count), every=np.int32(count + 1)
+        )  # count + 1: no reports
+        out = run.call(again)
+        if int(out.report.applied) != count:
+            raise errors.replay_mismatch(_CALL, count, int(out.report.applied))
+        return out.leaves, out.extra
+
+    def hand_over(self, run: Any) -> None:
+        """Give the objects the state while the last call runs (an NNX update
+        then overlaps it); a bad step found after replaces it. (Not when the
+        best state kept by the early stop replaces it anyway.)"""
+        self.handed = None if run.restoring else self.finish(run.leaves)
+
+    def interrupted(self, run: Any) -> None:
+        """Interrupted or failed: NNX objects keep the last checked state."""
+        if self.handed is not None or run.good is not self.first:
+            self.finish(run.good)
+
+    def best_step(self, run: Any) -> int | None:
+        """The step of the best state kept by the early stop (to restore)."""
+        if not run.restoring:
+            return None
+        step = int(jax.device_get(run.extra.rule.best_step))
+        return step if step >= 0 else None
+
+    def result(self, run: Any) -> FitResult:
+        best = self.best_step(run)
+        if best is not None:  # EarlyStop(restore_best=True): the best state
+            names = self.names(run)
+            kept = best_state(names, run.extra.best, run.leaves, self.feats.keeps_last)
+            model, optimizer = self.finish(kept)
+        elif self.handed is None or run.halted:
+            model, optimizer = self.finish(run.leaves)
+        else:
+            model, optimizer = self.handed  # (already holding the last state)
+        steps = run.done - run.start
+        history = run.history.result()
+        return FitResult(
+            model,
+            optimizer,
+            history,
+            steps,
+            best,
+            execution=run.execution.mode,
+            **self.results,
+        )
+
+    def finish(self, leaves: list) -> tuple[Any, Any]:
+        """The model and optimizer holding ``leaves`` (NNX: written in place),
+        and the features' results of that state."""
+        self.finished, self.results = leaves, self.feats.results(leaves)
+        return self.base.finish(leaves[: self.feats.n])

@@ -1,0 +1,126 @@
+"""What ``scanax.evaluate``, ``scanax.predict`` and fit's evaluation run a
+function on: a model (NNX, Equinox, a ``TrainState``, any pytree) or a
+population, as its arrays and a ``runner`` that rebuilds it in eval mode inside
+the compiled program (the user's objects are never switched or written)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _fingerprint, _nnx
+from .._errors import evaluate as errors
+from .._tree import is_array
+from .models import population as _population
+
+
+class Target(NamedTuple):
+    """What is evaluated: its arrays (``leaves``; a population's with a member
+    axis, and its hyperparameters ``hp``), what the compiled program depends on
+    (``identity``, a fingerprint, or None and then ``static``), and
+    ``runner(call) -> run(leaves, batch, key, hp)``: ``call(model, batch, key,
+    hp)`` on the model rebuilt from ``leaves`` in eval mode, its result as it
+    is. ``runner`` closes over no array: programs are cached."""
+
+    leaves: list
+    hp: Any
+    identity: Any
+    static: Any
+    runner: Callable
+    members: bool
+    trainstate: bool
+
+
+def of(call: str, model: Any) -> Target:
+    """What ``call`` (``scanax.evaluate``, ``predict`` or fit's evaluation)
+    evaluates for ``model``: an NNX module, a population, or a pytree."""
+    if _population.is_population(model):
+        return _population_target(model)
+    if _nnx.is_node(model):
+        return _nnx_target(model)
+    return _tree_target(call, model)
+
+
+def _nnx_target(model: Any) -> Target:
+    graphdef, leaves = _nnx.values([model])
+
+    def runner(call):
+        def run(leaves, batch, key, hp):
+            (copy,) = _nnx.unflatten(graphdef, leaves)
+            copy.eval()
+            return call(copy, batch, key, hp)
+
+        return run
+
+    found = _nnx.graphdef_fingerprint(graphdef)
+    identity = None if found is None else ("nnx", found)
+    return Target(leaves, None, identity, ("nnx", graphdef), runner, False, False)
+
+
+def _tree_target(call: str, model: Any) -> Target:
+    """An Equinox module, a TrainState or any pytree: its arrays are the
+    program's arguments, every other leaf is static."""
+    flat, treedef = jtu.tree_flatten(model)
+    dynamic = [i for i, x in enumerate(flat) if is_array(x)]
+    if not dynamic:
+        raise errors.model_type(call, model)
+    template = [None if is_array(x) else x for x in flat]
+    statics = tuple((i, x) for i, x in enumerate(template) if i not in set(dynamic))
+    trainstate = _is_train_state(model)
+
+    def runner(fn):
+        def run(leaves, batch, key, hp):
+            full = list(template)
+            for i, x in zip(dynamic, leaves):
+                full[i] = x
+            rebuilt = jtu.tree_unflatten(treedef, full)
+            eqx = sys.modules.get("equinox")
+            if eqx is not None:
+                rebuilt = eqx.nn.inference_mode(rebuilt)
+            return fn(rebuilt, batch, key, hp)
+
+        return run
+
+    static = ("tree", treedef, tuple(dynamic), statics)
+    identity = _fingerprint.of(static)
+    leaves = [flat[i] for i in dynamic]
+    return Target(leaves, None, identity, static, runner, False, trainstate)
+
+
+def _population_target(pop: Any) -> Target:
+    """Each member rebuilt by the population's own eval (``eval_factory``: its
+    kind's eval mode); ``call``'s result is passed out around the split into
+    ``(loss, metrics)`` that the fit loop's evaluation makes."""
+
+    def runner(call):
+        def run(leaves, batch, key, hp):
+            box = []
+
+            def inner(model, batch, key):
+                box.append(call(model, batch, key, hp))
+                return jnp.zeros(()), {}
+
+            pop.eval_factory(lambda hp: inner)(leaves, batch, key, hp)
+            return box[0]
+
+        return run
+
+    identity = pop.fingerprint()
+    return Target(
+        list(pop.state),
+        pop.hp(),
+        identity,
+        pop.make,
+        runner,
+        True,
+        pop.kind == "trainstate",
+    )
+
+
+def _is_train_state(x: Any) -> bool:
+    mod = sys.modules.get("flax.training.train_state")
+    return mod is not None and isinstance(x, mod.TrainState)
