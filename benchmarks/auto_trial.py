@@ -24,7 +24,7 @@ from functools import partial
 import jax, jax.numpy as jnp, jax.random as jr, optax
 from flax import nnx
 import scanax
-from scanax._fit.api import schedule as _fit_schedule
+from scanax._fit import schedule as _fit_schedule
 
 trial = []
 start_trial = _fit_schedule.Execution._start_trial

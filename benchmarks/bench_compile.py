@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 import scanax
-from scanax._fit.api import program as _fit_program
+from scanax._fit import program as _fit_program
 
 try:
     from benchmarks import _timing

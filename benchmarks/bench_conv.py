@@ -72,7 +72,7 @@ def make_step(tx):
 def _fresh_fit():
     """Forget every program fit compiled (its caches and JAX's): the next fit
     traces and compiles as a first call in a process does."""
-    from scanax._fit.api import program as _fit_program
+    from scanax._fit import program as _fit_program
 
     _fit_program.PROGRAMS.clear()
     _fit_program.EXECUTABLES.clear()

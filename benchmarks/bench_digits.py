@@ -176,7 +176,7 @@ import scanax
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 _phase("imports")  # bench
-from scanax._fit.api import hooks as _fit_hooks  # bench
+from scanax._fit import hooks as _fit_hooks  # bench
 _timed(_fit_hooks.BestSaver, "start", "after_call", "end", "close")  # bench
 """
     + _DATA

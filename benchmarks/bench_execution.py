@@ -31,7 +31,7 @@ import optax
 
 import scanax
 from scanax import _conv_layout
-from scanax._fit.api import program as _fit_program
+from scanax._fit import program as _fit_program
 
 try:
     from benchmarks import _timing

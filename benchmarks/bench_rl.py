@@ -54,7 +54,7 @@ import numpy as np
 import optax
 
 import scanax
-from scanax._fit.api import program as _fit_program
+from scanax._fit import program as _fit_program
 
 # The environment's functions by name, not the module: fit recognises
 # functions it has compiled by their code and the globals they read, and a user's

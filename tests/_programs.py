@@ -196,7 +196,7 @@ def text(jaxpr) -> str:
 def programs(name: str, **extra) -> list[str]:
     """Run combination ``name`` (``extra``: more of fit's keywords) and return
     the text of each program its calls compiled (in order)."""
-    from scanax._fit.api import program as _fit_program
+    from scanax._fit import program as _fit_program
 
     make, kw = COMBOS[name]
     seen = []

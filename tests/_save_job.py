@@ -35,7 +35,7 @@ import jax.random as jr
 import optax
 
 import scanax
-from scanax._fit.api import hooks as _fit_hooks
+from scanax._fit import hooks as _fit_hooks
 
 X = jr.normal(jr.key(0), (64, 3))
 Y = X @ jnp.array([[1.0], [2.0], [-1.0]])

@@ -78,7 +78,16 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fit.models.population",
         },
     ),
-    ("fit's data", {"_fit.data", "_fit.data.arrays", "_fit.data.iterables", "_fit.data.rollout", "_fit.targets"}),
+    (
+        "fit's data",
+        {
+            "_fit.data",
+            "_fit.data.arrays",
+            "_fit.data.iterables",
+            "_fit.data.rollout",
+            "_fit.targets",
+        },
+    ),
     (
         "fit's features",
         {

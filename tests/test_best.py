@@ -18,11 +18,11 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from scanax._fit.api.callbacks import best as _best
-from scanax._fit.api.models import adapt as _models
 
 import scanax
-from scanax._fit.api import checkpoint as _checkpoint
+from scanax._fit import checkpoint as _checkpoint
+from scanax._fit.callbacks import best as _best
+from scanax._fit.models import adapt as _models
 
 HERE = Path(__file__).resolve().parent
 XV = job.X[:16] + 0.5

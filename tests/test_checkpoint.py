@@ -326,7 +326,7 @@ def test_kill_9_at_random_moments_then_resume_is_exact(tmp_path):
 def test_checkpoint_of_another_format_is_refused(tmp_path, monkeypatch):
     model, opt = make()
     fit(model, opt, 6, checkpoint_dir=tmp_path, checkpoint_every=6)
-    from scanax._fit.api import checkpoint as _checkpoint
+    from scanax._fit import checkpoint as _checkpoint
 
     monkeypatch.setattr(_checkpoint, "_FORMAT", _checkpoint._FORMAT + 1)
     model, opt = make()

@@ -22,7 +22,7 @@ from fit_helpers import BS, KEY, MLP, TX, X, Y, nnx, nnx_loss, nnx_pair
 
 import scanax
 from scanax import _backend
-from scanax._fit.api import chunks as _fit_chunks, program as _fit_program
+from scanax._fit import chunks as _fit_chunks, program as _fit_program
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*non-finite.*:RuntimeWarning")
 

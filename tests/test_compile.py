@@ -319,7 +319,7 @@ def test_compile_cache_keeps_the_users_directory(tmp_path):
 def _fresh(fn):
     """``fn()`` with every cache of compiled programs emptied first: what a new
     process computes."""
-    from scanax._fit.api import program as _fit_program
+    from scanax._fit import program as _fit_program
 
     _fit_program.PROGRAMS.clear()
     _fit_program.EXECUTABLES.clear()

@@ -273,7 +273,7 @@ def test_the_readme_leads_with_the_commands_and_the_answers():
 def test_every_precision_fit_accepts_is_documented():
     """``precision=`` values ``fit`` accepts are each in its docstring (before:
     ``"float32"`` was accepted silently)."""
-    from scanax._fit.api.callbacks import precision as _precision
+    from scanax._fit.callbacks import precision as _precision
 
     for value in _precision._KNOWN:
         assert f'"{value}"' in scanax.fit.__doc__, value

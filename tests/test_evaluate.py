@@ -715,7 +715,7 @@ def test_a_key_is_followed_through_jitted_helpers_and_loops():
 )
 def test_the_key_rule(signature, population, takes):
     """``_keys.arguments``, the one rule of fit, evaluate and predict."""
-    from scanax._fit.api import keys as _keys
+    from scanax._fit import keys as _keys
 
     ns: dict = {}
     exec(f"def fn({signature}): pass", ns)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import scanax
-from scanax._fit.api import program as _fit_program, schedule as _fit_schedule
+from scanax._fit import program as _fit_program, schedule as _fit_schedule
 
 optax = pytest.importorskip("optax")
 nnx = pytest.importorskip("flax.nnx")

@@ -32,7 +32,7 @@ import pytest
 from helpers import count_compiles
 
 import scanax
-from scanax._fit.api import program as _fit_program
+from scanax._fit import program as _fit_program
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

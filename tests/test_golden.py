@@ -42,7 +42,7 @@ def _leaves(result):
 
 @pytest.mark.parametrize("name", programs.CHECKPOINTED)
 def test_an_old_checkpoint_resumes_exactly(tmp_path, monkeypatch, name):
-    from scanax._fit.api import checkpoint as _checkpoint
+    from scanax._fit import checkpoint as _checkpoint
 
     found = []
     restore = _checkpoint.Checkpoints.restore

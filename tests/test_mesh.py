@@ -194,7 +194,7 @@ def test_typed_key_placed_as_in_a_multi_process_job(monkeypatch):
     PRNG key travels as its key data and comes back a key (it raised before)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from scanax._fit.api import mesh as _mesh
+    from scanax._fit import mesh as _mesh
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -296,7 +296,7 @@ def test_array_data_already_on_the_mesh_keeps_its_sharding():
     """Rows split over 'data' (in several processes: each process's own rows,
     from jax.make_array_from_process_local_data) stay split; other arrays are
     replicated."""
-    from scanax._fit.api import mesh as _mesh
+    from scanax._fit import mesh as _mesh
 
     mesh = jax.make_mesh((4,), ("data",))
     rows = jax.device_put(X, jax.sharding.NamedSharding(mesh, P("data")))

@@ -31,10 +31,10 @@ import numpy as np
 import pytest
 from fit_helpers import MLP, X, Y, batch_at, joined, nnx, nnx_loss, optax, train_state
 from helpers import close
-from scanax._fit.api.callbacks import plateau as _plateau
 
 import scanax
-from scanax._fit.api import checks as _fit_checks, program as _fit_program
+from scanax._fit import checks as _fit_checks, program as _fit_program
+from scanax._fit.callbacks import plateau as _plateau
 from scanax._fit.callbacks.plateau import Plateau
 
 allclose = ft.partial(close, rtol=1e-5, atol=1e-6)

@@ -292,7 +292,7 @@ def memory(monkeypatch):
     """The population's memory as the automatic groups see it: ``need`` records
     what each compiled call needs; ``free(share)`` makes the devices' free
     memory that share of the need of the next call checked."""
-    from scanax._fit.api import memory as _memory
+    from scanax._fit import memory as _memory
 
     needs = []
     real = _memory.call_bytes
@@ -413,7 +413,7 @@ def test_a_grouped_run_stopped_partway_resumes(tmp_path):
 
 def test_free_memory_is_known_here():
     """On this machine's devices, the free memory and a compiled call's need."""
-    from scanax._fit.api import memory as _memory
+    from scanax._fit import memory as _memory
 
     free = _memory.free_bytes(jax.devices()[:1])
     if sys.platform.startswith("linux"):  # (elsewhere a CPU may report none)
@@ -812,7 +812,7 @@ def test_bfloat16_hyperparameters_are_numbers():
 _ORTHOGONAL_JOB = """
 import functools as ft
 import jax, jax.numpy as jnp, jax.random as jr, numpy as np, optax, scanax
-from scanax._fit.api.models import population as _population
+from scanax._fit.models import population as _population
 # CPU builds members one at a time, as solo makes: bit for bit. Elsewhere they are
 # vmapped (the device's batched QR): equal to float32 rounding.
 if jax.default_backend() == "cpu":

@@ -23,9 +23,9 @@ import numpy as np
 import optax
 import pytest
 from fit_helpers import joined
-from scanax._fit.api.callbacks import loss_scale as _loss_scale
 
 import scanax
+from scanax._fit.callbacks import loss_scale as _loss_scale
 
 X = jr.normal(jr.key(0), (64, 3))
 Y = X @ jnp.array([[1.0], [2.0], [-1.0]])
