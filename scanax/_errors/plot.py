@@ -1,4 +1,4 @@
-"""Messages of ``FitResult.plot``'s errors (``scanax._plot.plot``): the history it
+"""Messages of ``FitResult.plot``'s errors (``scanax._fit.plot.plot``): the history it
 draws."""
 
 from __future__ import annotations

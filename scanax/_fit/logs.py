@@ -149,7 +149,7 @@ class Sinks:
 
     Example:
         >>> import numpy as np
-        >>> from scanax._fit_logs import Sinks
+        >>> from scanax._fit.logs import Sinks
         >>> seen = []
         >>> sinks = Sinks(lambda step, m: seen.append((step, m)))
         >>> sinks.resume(0)
@@ -299,7 +299,7 @@ def window_reduce(
 
     Example:
         >>> import numpy as np
-        >>> from scanax._fit_logs import window_reduce
+        >>> from scanax._fit.logs import window_reduce
         >>> window_reduce(np.arange(1, 6), {"loss": np.arange(1.0, 6.0)}, 2)
         (array([2, 4, 5]), {'loss': array([1.5, 3.5, 5. ], dtype=float32)})
     """

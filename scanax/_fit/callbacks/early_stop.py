@@ -53,7 +53,7 @@ def auto_mode(monitor: str) -> str:
     ``MAX_WORDS`` as a word and none of ``MIN_WORDS``; ``"min"`` otherwise.
 
     Example:
-        >>> from scanax._stop import auto_mode
+        >>> from scanax._fit.callbacks.early_stop import auto_mode
         >>> [auto_mode(n) for n in ("val_accuracy", "top5_acc", "val_f1_score")]
         ['max', 'max', 'max']
         >>> [auto_mode(n) for n in ("val_loss", "mse", "dice_loss", "accumulated")]
