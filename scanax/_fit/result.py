@@ -28,24 +28,24 @@ class FitResult:
             that step, continuing across calls), ``"loss"`` and every metric that
             ``loss_fn`` returns.
         steps: the number of steps this result holds beyond the model passed in
-            (those trained, and those restored from ``checkpoint_dir``).
-        best_step: with ``stop=EarlyStop(..., restore_best=True)``: the step
+            (those trained, and those restored from a ``Checkpoint``'s directory).
+        best_step: with ``EarlyStop(..., restore_best=True)``: the step
             whose state ``model`` holds (``steps`` still counts the steps
             trained); else None.
-        ema: with ``fit(..., ema=decay)``: a model of the same kind (a new
+        ema: with ``Ema(decay)``: a model of the same kind (a new
             object) holding the moving average of the trained parameters (at
             ``best_step`` when the best state is restored); else None.
         execution: how the last call ran its steps, ``"fused"`` or
             ``"stepwise"`` (``fit(execution=)``; ``"auto"``'s choice).
-        plateau: with ``fit(..., plateau=)``: the rule's state in the state
+        plateau: with ``Plateau(...)``: the rule's state in the state
             returned (a ``PlateauState``; a population's: leaves ``[members]``;
             with a restored best state, that step's);
-            ``fit(..., plateau_state=result.plateau)`` continues it; else None.
-        loss_scale: with ``fit(..., precision="float16")``: the dynamic loss
+            ``Plateau(..., state=result.plateau)`` continues it; else None.
+        loss_scale: with ``Precision("float16")``: the dynamic loss
             scale in the state returned (a ``LossScale``: the scale and the
             count of good steps since it last changed; a population's: leaves
             ``[members]``; with a restored best state, that step's);
-            ``fit(..., loss_scale_state=result.loss_scale)`` continues it; else
+            ``Precision("float16", state=result.loss_scale)`` continues it; else
             None.
 
     For a population (``scanax.population``): ``model[i]`` and ``optimizer[i]``

@@ -33,7 +33,7 @@ class Rows(NamedTuple):
 
 
 class BestWriter:
-    """``fit(best_dir=)``'s store (``_checkpoint.Checkpoints``, best-only),
+    """``EarlyStop(best_dir=)``'s store (``_checkpoint.Checkpoints``, best-only),
     written on one background thread: at most one save at a time, the newest
     best offered saved after the one in progress (a best offered while another
     waits replaces it: a population's, per group), so that training never waits
@@ -192,7 +192,7 @@ class BestWriter:
 
 
 class BestSaver:
-    """``fit(best_dir=)``: the best state that ``stop=`` keeps on device,
+    """``EarlyStop(best_dir=)``: the best state that the ``EarlyStop`` keeps on device,
     offered to the ``BestWriter`` after each call that changed it (a
     population's: any of its members'); the run ends once it is saved. Only the
     model's own leaves (``pick``: not an average's or a rollout's; with

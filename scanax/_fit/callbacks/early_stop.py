@@ -88,7 +88,7 @@ MODES = ("auto", "min", "max")
 @dataclasses.dataclass(frozen=True)
 class EarlyStop(_feature.Feature):
     """Stop training when a monitored metric stops improving, and keep the best
-    model (``scanax.fit(..., stop=EarlyStop(...))``).
+    model (``scanax.fit(..., callbacks=[scanax.EarlyStop(...)])``).
 
     Conceptually equivalent to, at each evaluation (step ``step``, monitored
     value ``value``; ``first``: this is the first evaluation)::
@@ -118,7 +118,7 @@ class EarlyStop(_feature.Feature):
             returns, or an evaluation metric ``"val_<name>"``.
         patience: evaluations without improvement after which training stops
             (``0``: at the first); None: never stop, only keep the best (to
-            restore it, or save it with ``fit(best_dir=)``).
+            restore it, or save it with ``best_dir=``).
         min_delta: how much a value must beat the best by to count as an
             improvement (``>= 0``, in the direction of ``direction``).
         mode: ``"auto"`` (default: ``"max"`` for accuracies and other scores

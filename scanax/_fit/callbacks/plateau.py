@@ -73,7 +73,7 @@ NAMES = [f"plateau.{n}" for n in ("best", "wait", "cooldown", METRIC, "total", "
 @dataclasses.dataclass(frozen=True)
 class Plateau(_feature.Feature):
     """Reduce the learning rate when a monitored metric stops improving
-    (``scanax.fit(..., plateau=Plateau(...))``): each step's update of the
+    (``scanax.fit(..., callbacks=[scanax.Plateau(...)])``): each step's update of the
     trained parameters is multiplied by a scale that the rule lowers, which is
     lowering the learning rate for optimizers whose last stage is the rate
     (``sgd``, ``adam``, ``adamw``, ``lion``...; not ``rmsprop(momentum=)``,
@@ -111,7 +111,7 @@ class Plateau(_feature.Feature):
     the name alone, as ``EarlyStop``'s does (see ``direction``); ``min_delta``
     must be ``>= 0``; a NaN value is never an improvement, even the first. Each
     ``fit`` call starts the rule again with the scale at 1 unless it is given
-    the previous call's ``plateau_state=result.plateau`` (Keras resets
+    the previous call's ``Plateau(..., state=result.plateau)`` (Keras resets
     ``best``, ``wait`` and the cooldown at each ``model.fit`` and keeps the
     lowered rate).
 
