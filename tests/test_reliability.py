@@ -864,3 +864,94 @@ def test_a_populations_refusals_while_tracing_change_no_member():
         with pytest.raises(TypeError, match=match):
             fit_quiet(pop, None, loss_fn, (X, Y), steps=4, batch_size=BS, **options)
         leaves_equal(list(pop.state), before)
+
+
+# ------------------------------------------------- a newcomer's port (issue 38)
+
+
+def _masked(p, batch):
+    x, y, m = batch
+    return jnp.sum(((x * p["w"]) - y) ** 2 * m), jnp.sum(m)
+
+
+def test_a_ratio_loss_trains_on_its_value():
+    """docs/evaluate.md: the loss may be a ``scanax.Ratio`` (a per-token loss);
+    training reads it as ``num / den``, as a hand-written loss would."""
+    import optax
+
+    x = jr.normal(jr.key(0), (64, 5))
+    m = (jr.uniform(jr.key(1), (64, 5)) > 0.3).astype(jnp.float32)
+    data = (x, x.sum(1, keepdims=True) * m, m)
+    p = {"w": jnp.zeros((5,))}
+
+    def as_ratio(p, b):
+        return scanax.Ratio(*_masked(p, b))
+
+    def by_hand(p, b):
+        num, den = _masked(p, b)
+        return num / den
+
+    kw = dict(steps=6, batch_size=16, progress=False, key=jr.key(2))
+    ratio = scanax.fit(p, optax.sgd(0.1), as_ratio, data, **kw)
+    hand = scanax.fit(p, optax.sgd(0.1), by_hand, data, **kw)
+    np.testing.assert_allclose(ratio.history["loss"], hand.history["loss"], rtol=1e-6)
+    np.testing.assert_allclose(ratio.model["w"], hand.model["w"], rtol=1e-6)
+    assert not np.allclose(ratio.model["w"], 0.0)  # (it trained)
+
+
+def test_object_form_messages_name_the_objects():
+    """Refusals met in the object form name the objects, not only the keywords."""
+    import optax
+
+    x = jnp.ones((8, 3))
+    p = {"w": jnp.zeros((3,))}
+
+    def loss(p, b):
+        return jnp.mean((b @ p["w"]) ** 2)
+
+    with pytest.raises(TypeError, match=r"scanax.EarlyStop \(stop=\) is given"):
+        scanax.fit(
+            p, optax.sgd(0.1), loss, x, steps=2, batch_size=4, progress=False,
+            callbacks=[scanax.EarlyStop("loss", patience=1)],
+        )  # fmt: skip
+    with pytest.raises(TypeError, match=r"scanax.Eval \(eval_data=\) is given"):
+        scanax.fit(
+            p, optax.sgd(0.1), loss, x, steps=2, batch_size=4, progress=False,
+            callbacks=[scanax.Eval(x)],
+        )  # fmt: skip
+    with pytest.raises(
+        TypeError, match=r"scanax.Eval: .*got tuple \(\[0\] list, \[1\] list\)"
+    ):
+        scanax.Eval(([1.0, 2.0], [3.0, 4.0]), every=2)
+
+
+@pytest.mark.parametrize("sink", [scanax.CSV, scanax.TensorBoard])
+def test_a_sink_window_is_checked_by_kind(tmp_path, sink):
+    with pytest.raises(ValueError, match=r"`every` must be a positive int"):
+        sink(str(tmp_path / "log"), every=0)
+    with pytest.raises(TypeError, match=r"`every` must be a positive int"):
+        sink(str(tmp_path / "log"), every=1.5)
+
+
+def test_reviewers_refusals_are_named_and_early(tmp_path):
+    """An existing file as best_dir, a list given to Log, two sinks on one
+    file: refused by name before anything runs (issue 38's review)."""
+    import optax
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=r"best_dir .* exists and is not a directory"):
+        scanax.EarlyStop("loss", patience=1, best_dir=afile)
+    with pytest.raises(TypeError, match=r"scanax.Log: takes one sink, got list"):
+        scanax.Log([print, print])
+    x = jnp.ones((8, 3))
+    p = {"w": jnp.ones((3,))}
+    path = str(tmp_path / "log.csv")
+    with pytest.raises(ValueError, match=r"scanax.CSV and a scanax.CSV writing to"):
+        scanax.fit(
+            p, optax.sgd(0.1), lambda p, b: jnp.mean(b @ p["w"]), x, steps=2,
+            batch_size=4, progress=False,
+            callbacks=[scanax.CSV(path, every=1), scanax.CSV(path, every=2)],
+        )  # fmt: skip
+    assert not os.path.exists(path)
+    np.testing.assert_array_equal(p["w"], 1.0)

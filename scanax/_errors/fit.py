@@ -284,11 +284,17 @@ def stop_type(stop: Any) -> TypeError:
 
 
 def eval_every_missing(has_data: bool) -> TypeError:
-    what = "eval_data" if has_data else "stop"
+    what = (
+        "scanax.Eval (eval_data=) is given without `every`"
+        if has_data
+        else "scanax.EarlyStop (stop=) is given without a scanax.Eval's `every`"
+    )
     return TypeError(
-        f"{CALL}: `{what}` is given without eval_every: evaluation and the early-stop "
-        "rule run every eval_every steps, inside the compiled loop.\nFix: pass "
-        "scanax.Eval(..., every=N) in callbacks (eval_every=N), e.g. N=100."
+        f"{CALL}: {what} (eval_every=), and fit trains by steps, not epochs: "
+        "evaluation and the early-stop rule run every `every` steps, inside the "
+        "compiled loop.\nFix: pass scanax.Eval((x_val, y_val), every=N) in "
+        "callbacks (eval_every=N), e.g. N=100; or train by epochs= (then one "
+        "evaluation per epoch)."
     )
 
 
@@ -308,11 +314,19 @@ def val_monitor_without_data(monitor: str) -> ValueError:
 
 
 def eval_data_not_arrays(data: Any) -> TypeError:
+    leaves = jtu.tree_flatten_with_path(data, is_leaf=lambda x: isinstance(x, list))
+    found = [
+        f"{jtu.keystr(p) or '(the data)'} {short_type(x)}"
+        for p, x in leaves[0]
+        if not hasattr(x, "shape")
+    ]
+    where = f" ({', '.join(found[:4])})" if found and not isinstance(data, list) else ""
     return TypeError(
-        f"{CALL}: eval_data must be arrays with a leading example axis (a tuple or "
-        f"dict of arrays), got {short_type(data)}: the whole of it is evaluated "
-        "inside the compiled loop.\nFix: stack the validation set into arrays, "
-        "e.g. eval_data=(x_val, y_val)."
+        f"scanax.Eval: the evaluation data must be arrays with a leading example "
+        f"axis (a tuple or dict of arrays), got {short_type(data)}{where}: the "
+        "whole of it is evaluated inside the compiled loop.\nFix: stack the "
+        "validation set into arrays, e.g. scanax.Eval((jnp.asarray(x_val), "
+        "jnp.asarray(y_val)), every=100)."
     )
 
 
@@ -470,9 +484,11 @@ def iterator_state_type(state: Any) -> TypeError:
 def precision_value(precision: Any) -> ValueError:
     return ValueError(
         f"{CALL}: precision={precision!r} is not one fit knows: expected "
-        "'bfloat16', 'float16' or None.\nFix: pass precision='bfloat16' (compute "
-        "in bfloat16, float32 parameters and optimizer state), 'float16' (the "
-        "same in float16, with dynamic loss scaling) or None (float32)."
+        "'bfloat16', 'float16' (scanax.Precision's dtype) or None (no "
+        "scanax.Precision).\nFix: pass scanax.Precision('bfloat16') (compute in "
+        "bfloat16, float32 parameters and optimizer state) or "
+        "scanax.Precision('float16') (the same in float16, with dynamic loss "
+        "scaling); for float32 give no Precision (precision=None)."
     )
 
 
@@ -585,4 +601,13 @@ def replay_mismatch(call: str, count: int, applied: int) -> RuntimeError:
     return RuntimeError(
         f"{call}: internal error: replaying {count} good steps applied {applied}. "
         "Please report this with your model and data."
+    )
+
+
+def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
+    return ValueError(
+        f"{CALL}: callbacks= holds a scanax.{first} and a scanax.{second} writing "
+        f"to the same path {str(path)!r}: their rows would be interleaved and "
+        "overwritten.\nFix: give each sink its own path (one sink per file or "
+        "directory)."
     )

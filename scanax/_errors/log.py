@@ -160,8 +160,10 @@ def path_not_writable(path: str, wanted: str) -> PermissionError:
     return PermissionError(f"{path} is not writable{made}")
 
 
-def every_type(call: str, every: Any) -> TypeError:
-    return TypeError(
+def every_type(call: str, every: Any) -> TypeError | ValueError:
+    """An int that is not positive is a wrong value; anything else a wrong type."""
+    kind = ValueError if type(every) is int else TypeError
+    return kind(
         f"{call}: `every` must be a positive int (steps per window), got "
         f"{short_type(every)}.\nFix: pass e.g. every=10."
     )
@@ -169,3 +171,11 @@ def every_type(call: str, every: Any) -> TypeError:
 
 def no_mlflow() -> ImportError:
     return missing_extra("scanax.MLflow", "logging to MLflow", "mlflow", "mlflow")
+
+
+def log_one_sink(sink: Any) -> TypeError:
+    return TypeError(
+        f"scanax.Log: takes one sink, got {short_type(sink)} of "
+        f"{len(sink)}.\nFix: one scanax.Log per sink, e.g. "
+        "callbacks=[scanax.Log(f, every=10), scanax.Log(g, every=10)]."
+    )

@@ -104,3 +104,10 @@ def best_dir_type(directory: Any) -> TypeError:
         f"{short_type(directory)}.\nFix: pass a directory path, e.g. "
         "best_dir='runs/best'."
     )
+
+
+def best_dir_not_dir(path: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: best_dir {path!r} exists and is not a directory.\nFix: pass a "
+        "directory (it is created if missing), not a file."
+    )

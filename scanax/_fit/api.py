@@ -102,18 +102,6 @@ def fit(
         batch_size: examples per step, for array data.
         key: a ``jax.random`` key: shuffles array data and, for a three-argument
             ``loss_fn``, gives the per-step keys.
-        steps_per_call: steps run per compiled call; the progress bar, NaN check and
-            checkpoints happen between calls. Results do not depend on it. Default:
-            array data: sized automatically to about a quarter second per call
-            (8 steps first, at most 1000; in a multi-process job, where every
-            process must run the same calls, the compiled length: up to 1000);
-            an iterable: 100 batches per call
-            (fewer, rounded up to a power of two, when ``steps`` is smaller).
-        progress: a tqdm bar with steps/s and the latest loss, updated between
-            calls (and, for iterables or a given ``steps_per_call``, from inside
-            the compiled loop). As in ``scanax.scan``: ``True``, ``False``
-            (silent), an int (update every that many steps) or
-            ``scanax.Progress(every=..., desc=..., ...)``.
         callbacks: the run's features, objects in any order (the engine orders
             their parts; each class at most once, log sinks any number):
             ``scanax.Eval(data, every=)``: evaluation inside the loop, and
@@ -255,10 +243,6 @@ def fit(
     if epochs is not None:
         result.history["epoch"] = setup.source.epoch_of(result.history["step"])
     return result
-
-
-# fit's own parameters (what an unknown keyword is compared with)
-PARAMETERS = [p for p in inspect.signature(fit).parameters if p != "shorthand"]
 
 
 # fit's own parameters (what an unknown keyword is compared with)

@@ -193,8 +193,15 @@ def sort(callbacks: list) -> dict:
     """``{kind: object}`` of ``callbacks=``'s features (each kind at most
     once; log sinks any number of times), refusing anything else by name."""
     found: dict = {}
+    paths: dict = {}  # a file sink's path: two sinks writing one file lose rows
     for i, f in enumerate(callbacks):
         if isinstance(f, SINKS):
+            path = getattr(f, "path", None) or getattr(f, "logdir", None)
+            if path is not None:
+                key = os.path.abspath(os.fspath(path))
+                if key in paths:
+                    raise errors.sinks_share_a_path(paths[key], type(f).__name__, path)
+                paths[key] = type(f).__name__
             continue
         kind = next((k for k in KINDS if isinstance(f, k)), None)
         if kind is None:

@@ -180,9 +180,11 @@ class EarlyStop(_feature.Feature):
             raise errors.restore_best_type(self.restore_best)
         if self.best_dir is not None:
             try:
-                os.fspath(self.best_dir)
+                path = os.fspath(self.best_dir)
             except TypeError:
                 raise errors.best_dir_type(self.best_dir) from None
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise errors.best_dir_not_dir(path)
 
     def program_key(self) -> tuple:
         """The rule, and whether a best state is saved (a population keeps

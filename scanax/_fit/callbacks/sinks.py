@@ -174,6 +174,8 @@ class Log(_feature.Feature):
     """
 
     def __init__(self, sink: Callable, *, every: int = DEFAULT_EVERY):
+        if isinstance(sink, (list, tuple)):
+            raise errors.log_one_sink(sink)
         (self.sink,) = resolve(sink)
         self.every = _every("scanax.Log", every)
 

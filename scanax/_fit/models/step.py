@@ -37,6 +37,14 @@ def split_loss(call: str, out: Any, name: str = "loss_fn") -> tuple[Any, dict]:
         loss, metrics = out
     else:
         loss, metrics = out, {}
+    if (
+        name == "loss_fn"
+        and not isinstance(loss, jax.Array)
+        and hasattr(loss, "__jax_array__")
+    ):
+        # a scanax.Ratio trained on: its value num / den (an evaluation keeps
+        # its sums apart, ``eval_fn``'s)
+        loss = loss.__jax_array__()
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
