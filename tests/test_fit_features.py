@@ -395,7 +395,11 @@ def test_plot_returns_the_figure(tmp_path):
     "kwargs, exc, match",
     [
         (dict(eval_every=5), TypeError, "eval_every is given without eval_data"),
-        (dict(eval_data=(XV, YV)), TypeError, "without eval_every"),
+        (
+            dict(eval_data=(XV, YV)),
+            TypeError,
+            r"scanax.Eval \(eval_data=\) is given without `every` \(eval_every=\)",
+        ),
         (dict(eval_fn=nnx_loss), TypeError, "`eval_fn` is given without eval_data"),
         (
             dict(
@@ -414,7 +418,11 @@ def test_plot_returns_the_figure(tmp_path):
         (dict(accumulate=0), ValueError, "accumulate"),
         (dict(accumulate=7), ValueError, r"accumulate=7 micro-batches .* 56 examples"),
         (dict(accumulate=2.0), TypeError, "accumulate"),
-        (dict(eval_data=[XV], eval_every=2), TypeError, "the evaluation data must be arrays"),
+        (
+            dict(eval_data=[XV], eval_every=2),
+            TypeError,
+            "the evaluation data must be arrays",
+        ),
         (dict(stop="val_loss", eval_every=2), TypeError, "must be a scanax.EarlyStop"),
         # eval_fn's and eval_data's mistakes are named as theirs, not loss_fn's/data's
         (

@@ -142,7 +142,10 @@ def test_errors():
     with pytest.raises(ValueError, match="precision='half' is not one fit knows"):
         scanax.fit(P0, TX, loss_fn, (X, Y, LABELS), steps=1, batch_size=16,
                    precision="half")  # fmt: skip
-    with pytest.raises(ValueError, match="expected 'bfloat16', 'float16' or None"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected 'bfloat16', 'float16' \(scanax.Precision's dtype\) or None",
+    ):
         scanax.fit(P0, TX, loss_fn, (X, Y, LABELS), steps=1, batch_size=16,
                    precision=16)  # fmt: skip
 
