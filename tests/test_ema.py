@@ -142,9 +142,14 @@ def test_evaluations_on_the_average():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="ema=1.0 is not in \\[0, 1\\)"):
+    with pytest.raises(
+        ValueError, match=r"scanax.Ema: the decay 1.0 \(ema=1.0\) is not in \[0, 1\)"
+    ):
         _fit(ema=1.0)
-    with pytest.raises(TypeError, match="`ema` must be a decay"):
+    with pytest.raises(
+        TypeError,
+        match=r"scanax.Ema: its decay \(fit.s `ema` shorthand\) must be a decay",
+    ):
         _fit(ema="0.9")
     with pytest.raises(TypeError, match="`ema_eval` is given without `ema`"):
         _fit(ema=None, ema_eval=True)

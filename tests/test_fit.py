@@ -907,7 +907,7 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             (X, Y),
             dict(ARRAYS, checkpoint_dir=3),
             TypeError,
-            r"scanax.fit: checkpoint_dir must be a path \(str or os.PathLike\), got int",
+            r"scanax.Checkpoint: its directory \(checkpoint_dir=\) must be a path \(str or os.PathLike\), got int",
         ),
         (
             "mse",

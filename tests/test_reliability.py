@@ -955,3 +955,18 @@ def test_reviewers_refusals_are_named_and_early(tmp_path):
         )  # fmt: skip
     assert not os.path.exists(path)
     np.testing.assert_array_equal(p["w"], 1.0)
+
+
+def test_a_feature_object_refuses_in_its_own_name(tmp_path):
+    """A refusal raised when a feature object is made starts with the object's
+    name and shows the object form in its fix (the keyword in parentheses)."""
+    with pytest.raises(
+        ValueError, match=r"(?s)^scanax.Ema: the decay 1.5 .*scanax.Ema\("
+    ):
+        scanax.Ema(1.5)
+    with pytest.raises(ValueError, match=r"^scanax.Checkpoint: `every` must be a"):
+        scanax.Checkpoint(tmp_path, every=0)
+    with pytest.raises(TypeError, match=r"(?s)^scanax.Checkpoint: its directory .*Fix"):
+        scanax.Checkpoint(3)
+    with pytest.raises(TypeError, match=r"^scanax.Eval: `fn` \(eval_fn=\) must be"):
+        scanax.Eval(jnp.ones((4, 2)), every=2, fn=3)

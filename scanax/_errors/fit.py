@@ -43,9 +43,9 @@ def metrics_changed(
 
 def checkpoint_dir_type(directory: Any) -> TypeError:
     return TypeError(
-        f"{CALL}: checkpoint_dir must be a path (str or os.PathLike), got "
-        f"{short_type(directory)}.\nFix: pass a directory path, e.g. "
-        "checkpoint_dir='runs/ckpt'."
+        "scanax.Checkpoint: its directory (checkpoint_dir=) must be a path (str "
+        f"or os.PathLike), got {short_type(directory)}.\nFix: pass a directory "
+        "path, e.g. scanax.Checkpoint('runs/ckpt', every=500)."
     )
 
 
@@ -141,16 +141,16 @@ def batch_shape_changed(
     )
 
 
-def not_positive(name: str, value: int) -> ValueError:
+def not_positive(name: str, value: int, call: str = CALL) -> ValueError:
     return ValueError(
-        f"{CALL}: `{name}` must be a positive int, got {value}.\nFix: pass "
+        f"{call}: `{name}` must be a positive int, got {value}.\nFix: pass "
         f"{name}=1 or more."
     )
 
 
-def not_int(name: str, value: Any) -> TypeError:
+def not_int(name: str, value: Any, call: str = CALL) -> TypeError:
     return TypeError(
-        f"{CALL}: `{name}` must be a positive int, got "
+        f"{call}: `{name}` must be a positive int, got "
         f"{short_type(value)}.\nFix: pass an int, e.g. {name}=100."
     )
 
@@ -332,9 +332,9 @@ def eval_data_not_arrays(data: Any) -> TypeError:
 
 def eval_fn_not_callable(fn: Any) -> TypeError:
     return TypeError(
-        f"{CALL}: eval_fn must be callable as eval_fn(model, batch) -> loss or "
-        f"(loss, metrics), got {short_type(fn)}.\nFix: pass a function, or drop "
-        "eval_fn to evaluate loss_fn."
+        "scanax.Eval: `fn` (eval_fn=) must be callable as fn(model, batch) -> "
+        f"loss or (loss, metrics), got {short_type(fn)}.\nFix: pass a function, "
+        "or leave `fn` out to evaluate loss_fn."
     )
 
 
@@ -436,8 +436,8 @@ def steps_missing() -> TypeError:
 
 def ema_type(ema: Any) -> TypeError:
     return TypeError(
-        f"{CALL}: `ema` must be a decay (a float in [0, 1)), got "
-        f"{short_type(ema)}.\nFix: pass e.g. ema=0.999."
+        "scanax.Ema: its decay (fit's `ema` shorthand) must be a decay (a float "
+        f"in [0, 1)), got {short_type(ema)}.\nFix: pass e.g. scanax.Ema(0.999)."
     )
 
 
@@ -451,8 +451,9 @@ def ema_on_eval_type(value: Any) -> TypeError:
 
 def ema_value(ema: Any) -> ValueError:
     return ValueError(
-        f"{CALL}: ema={ema!r} is not in [0, 1): the average is e = ema * e + "
-        "(1 - ema) * p after each step.\nFix: pass a decay such as 0.99 or 0.999."
+        f"scanax.Ema: the decay {ema!r} (ema={ema!r}) is not in [0, 1): the "
+        "average is e = decay * e + (1 - decay) * p after each step.\nFix: pass "
+        "a decay such as scanax.Ema(0.99) or scanax.Ema(0.999)."
     )
 
 

@@ -150,9 +150,9 @@ class Checkpoint(_feature.Feature):
         every = self.every
         if every is not None:
             if isinstance(every, bool) or not isinstance(every, numbers.Integral):
-                raise fit_errors.not_int("checkpoint_every", every)
+                raise fit_errors.not_int("every", every, "scanax.Checkpoint")
             if every < 1:
-                raise fit_errors.not_positive("checkpoint_every", every)
+                raise fit_errors.not_positive("every", every, "scanax.Checkpoint")
             object.__setattr__(self, "every", int(every))
 
     def program_key(self) -> None:
