@@ -23,6 +23,13 @@ import pytest  # noqa: E402
 if jax.default_backend() != "cpu":
     jax.config.update("jax_default_matmul_precision", "highest")
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# A TPU admits one process at a time (libtpu's lock file): this one holds it, so
+# the jobs tests start (kill -9 and resume, a fresh process's import) run on the
+# CPU, where what they prove is the same program. jax read JAX_PLATFORMS when it
+# was imported, so this reaches the children only. For the same reason the suite
+# runs in one process on a TPU (no pytest -n).
+if jax.default_backend() == "tpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 # JAX's strict dtype promotion, as Equinox's tests run: no implicit mixing of dtypes
 # (an int32 times 0.5, float32 with bfloat16, a bool mask times floats), so that
