@@ -319,14 +319,14 @@ def _trailing(x: Any, ndim: int) -> Any:
 
 def time_major(method: str, backend: str) -> bool:
     """Whether a method runs with time moved to axis 0: the sequential and
-    chunked scans always; the associative scan on CPU and TPU, where XLA's
-    strided slices of an inner time axis cost more than two transposes (a
-    batch-major minimal LRU, ``[32, T, 64-256]`` complex64, forward + gradient,
-    against ``vmap`` of the hand-written scan over the batch: 0.81-0.97x the
-    time on CPU transposed; 1.09-1.37x on a TPU v5e left in place); on a GPU it
-    scans ``b`` where its time axis is (every level is a pass over memory, and
-    so is each transpose; not measured)."""
-    return method != "associative" or backend != "gpu"
+    chunked scans always; the associative scan on CPU, where XLA's strided
+    slices of an inner time axis cost more than two transposes (a batch-major
+    minimal LRU, ``[32, T, 64-256]`` complex64, forward + gradient: 0.81-0.97x
+    the time of ``vmap`` of the hand-written scan over the batch); elsewhere it
+    scans ``b`` where its time axis is (on a GPU every level is a pass over
+    memory, and so is each transpose; not measured. On a TPU v5e both layouts
+    measured the same, 1.10-1.38x that ``vmap``)."""
+    return method != "associative" or backend == "cpu"
 
 
 @ft.partial(

@@ -33,6 +33,17 @@ def gpu(monkeypatch):
     monkeypatch.setattr(_backend, "platform", lambda: "gpu")
 
 
+# The structure is read from XLA:CPU's (or XLA:GPU's) optimized HLO text, where a
+# while of a static trip count carries ``known_trip_count`` in its backend_config.
+# On a TPU v5e no loop of k known iterations was found in XLA:TPU's text for any
+# of the tests below (the same plans, k 8 and 64): what its compiler writes
+# differs, so there these tests say nothing and are skipped.
+hlo_text = pytest.mark.skipif(
+    jax.default_backend() == "tpu",
+    reason="reads XLA:CPU/GPU's known_trip_count, not in XLA:TPU's HLO text",
+)
+
+
 # ---------------------------------------------------------------------------- HLO
 
 
@@ -159,7 +170,8 @@ def test_chunk_length_rule(gpu):
     assert _fit_chunks.chunk_length(small, (97,)) == 64  # prime: cut chunks
 
 
-def test_one_step_per_iteration_on_cpu():
+def test_one_step_per_iteration_on_cpu(monkeypatch):
+    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
     fresh()
     fit()
     program, _ = newest_program()
@@ -181,12 +193,14 @@ def test_plan_counts_and_ends():
 # ---------------------------------------------------------------------------- structure
 
 
+@hlo_text
 def test_no_options(gpu):
     fresh()
     fit()
     assert_chunked()
 
 
+@hlo_text
 def test_evaluation_progress_bar_and_early_stop(gpu):
     fresh()
     fit(
@@ -198,6 +212,7 @@ def test_evaluation_progress_bar_and_early_stop(gpu):
     assert_chunked(events=True)
 
 
+@hlo_text
 def test_plateau_and_a_training_metric_monitor(gpu):
     fresh()
     fit(
@@ -208,6 +223,7 @@ def test_plateau_and_a_training_metric_monitor(gpu):
     assert_chunked(events=True)
 
 
+@hlo_text
 def test_in_loop_progress_reports(gpu):
     """Calls of a given length report to the bar from inside the loop: at
     the chunk boundaries, through one conditional per chunk."""
@@ -216,12 +232,14 @@ def test_in_loop_progress_reports(gpu):
     assert_chunked(events=True)
 
 
+@hlo_text
 def test_accumulation_ema_and_float16(gpu):
     fresh()
     fit(accumulate=2, ema=0.9, precision="float16")
     assert_chunked()
 
 
+@hlo_text
 def test_a_rollout_collects_at_chunk_boundaries(gpu):
     import _rollout_job as job
 
@@ -234,6 +252,7 @@ def test_a_rollout_collects_at_chunk_boundaries(gpu):
     assert program.chunks.plan.k == 8  # (the period: a collection per chunk)
 
 
+@hlo_text
 def test_a_population_with_members_stopping(gpu):
     def make(key, lr, blow):
         model = MLP(nnx.Rngs(key))
@@ -258,6 +277,7 @@ def test_a_population_with_members_stopping(gpu):
     assert_chunked()
 
 
+@hlo_text
 def test_a_mesh(gpu):
     devices = np.array(jax.devices()[:2])
     mesh = jax.sharding.Mesh(devices, ("data",))

@@ -105,8 +105,19 @@ def test_float32_matches_float64_loop(method, dtype, reverse):
     np.testing.assert_allclose(last, want[1], rtol=1e-5, atol=1e-6)
 
 
+# XLA:TPU has no complex128 arithmetic: its compiler stops on an internal layout
+# check (seen on a TPU v5e, jax 0.10.2), for any program of complex128 values,
+# ours and the reference loop's alike. float64 runs there.
+_COMPLEX128 = pytest.param(
+    np.complex128,
+    marks=pytest.mark.skipif(
+        jax.default_backend() == "tpu", reason="XLA:TPU compiles no complex128"
+    ),
+)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+@pytest.mark.parametrize("dtype", [np.float64, _COMPLEX128])
 @pytest.mark.parametrize("method", METHODS)
 def test_values_and_gradients_in_float64(method, dtype, reverse):
     with jax.enable_x64(True):
@@ -375,13 +386,10 @@ def test_associative_is_the_hand_written_program(grad):
     close(ours(lam, b), hand(lam, b), 1e-5)
 
 
-def test_associative_in_place_on_gpu_only():
-    """The associative scan moves time to axis 0 on CPU and TPU (measured faster
-    there), not on a GPU; the loops always do."""
+def test_time_major_on_cpu_only():
     from scanax._linear_scan import time_major
 
-    assert time_major("associative", "cpu") and time_major("associative", "tpu")
-    assert not time_major("associative", "gpu")
+    assert time_major("associative", "cpu") and not time_major("associative", "gpu")
     assert time_major("sequential", "gpu") and time_major("chunked", "tpu")
 
 
