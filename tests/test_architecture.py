@@ -102,7 +102,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fit.callbacks.sinks",
         },
     ),
-    ("fit's program", {"_fit.program", "_fit.chunks", "_fit.stepwise", "_fit.metrics"}),
+    (
+        "fit's program",
+        {"_fit.program", "_fit.plan", "_fit.chunks", "_fit.stepwise", "_fit.metrics"},
+    ),
     (
         "fit's engine",
         {

@@ -22,7 +22,7 @@ from fit_helpers import BS, KEY, MLP, TX, X, Y, nnx, nnx_loss, nnx_pair
 
 import scanax
 from scanax import _backend
-from scanax._fit import chunks as _fit_chunks, program as _fit_program
+from scanax._fit import plan as _fit_plan, program as _fit_program
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*non-finite.*:RuntimeWarning")
 
@@ -161,13 +161,13 @@ def test_chunk_length_rule(gpu):
     small = jax.make_jaxpr(tiny)(jnp.ones((8, 8))).jaxpr
     large = jax.make_jaxpr(big)(jax.ShapeDtypeStruct((8192, 8192), jnp.float32)).jaxpr
     printing = jax.make_jaxpr(lambda x: jax.debug.print("{}", x) or x)(1.0).jaxpr
-    assert _fit_chunks.chunk_length(small) == 64
-    assert _fit_chunks.chunk_length(large) == 1  # (~11 ms a step)
-    assert _fit_chunks.chunk_length(printing) == 1
-    assert _fit_chunks.chunk_length(small, (100,)) == 50  # evaluation every 100
-    assert _fit_chunks.chunk_length(small, (16,)) == 16  # a rollout's period
-    assert _fit_chunks.chunk_length(small, (100, 16)) == 16  # gcd 4: cut chunks
-    assert _fit_chunks.chunk_length(small, (97,)) == 64  # prime: cut chunks
+    assert _fit_plan.chunk_length(small) == 64
+    assert _fit_plan.chunk_length(large) == 1  # (~11 ms a step)
+    assert _fit_plan.chunk_length(printing) == 1
+    assert _fit_plan.chunk_length(small, (100,)) == 50  # evaluation every 100
+    assert _fit_plan.chunk_length(small, (16,)) == 16  # a rollout's period
+    assert _fit_plan.chunk_length(small, (100, 16)) == 16  # gcd 4: cut chunks
+    assert _fit_plan.chunk_length(small, (97,)) == 64  # prime: cut chunks
 
 
 def test_one_step_per_iteration_on_cpu(monkeypatch):
@@ -178,8 +178,41 @@ def test_one_step_per_iteration_on_cpu(monkeypatch):
     assert program.chunks.plan.k == 1
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"steps_per_call": 100},
+        {"callbacks": ["checkpoint"]},
+        {"progress": scanax.Progress(every=100, leave=False)},
+    ],
+    ids=["steps_per_call", "checkpoint_every", "bar_every"],
+)
+def test_chunks_fit_the_calls_the_host_ends(gpu, tmp_path, kw):
+    """Where the host ends calls every 100 steps, a tiny step's chunk of 64 would
+    run 128-192 steps per call of 100 (a window's steps past the call's end run
+    masked): ``k`` divides 100 instead, so every call runs whole chunks. On CPU
+    (``k`` 1) the cuts are not part of the program."""
+    if kw.get("callbacks") == ["checkpoint"]:
+        kw = {"callbacks": [scanax.Checkpoint(tmp_path / "ckpt", every=100)]}
+    fresh()
+    fit(steps=200, **kw)
+    program, _ = newest_program()
+    assert program.chunks.plan.k == 50
+    assert program.chunks.plan.count(0, 100) == 2  # two whole chunks a call
+    fresh()
+    fit(steps=200)
+    assert newest_program()[0].chunks.plan.k == 64  # (no cut: the step's own k)
+
+
+def test_host_cuts_not_on_cpu(monkeypatch):
+    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
+    assert _fit_plan.host_cuts(100, 10, 7) == ()
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
+    assert _fit_plan.host_cuts(100, None, 7) == (100, 7)
+
+
 def test_plan_counts_and_ends():
-    plan = _fit_chunks.Plan(8, (20,))
+    plan = _fit_plan.Plan(8, (20,))
     # windows of the global grid, cut at multiples of 20 and at the call's end
     ends, t = [], 5
     while t < 45:

@@ -60,6 +60,15 @@ def test_an_old_checkpoint_resumes_exactly(tmp_path, monkeypatch, name):
     assert found == [16]  # (the old checkpoint's newest step)
     whole = programs.checkpoint(name, tmp_path / "new", 24)
     np.testing.assert_array_equal(resumed.history["step"], whole.history["step"])
-    np.testing.assert_array_equal(resumed.history["loss"], whole.history["loss"])
+    # The old checkpoints were written on another machine: XLA:CPU compiles for
+    # the host's vector instructions, and the float16 and EMA combinations came
+    # out 2e-6 apart (1e-5 relative) on a machine with AVX-512, though a resume
+    # from a checkpoint written on this machine is the uninterrupted run bit for
+    # bit (tests/test_features.py). So: the same values to the rounding of the
+    # arithmetic these runs use, float16's (an epsilon of 1e-3, at the scale of
+    # the parameters, about 1; float32 runs agree far closer), for the losses and
+    # the parameters alike (seen: 1.3e-4 apart, a parameter of 0.01).
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-3)
+    close(resumed.history["loss"], whole.history["loss"])
     for a, b in zip(_leaves(resumed), _leaves(whole), strict=True):
-        np.testing.assert_array_equal(a, b)
+        close(a, b)

@@ -28,6 +28,7 @@ from . import (
     feature as _feature,
     members as _fit_members,
     memory as _memory,
+    plan as _fit_plan,
     program as _fit_program,
     schedule as _fit_schedule,
 )
@@ -124,6 +125,12 @@ class Sweep:
             return found
         pop, setup, place, feats = self.pop, self.setup, self.setup.place, self.feats
         fingerprint = pop.fingerprint()
+        auto = setup.source.sized_automatically(setup.steps_per_call)
+        cuts = _fit_plan.host_cuts(
+            setup.checkpoint_every,
+            setup.spec.every if setup.spec is not None else None,
+            None if auto else setup.steps_per_call,
+        )
         identity = _fit_program.identity(
             None if fingerprint is None else (fingerprint, feats.key()),
             (pop.make, feats.key()),
@@ -137,6 +144,7 @@ class Sweep:
             k,
             place.fingerprint(),
             self.eval_key,
+            cuts,
         )
         sampler = setup.source.sampler()
 
@@ -152,8 +160,9 @@ class Sweep:
                 self.checks,
                 None if self.feed is None else self.feed.collector,
             )
+            periods = _periods(self.checks, setup)
             return _fit_chunks.build_chunk(
-                lanes, sampler, setup.length, False, _periods(self.checks, setup)
+                lanes, sampler, setup.length, False, periods, cuts
             )
 
         found = self.programs[k] = _fit_program.program(identity, build)

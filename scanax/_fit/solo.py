@@ -19,6 +19,7 @@ from . import (
     engine as _fit_loop,
     feature as _feature,
     hooks as _fit_hooks,
+    plan as _fit_plan,
     program as _fit_program,
     schedule as _fit_schedule,
 )
@@ -58,8 +59,11 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     ticks = ticks and not source.sized_automatically(setup.steps_per_call)
     eval_arrays = place.replicate(setup.eval_arrays)
     checks = _with_eval(setup.checks, feats)
-    program = _model_program(feats, checks, setup, shardings, ticks, feed)
     bar_every = spec.every if spec is not None and not ticks else None
+    auto = source.sized_automatically(setup.steps_per_call)
+    per_call = None if auto else setup.steps_per_call
+    cuts = _fit_plan.host_cuts(setup.checkpoint_every, bar_every, per_call)
+    program = _model_program(feats, checks, setup, shardings, ticks, feed, cuts)
     schedule = _fit_schedule.Schedule(
         program,
         setup.length,
@@ -94,7 +98,13 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
 
 
 def _model_program(
-    feats: Any, checks: Any, setup: Any, shardings: Any, ticks: bool, feed: Any
+    feats: Any,
+    checks: Any,
+    setup: Any,
+    shardings: Any,
+    ticks: bool,
+    feed: Any,
+    cuts: tuple,
 ) -> Any:
     """One model's chunk program, from the cache when an earlier ``fit`` had
     the same structure."""
@@ -113,6 +123,7 @@ def _model_program(
         setup.length,
         shardings,
         ticks,
+        cuts,
     )
     sampler = setup.source.sampler()  # no data, no iterator: what the loop needs
 
@@ -131,7 +142,9 @@ def _model_program(
             None if checks is None else checks.every,
             None if feed is None else feed.rollout.period,
         )
-        return _fit_chunks.build_chunk(lanes, sampler, setup.length, ticks, periods)
+        return _fit_chunks.build_chunk(
+            lanes, sampler, setup.length, ticks, periods, cuts
+        )
 
     return _fit_program.program(identity, build)
 
