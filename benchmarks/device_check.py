@@ -22,6 +22,9 @@ would start past ``BUDGET`` seconds is skipped with a line):
   progress bar + ``EarlyStop``; ``execution="stepwise"`` ÷ fused; what
   ``execution="auto"`` chose; fit's first call ÷ the hand-fused script's first
   call, each in a fresh process (compile included);
+* where fit's time goes: the hand-fused scan with one of fit's per-step pieces
+  added (the shuffled rows' gather, the non-finite select), fit as planned here
+  and planned as on CPU, bare and with evaluation and ``EarlyStop``;
 * the loop kinds of a tiny-MLP Adam step, 2000 steps, in µs/step and ÷
   ``lax.scan``: ``lax.scan``, a ``while_loop`` with a dynamic bound, a
   ``while_loop`` over ``lax.scan`` chunks of 10, a dynamic ``while_loop`` with an
@@ -514,6 +517,78 @@ def first_call_rows():
         )
 
 
+def fit_piece_rows():
+    """Where fit's time goes on this device, 1000 steps ÷ the hand-fused scan:
+    the hand-fused scan with one of fit's per-step pieces added (the shuffled
+    rows' gather, the non-finite test with a select per leaf), and fit as
+    planned here against fit planned as on CPU (one step per iteration, no
+    masks), bare and with evaluation and ``EarlyStop``."""
+    from scanax import _backend
+
+    steps = 200 if QUICK else 1000
+    real = _backend.platform
+    for name, sizes, batch in MLPS:
+        x, y, loss_fn, tx, p0, step = _task(sizes, batch)
+        val = (x[: 4 * batch], y[: 4 * batch])
+
+        def checked(c, i):
+            (p, o), (loss, g) = step(c, i)
+            ok = jnp.isfinite(loss)
+            for leaf in jax.tree_util.tree_leaves(g):
+                ok = ok & jnp.isfinite(jnp.max(jnp.abs(leaf)))
+            pick = lambda new, old: jnp.where(ok, new, old)
+            return jax.tree_util.tree_map(pick, (p, o), c), loss
+
+        def scanned(body):
+            run = jax.jit(lambda p, o: jax.lax.scan(body, (p, o), jnp.arange(steps)))
+            return lambda: run(p0, tx.init(p0))
+
+        def fit(platform, **kw):
+            def call():
+                _backend.platform = (lambda: platform) if platform else real
+                try:
+                    return scanax.fit(
+                        p0,
+                        tx,
+                        loss_fn,
+                        (x, y),
+                        steps=steps,
+                        batch_size=batch,
+                        progress=False,
+                        **kw,
+                    ).model
+                finally:
+                    _backend.platform = real
+
+            return call
+
+        checks = lambda: [
+            scanax.Eval(val, every=steps // 10),
+            scanax.EarlyStop("val_loss", patience=steps),
+        ]
+
+        def losses(shuffled):
+            return lambda c, i: (lambda out: (out[0], out[1][0]))(step(c, i, shuffled))
+
+        fns = {
+            "hand-fused": scanned(losses(False)),
+            "+ shuffled gather": scanned(losses(True)),
+            "+ non-finite select": scanned(checked),
+            "fit, this backend's plan": fit(None),
+            "fit, one step per iteration": fit("cpu"),
+            "fit + evaluation + EarlyStop, this backend's plan": fit(
+                None, callbacks=checks()
+            ),
+            "fit + evaluation + EarlyStop, one step per iteration": fit(
+                "cpu", callbacks=checks()
+            ),
+        }
+        times = _rounds(fns)
+        hand = times.pop("hand-fused")
+        for label, t in times.items():
+            _line(f"{name} MLP, {steps} steps, {label} / hand-fused", t, hand)
+
+
 def loop_kind_rows():
     n = 200 if QUICK else 2000
     x, y, loss_fn, tx, p0, step = _task((32, 32, 1), 8)
@@ -882,6 +957,7 @@ PARTS = (
     gpt2_fit_rows,
     fit_rows,
     loop_kind_rows,
+    fit_piece_rows,
     side_by_side_rows,
     linear_rows,
     linear_hand_rows,
