@@ -136,11 +136,11 @@ def fresh():
     _fit_program.EXECUTABLES.clear()
 
 
-def fit(model=None, opt=None, **kw):
+def fit(model=None, opt=None, data=None, **kw):
     if model is None:
         model, opt = nnx_pair()
     kw = {"steps": 40, "batch_size": BS, "key": KEY, "progress": False, **kw}
-    return scanax.fit(model, opt, nnx_loss, (X, Y), **kw)
+    return scanax.fit(model, opt, nnx_loss, (X, Y) if data is None else data, **kw)
 
 
 # ---------------------------------------------------------------------------- the rule
@@ -202,6 +202,70 @@ def test_chunks_fit_the_calls_the_host_ends(gpu, tmp_path, kw):
     fresh()
     fit(steps=200)
     assert newest_program()[0].chunks.plan.k == 64  # (no cut: the step's own k)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """``[(start, steps)]`` of every call the schedule sizes, with the plan."""
+    from scanax._fit import schedule as _fit_schedule
+
+    out = []
+    want = _fit_schedule.Schedule.want
+
+    def spy(self, start, end):
+        n = want(self, start, end)
+        out.append((start, n))
+        return n
+
+    monkeypatch.setattr(_fit_schedule.Schedule, "want", spy)
+    return out
+
+
+def test_calls_fit_sizes_end_on_the_chunks_grid(gpu, calls, monkeypatch):
+    """After the 8-step timing call, a call fit sizes from a start off the grid
+    ends on a multiple of ``k``: whole chunks (it spanned one more, masked)."""
+    from scanax._fit import schedule as _fit_schedule
+
+    monkeypatch.setattr(_fit_schedule, "_SECONDS_PER_CALL", 0.003)  # several calls
+    fresh()
+    fit(steps=600)
+    k = newest_program()[0].chunks.plan.k
+    assert k == 64 and calls[0] == (0, 8) and len(calls) > 2
+    ends = [start + n for start, n in calls]
+    assert all(end % k == 0 for end in ends[1:-1]), calls
+    assert ends[-1] == 600
+
+
+def test_host_batches_and_in_loop_reports_fit_the_chunks(gpu, calls, monkeypatch):
+    """An iterable's calls of 100 host batches cut chunks like a steps_per_call
+    (k divides 100), and the bar's in-loop reports with no every of the user's
+    come on multiples of k once the plan is known."""
+    from scanax._fit import engine as _engine
+
+    everies = []
+    every = _engine.Run.every
+    monkeypatch.setattr(
+        _engine.Run,
+        "every",
+        lambda self, n: everies.append(every(self, n)) or everies[-1],
+    )
+
+    def batches():
+        for i in range(10**6):
+            j = (i % 6) * BS
+            yield X[j : j + BS], Y[j : j + BS]
+
+    fresh()
+    fit(
+        data=batches(),
+        steps=300,
+        batch_size=None,
+        progress=scanax.Progress(leave=False),
+    )
+    k = newest_program()[0].chunks.plan.k
+    assert k == 50 and [n for _, n in calls] == [100, 100, 100]
+    assert everies[0] == 10  # (the first call: the plan is not known yet)
+    assert all(e % k == 0 for e in everies[1:]), everies
 
 
 def test_host_cuts_not_on_cpu(monkeypatch):

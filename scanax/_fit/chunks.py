@@ -182,9 +182,10 @@ class Chunks:
 
     A chunk is ``plan.k`` steps in a ``lax.scan`` (a static trip count: on a
     GPU, a ``while_loop`` copies its predicate to the host at every
-    iteration, a scan of known length does not), of which the first
-    ``plan.segment(...)`` are the call's: a chunk is cut at the call's end
-    and at every in-loop event, and the steps past its cut run masked (a
+    iteration, a scan of known length does not) over a window of the global
+    step grid, whose steps up to ``plan.end(...)`` are the call's: a chunk is
+    cut at the call's end and at every in-loop event, and the steps past its
+    cut run masked (a
     select per state leaf: they change nothing). Only the loop over chunks
     is dynamic: the number of steps per call varies (the automatic schedule,
     the last call, a NaN, an early stop) without recompiling. At the

@@ -381,5 +381,11 @@ class Run:
             return self.spec.every
         known = self.program.seconds_per_step
         if known is None:
-            return max(1, count // 10)
-        return max(1, math.ceil(_REPORT_SECONDS / known))
+            every = max(1, count // 10)
+        else:
+            every = max(1, math.ceil(_REPORT_SECONDS / known))
+        # a multiple of the chunk (off CPU, once the plan is known): each report
+        # cuts a chunk, and a cut chunk runs the rest of its window masked
+        plan = getattr(self.program.chunks, "plan", None)
+        k = 1 if plan is None else plan.k
+        return -(-every // k) * k

@@ -50,14 +50,17 @@ class Plan(NamedTuple):
 def host_cuts(
     checkpoint_every: int | None, bar_every: int | None, steps_per_call: int | None
 ) -> tuple[int, ...]:
-    """The periods on which the host ends calls (a checkpoint's ``every`` and
-    the bar's on the global step grid, a ``steps_per_call`` of the user's from
-    the call's start), for ``chunk_length`` to fit ``k`` into: a call that ends
+    """The periods on which the host ends calls or reports cut chunks (a
+    checkpoint's ``every`` and the bar's, on the global step grid; the length
+    of calls fit does not size, ``steps_per_call`` or the source's, from the
+    call's start), for ``chunk_length`` to fit ``k`` into: a call that ends
     inside a chunk's window runs the window's other steps masked, so a chunk
     of 64 under checkpoints every 100 steps computed 128-192 steps per call of
-    100. Off CPU only (there ``k`` is 1, and CPU programs do not depend on
-    them); the calls sized automatically are whole chunks already
-    (``Schedule``)."""
+    100. Empty on CPU, where ``k`` is 1 and the programs must not depend on
+    them. (Calls fit sizes end on the chunks' grid: ``Schedule.want``; in-loop
+    reports of no set ``every``, on multiples of ``k``: ``Run.every``.) Best
+    effort: a call from a step off the grid (a continued model) or periods
+    whose common divisor is small still cut chunks."""
     if _backend.platform() == "cpu":
         return ()
     return tuple(p for p in (checkpoint_every, bar_every, steps_per_call) if p)

@@ -129,7 +129,7 @@ class Sweep:
         cuts = _fit_plan.host_cuts(
             setup.checkpoint_every,
             setup.spec.every if setup.spec is not None else None,
-            None if auto else setup.steps_per_call,
+            None if auto else min(setup.length, setup.steps_per_call or setup.length),
         )
         identity = _fit_program.identity(
             None if fingerprint is None else (fingerprint, feats.key()),

@@ -60,9 +60,12 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     eval_arrays = place.replicate(setup.eval_arrays)
     checks = _with_eval(setup.checks, feats)
     bar_every = spec.every if spec is not None and not ticks else None
+    # (the bar's every cuts chunks whether its reports are the host's or in-loop;
+    # calls not sized by fit are steps_per_call, else the source's length)
     auto = source.sized_automatically(setup.steps_per_call)
-    per_call = None if auto else setup.steps_per_call
-    cuts = _fit_plan.host_cuts(setup.checkpoint_every, bar_every, per_call)
+    per_call = None if auto else min(setup.length, setup.steps_per_call or setup.length)
+    bar_period = spec.every if spec is not None else None
+    cuts = _fit_plan.host_cuts(setup.checkpoint_every, bar_period, per_call)
     program = _model_program(feats, checks, setup, shardings, ticks, feed, cuts)
     schedule = _fit_schedule.Schedule(
         program,
