@@ -386,6 +386,11 @@ def _task(sizes, batch, n_batches=100):
 MLPS = (("tiny", (32, 32, 1), 8), ("small", (784, 256, 10), 64))
 
 
+def _fit_mlp(x, y, loss_fn, tx, p0, steps, batch, **kw):
+    kw.setdefault("progress", False)
+    return scanax.fit(p0, tx, loss_fn, (x, y), steps=steps, batch_size=batch, **kw)
+
+
 def fit_rows():
     steps = 200 if QUICK else 1000
     for name, sizes, batch in MLPS:
@@ -394,16 +399,7 @@ def fit_rows():
         fused = jax.jit(lambda p, o: jax.lax.scan(plain, (p, o), jnp.arange(steps)))
 
         def ours(**kw):
-            r = scanax.fit(
-                p0,
-                tx,
-                loss_fn,
-                (x, y),
-                steps=steps,
-                batch_size=batch,
-                progress=kw.pop("progress", False),
-                **kw,
-            )
+            r = _fit_mlp(x, y, loss_fn, tx, p0, steps, batch, **kw)
             return r.model
 
         hand = lambda: fused(p0, tx.init(p0))
@@ -547,16 +543,7 @@ def fit_piece_rows():
             def call():
                 _backend.platform = (lambda: platform) if platform else real
                 try:
-                    return scanax.fit(
-                        p0,
-                        tx,
-                        loss_fn,
-                        (x, y),
-                        steps=steps,
-                        batch_size=batch,
-                        progress=False,
-                        **kw,
-                    ).model
+                    return _fit_mlp(x, y, loss_fn, tx, p0, steps, batch, **kw).model
                 finally:
                     _backend.platform = real
 
