@@ -28,7 +28,6 @@ from . import (
     feature as _feature,
     members as _fit_members,
     memory as _memory,
-    plan as _fit_plan,
     program as _fit_program,
     schedule as _fit_schedule,
 )
@@ -125,11 +124,8 @@ class Sweep:
             return found
         pop, setup, place, feats = self.pop, self.setup, self.setup.place, self.feats
         fingerprint = pop.fingerprint()
-        auto = setup.source.sized_automatically(setup.steps_per_call)
-        cuts = _fit_plan.host_cuts(
-            setup.checkpoint_every,
-            setup.spec.every if setup.spec is not None else None,
-            None if auto else min(setup.length, setup.steps_per_call or setup.length),
+        cuts = _fit_schedule.cuts(
+            setup, setup.spec.every if setup.spec is not None else None
         )
         identity = _fit_program.identity(
             None if fingerprint is None else (fingerprint, feats.key()),

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from .. import _backend
-from . import stepwise as _fit_stepwise
+from . import plan as _fit_plan, stepwise as _fit_stepwise
 
 # The wall time that the automatic schedule aims each call at (array data: calls
 # grow from 8 steps to this, up to the source's compiled length).
@@ -80,6 +80,15 @@ class Schedule:
         steps = max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
         k = self._k()
         return max(steps // k * k, min(k, self.length))
+
+
+def cuts(setup: Any, bar_every: int | None) -> tuple[int, ...]:
+    """The run's ``host_cuts``: its checkpoints' and bar's ``every``, and the
+    length of the calls fit does not size (as ``Schedule`` sizes them:
+    ``steps_per_call``, else the source's compiled length)."""
+    auto = setup.source.sized_automatically(setup.steps_per_call)
+    per_call = None if auto else min(setup.length, setup.steps_per_call or setup.length)
+    return _fit_plan.host_cuts(setup.checkpoint_every, bar_every, per_call)
 
 
 # ---------------------------------------------------------------------------- execution

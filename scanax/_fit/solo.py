@@ -19,7 +19,6 @@ from . import (
     engine as _fit_loop,
     feature as _feature,
     hooks as _fit_hooks,
-    plan as _fit_plan,
     program as _fit_program,
     schedule as _fit_schedule,
 )
@@ -60,12 +59,8 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     eval_arrays = place.replicate(setup.eval_arrays)
     checks = _with_eval(setup.checks, feats)
     bar_every = spec.every if spec is not None and not ticks else None
-    # (the bar's every cuts chunks whether its reports are the host's or in-loop;
-    # calls not sized by fit are steps_per_call, else the source's length)
-    auto = source.sized_automatically(setup.steps_per_call)
-    per_call = None if auto else min(setup.length, setup.steps_per_call or setup.length)
-    bar_period = spec.every if spec is not None else None
-    cuts = _fit_plan.host_cuts(setup.checkpoint_every, bar_period, per_call)
+    # (the bar's every cuts chunks whether its reports are the host's or in-loop)
+    cuts = _fit_schedule.cuts(setup, spec.every if spec is not None else None)
     program = _model_program(feats, checks, setup, shardings, ticks, feed, cuts)
     schedule = _fit_schedule.Schedule(
         program,
