@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from .. import _backend, _progress
+from .. import _progress
 from .._errors import fit as errors
-from .plan import Plan, chunk_length
+from .plan import Plan, chunk_length, chunked
 from .program import Chunk, Out, Report, finite, outputs, step_key, trace_once
 
 _CALL = errors.CALL
@@ -278,7 +278,7 @@ class Chunks:
         """The step and the boundaries' work, each traced once (their
         outputs' shapes size the buffers); the plan, decided at the first."""
         lanes = self.lanes
-        masks = _backend.platform() != "cpu"  # (on CPU, k is 1: no masks)
+        masks = chunked()  # (on CPU, k is 1: no masks)
 
         def one(carry, perm, t, i, active):
             return lanes.step(c, env, carry, perm, t, i, active if masks else None)

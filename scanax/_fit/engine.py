@@ -386,6 +386,5 @@ class Run:
             every = max(1, math.ceil(_REPORT_SECONDS / known))
         # a multiple of the chunk (off CPU, once the plan is known): each report
         # cuts a chunk, and a cut chunk runs the rest of its window masked
-        plan = getattr(self.program.chunks, "plan", None)
-        k = 1 if plan is None else plan.k
+        k = self.program.k
         return -(-every // k) * k

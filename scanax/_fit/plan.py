@@ -47,6 +47,13 @@ class Plan(NamedTuple):
         return chunks
 
 
+def chunked() -> bool:
+    """Whether calls run their steps in chunks of ``k`` (``chunk_length``):
+    off CPU. On CPU ``k`` is 1 (an iteration of XLA:CPU's dynamic loop costs
+    no round trip) and no step is masked."""
+    return _backend.platform() != "cpu"
+
+
 def host_cuts(
     checkpoint_every: int | None, bar_every: int | None, steps_per_call: int | None
 ) -> tuple[int, ...]:
@@ -61,7 +68,7 @@ def host_cuts(
     reports of no set ``every``, on multiples of ``k``: ``Run.every``.) Best
     effort: a call from a step off the grid (a continued model) or periods
     whose common divisor is small still cut chunks."""
-    if _backend.platform() == "cpu":
+    if not chunked():
         return ()
     return tuple(p for p in (checkpoint_every, bar_every, steps_per_call) if p)
 

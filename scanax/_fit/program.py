@@ -74,6 +74,13 @@ class Program:
         # programs is expected to cost, also when a later call finds it compiled
         self.compile_seconds = 0.0
 
+    @property
+    def k(self) -> int:
+        """The steps per chunk of its plan: 1 until the step is first traced,
+        and on CPU."""
+        plan = getattr(self.chunks, "plan", None)
+        return 1 if plan is None else plan.k
+
     def executable(self, args: tuple) -> Callable:
         """The compiled program for arguments like ``args``: one already compiled
         for the same lowered program (by any earlier ``fit``) if there is one."""

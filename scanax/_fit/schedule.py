@@ -45,16 +45,12 @@ class Schedule:
             # A call fit sized ends on the chunks' grid (off CPU, once the plan is
             # known): a call of whole chunks from a start off the grid (after
             # the 8-step timing call) spanned one more chunk, its steps masked.
-            k = self._k()
+            k = self.program.k
             on_grid = (start + want) // k * k - start
             want = on_grid if on_grid > 0 else want
         for every in self.stops:
             want = min(want, every - start % every)
         return want
-
-    def _k(self) -> int:
-        plan = getattr(self.program.chunks, "plan", None)
-        return 1 if plan is None else plan.k
 
     @property
     def timing(self) -> bool:
@@ -78,7 +74,7 @@ class Schedule:
         of the program's chunk (so that its chunks are whole) when that fits
         the call's buffers."""
         steps = max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
-        k = self._k()
+        k = self.program.k
         return max(steps // k * k, min(k, self.length))
 
 
