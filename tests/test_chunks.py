@@ -179,23 +179,22 @@ def test_one_step_per_iteration_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kw",
+    "options",
     [
-        {"steps_per_call": 100},
-        {"callbacks": ["checkpoint"]},
-        {"progress": scanax.Progress(every=100, leave=False)},
+        lambda tmp: {"steps_per_call": 100},
+        lambda tmp: {"callbacks": [scanax.Checkpoint(tmp / "ckpt", every=100)]},
+        lambda tmp: {"progress": scanax.Progress(every=100, leave=False)},
     ],
     ids=["steps_per_call", "checkpoint_every", "bar_every"],
 )
-def test_chunks_fit_the_calls_the_host_ends(gpu, tmp_path, kw):
+def test_chunks_fit_the_calls_the_host_ends(gpu, tmp_path, options):
     """Where the host ends calls every 100 steps, a tiny step's chunk of 64 would
     run 128-192 steps per call of 100 (a window's steps past the call's end run
-    masked): ``k`` divides 100 instead, so every call runs whole chunks. On CPU
-    (``k`` 1) the cuts are not part of the program."""
-    if kw.get("callbacks") == ["checkpoint"]:
-        kw = {"callbacks": [scanax.Checkpoint(tmp_path / "ckpt", every=100)]}
+    masked): ``k`` divides 100 instead, so every call runs whole chunks. (Values
+    against the CPU plan under checkpoints and calls of a given length:
+    ``test_events_land_on_the_same_steps``.)"""
     fresh()
-    fit(steps=200, **kw)
+    fit(steps=200, **options(tmp_path))
     program, _ = newest_program()
     assert program.chunks.plan.k == 50
     assert program.chunks.plan.count(0, 100) == 2  # two whole chunks a call
@@ -255,17 +254,27 @@ def test_host_batches_and_in_loop_reports_fit_the_chunks(gpu, calls, monkeypatch
             j = (i % 6) * BS
             yield X[j : j + BS], Y[j : j + BS]
 
-    fresh()
-    fit(
-        data=batches(),
-        steps=300,
-        batch_size=None,
-        progress=scanax.Progress(leave=False),
-    )
+    def run():
+        fresh()
+        return fit(
+            data=batches(),
+            steps=300,
+            batch_size=None,
+            progress=scanax.Progress(leave=False),
+        )
+
+    chunked = run()
     k = newest_program()[0].chunks.plan.k
     assert k == 50 and [n for _, n in calls] == [100, 100, 100]
     assert everies[0] == 10  # (the first call: the plan is not known yet)
     assert all(e % k == 0 for e in everies[1:]), everies
+    # the same training as with one step per iteration (CPU's plan)
+    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
+    one = run()
+    np.testing.assert_array_equal(chunked.history["step"], one.history["step"])
+    np.testing.assert_allclose(
+        chunked.history["loss"], one.history["loss"], rtol=2e-5, atol=1e-6
+    )
 
 
 def test_host_cuts_not_on_cpu(monkeypatch):

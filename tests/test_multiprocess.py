@@ -40,7 +40,8 @@ def _loopback() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_loopback() is not None, reason=str(_loopback()))
+_NO_LOOPBACK = _loopback()
+pytestmark = pytest.mark.skipif(_NO_LOOPBACK is not None, reason=str(_NO_LOOPBACK))
 
 HERE = Path(__file__).parent
 TIMEOUT = 240  # seconds for one job (a hang fails the test, not the suite)
