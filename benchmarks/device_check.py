@@ -86,7 +86,9 @@ PEAK_FLOPS = {
 
 
 def _block(x):
-    return jax.block_until_ready(x)
+    """``x`` on the host: what a user's next line reads (fit's history is there
+    when it returns; a hand-written scan's losses are fetched too)."""
+    return jax.device_get(jax.block_until_ready(x))
 
 
 def _once(fn) -> float:
@@ -386,6 +388,15 @@ def _task(sizes, batch, n_batches=100):
 MLPS = (("tiny", (32, 32, 1), 8), ("small", (784, 256, 10), 64))
 
 
+def _hand_fused(step, tx, p0, steps, shuffled=False, body=None):
+    """A call of the hand-fused ``jit(lax.scan)`` of ``_task``'s step (its losses
+    the scan's output; ``body``: another step over the same carry)."""
+    if body is None:
+        body = lambda c, i: (lambda out: (out[0], out[1][0]))(step(c, i, shuffled))
+    run = jax.jit(lambda p, o: jax.lax.scan(body, (p, o), jnp.arange(steps)))
+    return lambda: run(p0, tx.init(p0))
+
+
 def _fit_mlp(x, y, loss_fn, tx, p0, steps, batch, **kw):
     kw.setdefault("progress", False)
     return scanax.fit(p0, tx, loss_fn, (x, y), steps=steps, batch_size=batch, **kw)
@@ -395,24 +406,20 @@ def fit_rows():
     steps = 200 if QUICK else 1000
     for name, sizes, batch in MLPS:
         x, y, loss_fn, tx, p0, step = _task(sizes, batch)
-        plain = lambda c, i: (lambda out: (out[0], out[1][0]))(step(c, i))
-        fused = jax.jit(lambda p, o: jax.lax.scan(plain, (p, o), jnp.arange(steps)))
+        hand = _hand_fused(step, tx, p0, steps)
 
         def ours(**kw):
             r = _fit_mlp(x, y, loss_fn, tx, p0, steps, batch, **kw)
             return r.model
 
-        hand = lambda: fused(p0, tx.init(p0))
         _pair(f"fit / hand-fused jit(lax.scan), {name} MLP, {steps} steps", ours, hand)
         # fit shuffles (a gather of each batch's rows): the same work by hand. On a
         # TPU v5e that gather alone was 1.07x (tiny) and 1.37x (small) the scan.
-        drawn = lambda c, i: (lambda out: (out[0], out[1][0]))(step(c, i, True))
-        shuffled = jax.jit(lambda p, o: jax.lax.scan(drawn, (p, o), jnp.arange(steps)))
         _pair(
             f"fit / hand-fused jit(lax.scan) drawing shuffled rows, {name} MLP, "
             f"{steps} steps",
             ours,
-            lambda: shuffled(p0, tx.init(p0)),
+            _hand_fused(step, tx, p0, steps, shuffled=True),
         )
         val = (x[: 4 * batch], y[: 4 * batch])
         options = dict(
@@ -535,10 +542,6 @@ def fit_piece_rows():
             pick = lambda new, old: jnp.where(ok, new, old)
             return jax.tree_util.tree_map(pick, (p, o), c), loss
 
-        def scanned(body):
-            run = jax.jit(lambda p, o: jax.lax.scan(body, (p, o), jnp.arange(steps)))
-            return lambda: run(p0, tx.init(p0))
-
         def fit(platform, **kw):
             def call():
                 _backend.platform = (lambda: platform) if platform else real
@@ -554,13 +557,10 @@ def fit_piece_rows():
             scanax.EarlyStop("val_loss", patience=steps),
         ]
 
-        def losses(shuffled):
-            return lambda c, i: (lambda out: (out[0], out[1][0]))(step(c, i, shuffled))
-
         fns = {
-            "hand-fused": scanned(losses(False)),
-            "+ shuffled gather": scanned(losses(True)),
-            "+ non-finite select": scanned(checked),
+            "hand-fused": _hand_fused(step, tx, p0, steps),
+            "+ shuffled gather": _hand_fused(step, tx, p0, steps, shuffled=True),
+            "+ non-finite select": _hand_fused(step, tx, p0, steps, body=checked),
             "fit, this backend's plan": fit(None),
             "fit, one step per iteration": fit("cpu"),
             "fit + evaluation + EarlyStop, this backend's plan": fit(
