@@ -207,8 +207,34 @@ def _gpt2_parts():
             logits, tokens[:, 1:]
         ).mean()
 
+    class ScanBlocks(nnx.Module):
+        """Flax's own scan over layers (the peer idiom): blocks made by
+        ``nnx.vmap``, applied by ``nnx.scan`` under ``nnx.remat`` with the
+        policy ``Stack`` uses off CPU."""
+
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=cfg["layers"])
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.layers = make(rngs)
+
+        def __call__(self, x):
+            policy = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat(policy=policy)
+            def layer(x, block):
+                return block(x)
+
+            return layer(x, self.layers)
+
     def build(stack):
-        model = GPT(nnx.Rngs(0), stack)
+        if stack == "nnx.scan":
+            model = GPT(nnx.Rngs(0), lambda blocks: ScanBlocks(nnx.Rngs(0)))
+        else:
+            model = GPT(nnx.Rngs(0), stack)
         return model, nnx.Optimizer(model, optax.adamw(3e-4), wrt=nnx.Param)
 
     # FLOPs per step: 6 per parameter of every matmul (the tied head included)
@@ -234,10 +260,13 @@ def gpt2_rows():
         "Stack remat=False": lambda b: scanax.Stack(b, remat=False),
         "Stack checkpoint_dots": lambda b: scanax.Stack(b, remat=dots),
         "Stack unroll=2": lambda b: scanax.Stack(b, unroll=2),
+        "nnx.scan (Flax's scan over layers)": "nnx.scan",
     }
+    peer = "nnx.scan (Flax's scan over layers)"
     steps, states, info = {}, {}, {}
-    for name, stack in variants.items():
-        model, opt = build(stack)
+
+    def prepare(name):
+        model, opt = build(variants[name])
         graphdef, state = nnx.split((model, opt))
 
         def step(state, tokens, graphdef=graphdef):
@@ -268,19 +297,35 @@ def gpt2_rows():
 
         return call
 
-    times = _rounds({k: run(k) for k in variants}, rounds=3 if QUICK else 6)
     peak = _peak()
-    base = times["unrolled"]
-    for name in variants:
-        step_s = statistics.median(times[name]) / per_round
-        seconds, need = info[name]
-        mfu = f"{flops / step_s / peak:.1%}" if peak else "n/a (unknown peak)"
-        note = (
-            f"; {step_s * 1e3:.1f} ms/step, {tokens / step_s:,.0f} tokens/s, MFU "
-            f"{mfu}, compile {seconds:.1f} s ({seconds / info['unrolled'][0]:.2f}x), "
-            f"memory {need / 2**20:,.0f} MiB ({need / info['unrolled'][1]:.2f}x)"
-        )
-        _line(f"GPT-2 step, {name} / unrolled", times[name], base, note)
+    # Two groups, each timed interleaved with the unrolled model (six states and
+    # programs at once did not fit a 16 GB TPU v5e); a group's own are freed
+    # after it.
+    groups = (
+        ("unrolled", "Stack", peer),
+        ("unrolled", "Stack remat=False", "Stack checkpoint_dots", "Stack unroll=2"),
+    )
+    for group in groups:
+        for name in group:
+            if name not in steps:
+                prepare(name)
+        times = _rounds({k: run(k) for k in group}, rounds=3 if QUICK else 6)
+        base = times["unrolled"]
+        for name in group:
+            step_s = statistics.median(times[name]) / per_round
+            seconds, need = info[name]
+            mfu = f"{flops / step_s / peak:.1%}" if peak else "n/a (unknown peak)"
+            note = (
+                f"; {step_s * 1e3:.1f} ms/step, {tokens / step_s:,.0f} tokens/s, "
+                f"MFU {mfu}, compile {seconds:.1f} s "
+                f"({seconds / info['unrolled'][0]:.2f}x), memory "
+                f"{need / 2**20:,.0f} MiB ({need / info['unrolled'][1]:.2f}x)"
+            )
+            _line(f"GPT-2 step, {name} / unrolled", times[name], base, note)
+        if peer in group:
+            _line(f"GPT-2 step, Stack / {peer}", times["Stack"], times[peer])
+        for name in group[1:]:
+            del steps[name], states[name]
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         print(f"GPT-2: device peak in use {stats['peak_bytes_in_use'] / 2**30:.2f} GiB")
@@ -413,12 +458,12 @@ def fit_rows():
             return r.model
 
         _pair(f"fit / hand-fused jit(lax.scan), {name} MLP, {steps} steps", ours, hand)
-        # fit shuffles (a gather of each batch's rows): the same work by hand. On a
-        # TPU v5e that gather alone was 1.07x (tiny) and 1.37x (small) the scan.
+        # With a key, fit shuffles (a gather of each batch's rows): the same
+        # work by hand. (Without one, as above, it slices batches in order.)
         _pair(
-            f"fit / hand-fused jit(lax.scan) drawing shuffled rows, {name} MLP, "
-            f"{steps} steps",
-            ours,
+            f"fit key= (shuffled) / hand-fused jit(lax.scan) drawing shuffled "
+            f"rows, {name} MLP, {steps} steps",
+            lambda: ours(key=jax.random.key(2)),
             _hand_fused(step, tx, p0, steps, shuffled=True),
         )
         val = (x[: 4 * batch], y[: 4 * batch])
@@ -559,7 +604,9 @@ def fit_piece_rows():
 
         fns = {
             "hand-fused": _hand_fused(step, tx, p0, steps),
-            "+ shuffled gather": _hand_fused(step, tx, p0, steps, shuffled=True),
+            "+ shuffled gather (fit's with key=)": _hand_fused(
+                step, tx, p0, steps, shuffled=True
+            ),
             "+ non-finite select": _hand_fused(step, tx, p0, steps, body=checked),
             "fit, this backend's plan": fit(None),
             "fit, one step per iteration": fit("cpu"),
@@ -574,6 +621,79 @@ def fit_piece_rows():
         hand = times.pop("hand-fused")
         for label, t in times.items():
             _line(f"{name} MLP, {steps} steps, {label} / hand-fused", t, hand)
+
+
+def fit_slope_rows():
+    """fit's time split into per step and per call: each candidate timed at 1024
+    and 4096 steps (interleaved), the slope ÷ the hand-fused scan's slope, and
+    the intercept (what a call costs whatever its length: setup, dispatches,
+    reads, the optimizer's init; the hand-fused call's includes its
+    ``tx.init``). Next to them, the hand-fused scan as chunks of 64 in a
+    ``while_loop`` with and without a ``lax.cond`` evaluating every 128 steps:
+    on a TPU v5e a conditional anywhere in the loop moved a small model's
+    training state from on-chip memory to HBM (1.54x per step for the 784-256-10
+    MLP, by hand as in fit)."""
+    lengths = (256, 1024) if QUICK else (1024, 4096)
+    for name, sizes, batch in MLPS:
+        x, y, loss_fn, tx, p0, step = _task(sizes, batch)
+        val = (x[: 4 * batch], y[: 4 * batch])
+        every = 128  # (a multiple of the chunks of 64)
+
+        def chunked(evaluate, steps):
+            def run(p, o):
+                def chunk(s):
+                    i, c, v = s
+                    body = lambda c, j: (lambda r: (r[0], r[1][0]))(step(c, i + j))
+                    c, _ = jax.lax.scan(body, c, jnp.arange(64))
+                    if evaluate:
+                        v = jax.lax.cond(
+                            (i + 64) % every == 0,
+                            lambda c: loss_fn(c[0], val),
+                            lambda c: jnp.float32(jnp.nan),
+                            c,
+                        )
+                    return i + 64, c, v
+
+                return jax.lax.while_loop(
+                    lambda s: s[0] < steps, chunk, (0, (p, o), jnp.float32(0))
+                )
+
+            run = jax.jit(run)
+            return lambda: run(p0, tx.init(p0))
+
+        medians = {}
+        for steps in lengths:
+            cands = {
+                "hand-fused": _hand_fused(step, tx, p0, steps),
+                "fit": lambda: _fit_mlp(x, y, loss_fn, tx, p0, steps, batch).model,
+                f"fit + Eval every {every}": lambda: (
+                    _fit_mlp(
+                        x,
+                        y,
+                        loss_fn,
+                        tx,
+                        p0,
+                        steps,
+                        batch,
+                        callbacks=[scanax.Eval(val, every=every)],
+                    ).model
+                ),
+                "hand, while over scans of 64": chunked(False, steps),
+                f"hand, while over scans of 64 + cond every {every}": chunked(
+                    True, steps
+                ),
+            }
+            times = _rounds(cands)
+            medians[steps] = {k: statistics.median(v) for k, v in times.items()}
+        a, b = lengths
+        per_step = {k: (medians[b][k] - medians[a][k]) / (b - a) for k in medians[a]}
+        for label, s in per_step.items():
+            fixed = medians[a][label] - s * a
+            print(
+                f"{name} MLP, {label}: per step {s / per_step['hand-fused']:.2f}x "
+                f"hand-fused ({s * 1e6:.2f} us), per call {fixed * 1e3:.2f} ms",
+                flush=True,
+            )
 
 
 def loop_kind_rows():
@@ -945,6 +1065,7 @@ PARTS = (
     fit_rows,
     loop_kind_rows,
     fit_piece_rows,
+    fit_slope_rows,
     side_by_side_rows,
     linear_rows,
     linear_hand_rows,

@@ -229,16 +229,33 @@ def _library(module_name: str | None) -> bool:
     if path is None:
         return False
     path = os.path.realpath(path)
-    return any(path.startswith(d + os.sep) for d in _library_dirs())
+    return any(path.startswith(d + os.sep) for d in _library_dirs(tuple(sys.path)))
 
 
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
+@functools.lru_cache(maxsize=8)
+def _library_dirs(search_path: tuple[str, ...]) -> tuple[str, ...]:
+    """Where installed libraries live: the interpreter's library directories,
+    the ``site-packages``/``dist-packages`` entries of ``search_path``
+    (``sys.path``), and its entries that hold an installed distribution's
+    metadata (``pip install --target DIR`` put on ``PYTHONPATH``; a machine
+    image's package directory). A project's own source directory holds none:
+    an editable install keeps its metadata in ``site-packages``."""
     paths = sysconfig.get_paths()
     names = ("stdlib", "platstdlib", "purelib", "platlib")
     dirs = {os.path.realpath(paths[n]) for n in names if paths.get(n)}
-    dirs |= {os.path.realpath(p) for p in sys.path if "site-packages" in p}
+    for p in search_path:
+        if "site-packages" in p or "dist-packages" in p or _holds_distributions(p):
+            dirs.add(os.path.realpath(p))
     return tuple(sorted(dirs))
+
+
+def _holds_distributions(directory: str) -> bool:
+    """Whether ``directory`` holds an installed distribution's metadata."""
+    try:
+        names = os.listdir(directory or os.curdir)
+    except OSError:
+        return False
+    return any(n.endswith((".dist-info", ".egg-info")) for n in names)
 
 
 def _importable(obj: Any) -> bool:

@@ -3,6 +3,7 @@ optimizer and ``loss_fn`` are rebuilt, recompiles (or traces new values) when
 anything that changes the result changes, and keeps programs on disk across
 processes with ``scanax.compile_cache``."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -219,6 +220,31 @@ def test_fingerprints():
 
 
 _JITTED_HELPER = jax.jit(lambda x: x * 2.0)
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_libraries_installed_outside_site_packages(tmp_path, monkeypatch, installed):
+    """A package installed with ``pip install --target DIR`` and found through
+    ``PYTHONPATH`` (as the TPU machine's flax was: every population build there
+    recompiled, its model's fingerprint None) is a library, fingerprinted by
+    identity; a directory of the user's code (no distribution metadata) is not."""
+    name = f"fp_target_pkg_{installed}"  # (``_library`` is cached by name)
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("SCALE = 2.0\n")
+    if installed:
+        (tmp_path / f"{name}-1.0.dist-info").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+
+    def uses_it(x):
+        return module.SCALE * x
+
+    assert _fingerprint._library(name) is installed
+    found = _fingerprint.of(uses_it)
+    assert (found is not None) is installed
+    if installed:
+        assert found == _fingerprint.of(uses_it)
 
 
 # ---------------------------------------------------------------- across processes
