@@ -20,8 +20,8 @@ describes a value by everything tracing it can read instead:
   never change) by identity;
 * other hashable values with an equality of their own: themselves;
 * installed libraries (their modules, classes and top-level functions, found under
-  the interpreter's library directories) and builtins: their identity, since
-  rebuilding a model or an optimizer never makes new ones.
+  the library directories: ``_library_dirs``) and builtins: their identity,
+  since rebuilding a model or an optimizer never makes new ones.
 
 Anything else could change without a new identity (a module of the user's code,
 an instance such as an NNX model closed over, a mutable NumPy array too large to
@@ -229,33 +229,50 @@ def _library(module_name: str | None) -> bool:
     if path is None:
         return False
     path = os.path.realpath(path)
-    return any(path.startswith(d + os.sep) for d in _library_dirs(tuple(sys.path)))
+    search = tuple(p for p in sys.path if isinstance(p, str))  # (imports skip others)
+    return any(path.startswith(d + os.sep) for d in _library_dirs(search, _users()))
+
+
+def _users() -> tuple[str, ...]:
+    """The user's own directories: the running script's and the current one."""
+    script = sys.argv[0] if sys.argv and isinstance(sys.argv[0], str) else ""
+    dirs = {os.path.realpath(os.curdir)}
+    if script and script not in ("-c", "-m"):
+        dirs.add(os.path.realpath(os.path.dirname(script) or os.curdir))
+    return tuple(sorted(dirs))
 
 
 @functools.lru_cache(maxsize=8)
-def _library_dirs(search_path: tuple[str, ...]) -> tuple[str, ...]:
+def _library_dirs(
+    search_path: tuple[str, ...], users: tuple[str, ...]
+) -> tuple[str, ...]:
     """Where installed libraries live: the interpreter's library directories,
-    the ``site-packages``/``dist-packages`` entries of ``search_path``
-    (``sys.path``), and its entries that hold an installed distribution's
+    the entries of ``search_path`` (``sys.path``) inside a ``site-packages`` or
+    ``dist-packages`` directory, and its entries that hold a wheel's installed
     metadata (``pip install --target DIR`` put on ``PYTHONPATH``; a machine
-    image's package directory). A project's own source directory holds none:
-    an editable install keeps its metadata in ``site-packages``."""
+    image's package directory), except the user's own directories (``users``:
+    the running script's and the current one, whatever they hold) and a
+    project's source directory (an editable install keeps its ``.dist-info``
+    in ``site-packages``; the ``.egg-info`` setuptools leaves in a project's
+    root does not count)."""
     paths = sysconfig.get_paths()
     names = ("stdlib", "platstdlib", "purelib", "platlib")
     dirs = {os.path.realpath(paths[n]) for n in names if paths.get(n)}
     for p in search_path:
-        if "site-packages" in p or "dist-packages" in p or _holds_distributions(p):
-            dirs.add(os.path.realpath(p))
+        real = os.path.realpath(p or os.curdir)
+        packages = {"site-packages", "dist-packages"} & set(real.split(os.sep))
+        if packages or (real not in users and _holds_wheels(real)):
+            dirs.add(real)
     return tuple(sorted(dirs))
 
 
-def _holds_distributions(directory: str) -> bool:
-    """Whether ``directory`` holds an installed distribution's metadata."""
+def _holds_wheels(directory: str) -> bool:
+    """Whether ``directory`` holds an installed wheel's metadata."""
     try:
-        names = os.listdir(directory or os.curdir)
+        names = os.listdir(directory)
     except OSError:
         return False
-    return any(n.endswith((".dist-info", ".egg-info")) for n in names)
+    return any(n.endswith(".dist-info") for n in names)
 
 
 def _importable(obj: Any) -> bool:

@@ -235,6 +235,31 @@ def test_calls_fit_sizes_end_on_the_chunks_grid(gpu, calls, monkeypatch):
     assert ends[-1] == 600
 
 
+def test_the_rest_that_fits_one_call_runs_in_one(gpu, calls, monkeypatch):
+    """Once the step's time is known, steps that fit one call (its buffers, the
+    time a call aims at) run in one call, its last chunk cut, not a call of
+    whole chunks and another; more than fits still end on the grid."""
+    from scanax._fit import schedule as _fit_schedule
+    from scanax._fit.data.arrays import ArraySource
+
+    monkeypatch.setattr(_fit_schedule, "_SECONDS_PER_CALL", 1e9)  # (length decides)
+    fresh()
+    fit(steps=8)  # (times the step: the next fits know it)
+    k = newest_program()[0].chunks.plan.k
+    length = ArraySource.LENGTH
+    assert k == 64 and length % k
+    calls.clear()
+    one = fit(steps=length)
+    assert calls == [(0, length)]
+    np.testing.assert_array_equal(one.history["step"], np.arange(1, length + 1))
+    calls.clear()
+    fit(steps=length + 5)
+    assert calls == [
+        (0, length // k * k),
+        (length // k * k, length + 5 - length // k * k),
+    ]
+
+
 def test_host_batches_and_in_loop_reports_fit_the_chunks(gpu, calls, monkeypatch):
     """An iterable's calls of 100 host batches cut chunks like a steps_per_call
     (k divides 100), and the bar's in-loop reports with no every of the user's

@@ -5,6 +5,7 @@ processes with ``scanax.compile_cache``."""
 
 import importlib
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -222,24 +223,39 @@ def test_fingerprints():
 _JITTED_HELPER = jax.jit(lambda x: x * 2.0)
 
 
-@pytest.mark.parametrize("installed", [True, False])
-def test_libraries_installed_outside_site_packages(tmp_path, monkeypatch, installed):
+@pytest.mark.parametrize("where", ["target", "first", "project", "cwd"])
+def test_libraries_installed_outside_site_packages(tmp_path, monkeypatch, where):
     """A package installed with ``pip install --target DIR`` and found through
     ``PYTHONPATH`` (as the TPU machine's flax was: every population build there
     recompiled, its model's fingerprint None) is a library, fingerprinted by
-    identity; a directory of the user's code (no distribution metadata) is not."""
-    name = f"fp_target_pkg_{installed}"  # (``_library`` is cached by name)
-    pkg = tmp_path / name
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("SCALE = 2.0\n")
-    if installed:
-        (tmp_path / f"{name}-1.0.dist-info").mkdir()
-    monkeypatch.syspath_prepend(str(tmp_path))
+    identity, wherever ``DIR`` is on ``sys.path`` (first under ``python -P``).
+    A directory of the user's code is not: one with no wheel's metadata (a
+    setuptools project's root holds only its ``.egg-info``), or the current
+    directory (the script's), whatever it holds: a module-level value there may
+    change between calls. A ``sys.path`` entry that is not a string (imports
+    skip it) does not break fingerprints."""
+    name = f"fp_pkg_{where}"  # (``_library`` is cached by name)
+    home = tmp_path / "dir"
+    (home / name).mkdir(parents=True)
+    (home / name / "__init__.py").write_text("SCALE = 2.0\n")
+    if where == "project":
+        (home / f"{name}.egg-info").mkdir()
+    else:
+        (home / f"{name}-1.0.dist-info").mkdir()
+    if where == "cwd":
+        monkeypatch.chdir(home)
+    first = where == "first"
+    rest = [*sys.path, pathlib.Path(tmp_path)]
+    monkeypatch.setattr(
+        sys, "path", [str(home), *rest] if first else [*rest, str(home)]
+    )
+    importlib.invalidate_caches()
     module = importlib.import_module(name)
 
     def uses_it(x):
         return module.SCALE * x
 
+    installed = where in ("target", "first")
     assert _fingerprint._library(name) is installed
     found = _fingerprint.of(uses_it)
     assert (found is not None) is installed

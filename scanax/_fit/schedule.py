@@ -31,23 +31,35 @@ class Schedule:
         self.auto = auto = source.sized_automatically(steps_per_call)
         self.stops = [e for e in (checkpoint_every, bar_every) if e]
         known = program.seconds_per_step
+        # (``fits``: the most steps a call fit sizes may run, before ``per_call``
+        # is rounded to the chunks' grid)
         if not auto:
-            self.per_call = min(length, steps_per_call or length)
+            self.per_call = self.fits = min(length, steps_per_call or length)
         elif known is None:
-            self.per_call = min(length, 8)
+            self.per_call = self.fits = min(length, 8)
         else:
             self.per_call = self._size(known)
         self.last = None
 
     def want(self, start: int, end: int) -> int:
-        want = min(self.per_call, end - start)
-        if self.auto and want < end - start:
-            # A call fit sized ends on the chunks' grid (off CPU, once the plan is
-            # known): a call of whole chunks from a start off the grid (after
-            # the 8-step timing call) spanned one more chunk, its steps masked.
-            k = self.program.k
-            on_grid = (start + want) // k * k - start
-            want = on_grid if on_grid > 0 else want
+        left = end - start
+        want = min(self.per_call, left)
+        if self.auto and want < left:
+            if left <= self.fits:
+                # The rest fits one call (its buffers, the time a call aims
+                # at): one call, its last chunk cut (at most ``k - 1`` steps
+                # masked), rather than a call of whole chunks and one more (a
+                # TPU v5e measured a call's own cost at milliseconds, the
+                # 784-256-10 MLP's step at 8 us).
+                want = left
+            else:
+                # A call fit sized ends on the chunks' grid (off CPU, once the
+                # plan is known): a call of whole chunks from a start off the
+                # grid (after the 8-step timing call) spanned one more chunk,
+                # its steps masked.
+                k = self.program.k
+                on_grid = (start + want) // k * k - start
+                want = on_grid if on_grid > 0 else want
         for every in self.stops:
             want = min(want, every - start % every)
         return want
@@ -74,6 +86,7 @@ class Schedule:
         of the program's chunk (so that its chunks are whole) when that fits
         the call's buffers."""
         steps = max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
+        self.fits = steps
         k = self.program.k
         return max(steps // k * k, min(k, self.length))
 
