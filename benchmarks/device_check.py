@@ -12,19 +12,17 @@ would start past ``BUDGET`` seconds is skipped with a line):
 * GPT-2 small (124M: 12 layers, d 768, 12 heads, T 1024, batch 16, vocab 50257,
   bfloat16 compute, float32 parameters, AdamW; Flax NNX), a Python loop of one
   donated ``jax.jit`` step: the unrolled blocks against ``scanax.Stack`` with its
-  default remat and three alternatives (``remat=False``, ``checkpoint_dots``,
-  ``unroll=2``): step time ÷ unrolled, compile seconds, memory (XLA's buffer
-  assignment: arguments, temporaries and outputs not aliased), tokens/s and MFU
-  against the chip's dense bfloat16 peak (``PEAK_FLOPS``); then ``scanax.fit``'s
+  default remat, Flax's own ``nnx.scan`` over the same blocks, and three
+  alternatives (``remat=False``, ``checkpoint_dots``, ``unroll=2``): step time
+  ÷ unrolled, compile seconds, memory (XLA's buffer assignment: arguments,
+  temporaries and outputs not aliased), tokens/s and MFU against the chip's
+  dense bfloat16 peak (``PEAK_FLOPS``), in two groups; then ``scanax.fit``'s
   time per step ÷ the hand-written loop's on the Stack model;
 * ``fit`` against a hand-fused ``jax.jit(lax.scan)`` of the same Adam step (tiny
   32-32-1 MLP batch 8, small 784-256-10 batch 64): no options, and evaluation +
   progress bar + ``EarlyStop``; ``execution="stepwise"`` ÷ fused; what
   ``execution="auto"`` chose; fit's first call ÷ the hand-fused script's first
   call, each in a fresh process (compile included);
-* where fit's time goes: the hand-fused scan with one of fit's per-step pieces
-  added (the shuffled rows' gather, the non-finite select), fit as planned here
-  and planned as on CPU, bare and with evaluation and ``EarlyStop``;
 * the loop kinds of a tiny-MLP Adam step, 2000 steps, in µs/step and ÷
   ``lax.scan``: ``lax.scan``, a ``while_loop`` with a dynamic bound, a
   ``while_loop`` over ``lax.scan`` chunks of 10, a dynamic ``while_loop`` with an
@@ -38,11 +36,21 @@ would start past ``BUDGET`` seconds is skipped with a line):
   the hand-written ``lax.associative_scan`` (minimal-LRU shapes);
 * ``scanax.scan`` ÷ ``lax.scan`` (a matmul body, 10k steps); ``scanax.rnn``'s
   ``order="time"`` ÷ ``"layer"``; a small-CNN Adam step in ``scanax.scan`` ÷
-  ``lax.scan`` (200 and 2000 steps).
+  ``lax.scan`` (200 and 2000 steps);
+* where fit's time goes (last: no target of their own): fit per step and per
+  call (each timed at 1024 and 4096 steps: slope and intercept ÷ the
+  hand-fused scan's, with the hand-fused scan as chunks with and without an
+  evaluating ``lax.cond``); the hand-fused scan with one of fit's per-step
+  pieces added (the shuffled rows' gather of ``key=``, the non-finite select),
+  fit as planned here and planned as on CPU, bare and with evaluation and
+  ``EarlyStop``.
 
-Time on an H200 (estimated, not measured): GPT-2 about 2 minutes (five compiles
-of 5-30 s, 30 timed steps of each variant at 60-90 ms), the rest about 2 minutes
-(the earlier rows took 51 s; the fresh processes about 30 s).
+Time on an H200 (estimated, not measured): GPT-2 about 2-3 minutes (six compiles
+of 5-30 s, 30 timed steps of each variant at 60-90 ms), the rest about 3 minutes
+(the earlier rows took 51 s; the fresh processes about 30 s). On a TPU v5e:
+GPT-2 141 s, fit_rows 30 s, fit_slope_rows 25 s. Parts past ``BUDGET`` are
+skipped with a line; name them to run them (``python benchmarks/device_check.py
+fit_slope_rows fit_piece_rows``).
 """
 
 # ruff: noqa: B023  (each loop's closures are timed within their own iteration)
@@ -1064,14 +1072,16 @@ PARTS = (
     gpt2_fit_rows,
     fit_rows,
     loop_kind_rows,
-    fit_piece_rows,
-    fit_slope_rows,
     side_by_side_rows,
     linear_rows,
     linear_hand_rows,
     scan_overhead,
     rnn_rows,
     conv_rows,
+    # where fit's time goes (no README target of their own): last, so that a
+    # device that runs past the budget skips these first
+    fit_slope_rows,
+    fit_piece_rows,
 )
 
 
