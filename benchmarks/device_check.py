@@ -25,8 +25,9 @@ would start past ``BUDGET`` seconds is skipped with a line):
   call, each in a fresh process (compile included);
 * the loop kinds of a tiny-MLP Adam step, 2000 steps, in µs/step and ÷
   ``lax.scan``: ``lax.scan``, a ``while_loop`` with a dynamic bound, a
-  ``while_loop`` over ``lax.scan`` chunks of 10, a dynamic ``while_loop`` with an
-  ``isfinite(grads)`` select, ``scanax.fit``;
+  ``while_loop`` over ``lax.scan`` chunks of 10, a dynamic ``while_loop`` with
+  fit's own non-finite test and a select (the H200's row used an elementwise
+  ``isfinite``), ``scanax.fit``;
 * side by side, a 784-512-512-10 MLP, Adam, batch 128, 2000 steps: fit's second
   call, a hand-fused scan, a Python loop of ``nnx.jit`` steps, a PyTorch eager
   loop and Lightning's ``Trainer.fit`` on the same data (those two only where
@@ -450,6 +451,42 @@ def _hand_fused(step, tx, p0, steps, shuffled=False, body=None):
     return lambda: run(p0, tx.init(p0))
 
 
+def _finite_select(step):
+    """``step`` (``_task``'s) with fit's own non-finite test (``finite``: the
+    loss, and each gradient leaf's largest magnitude) and a select per state
+    leaf: the carry kept where the step was not finite. ``(carry, loss)``."""
+    from scanax._fit.program import finite
+
+    def body(c, i):
+        new, (loss, g) = step(c, i)
+        loss_ok, grads_ok = finite(loss, g)
+        ok = loss_ok & grads_ok
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, c), loss
+
+    return body
+
+
+def _chunked(step, k, between=None):
+    """A jitted ``run(carry, n) -> (carry, v)``: ``_task``'s ``step`` in chunks
+    of ``k`` (each a ``lax.scan``, a static trip count) inside a ``while_loop``
+    to step ``n``, as fit's calls run; ``between(carry, t)``: work at the end
+    of each chunk (after step ``t - 1``), its float32 result carried as ``v``."""
+
+    def run(c, n):
+        def chunk(s):
+            i, c, v = s
+            c, _ = jax.lax.scan(
+                lambda c, j: (step(c, i + j)[0], None), c, jnp.arange(k)
+            )
+            if between is not None:
+                v = between(c, i + k)
+            return i + k, c, v
+
+        return jax.lax.while_loop(lambda s: s[0] < n, chunk, (0, c, jnp.float32(0)))[1:]
+
+    return jax.jit(run)
+
+
 def _fit_mlp(x, y, loss_fn, tx, p0, steps, batch, **kw):
     kw.setdefault("progress", False)
     return scanax.fit(p0, tx, loss_fn, (x, y), steps=steps, batch_size=batch, **kw)
@@ -587,14 +624,6 @@ def fit_piece_rows():
         x, y, loss_fn, tx, p0, step = _task(sizes, batch)
         val = (x[: 4 * batch], y[: 4 * batch])
 
-        def checked(c, i):
-            (p, o), (loss, g) = step(c, i)
-            ok = jnp.isfinite(loss)
-            for leaf in jax.tree_util.tree_leaves(g):
-                ok = ok & jnp.isfinite(jnp.max(jnp.abs(leaf)))
-            pick = lambda new, old: jnp.where(ok, new, old)
-            return jax.tree_util.tree_map(pick, (p, o), c), loss
-
         def fit(platform, **kw):
             def call():
                 _backend.platform = (lambda: platform) if platform else real
@@ -615,7 +644,9 @@ def fit_piece_rows():
             "+ shuffled gather (fit's with key=)": _hand_fused(
                 step, tx, p0, steps, shuffled=True
             ),
-            "+ non-finite select": _hand_fused(step, tx, p0, steps, body=checked),
+            "+ non-finite select": _hand_fused(
+                step, tx, p0, steps, body=_finite_select(step)
+            ),
             "fit, this backend's plan": fit(None),
             "fit, one step per iteration": fit("cpu"),
             "fit + evaluation + EarlyStop, this backend's plan": fit(
@@ -647,27 +678,20 @@ def fit_slope_rows():
         val = (x[: 4 * batch], y[: 4 * batch])
         every = 128  # (a multiple of the chunks of 64)
 
-        def chunked(evaluate, steps):
-            def run(p, o):
-                def chunk(s):
-                    i, c, v = s
-                    body = lambda c, j: (lambda r: (r[0], r[1][0]))(step(c, i + j))
-                    c, _ = jax.lax.scan(body, c, jnp.arange(64))
-                    if evaluate:
-                        v = jax.lax.cond(
-                            (i + 64) % every == 0,
-                            lambda c: loss_fn(c[0], val),
-                            lambda c: jnp.float32(jnp.nan),
-                            c,
-                        )
-                    return i + 64, c, v
+        plain = _chunked(step, 64)
+        evaluating = _chunked(
+            step,
+            64,
+            lambda c, t: jax.lax.cond(
+                t % every == 0,
+                lambda c: loss_fn(c[0], val),
+                lambda c: jnp.float32(jnp.nan),
+                c,
+            ),
+        )
 
-                return jax.lax.while_loop(
-                    lambda s: s[0] < steps, chunk, (0, (p, o), jnp.float32(0))
-                )
-
-            run = jax.jit(run)
-            return lambda: run(p0, tx.init(p0))
+        def chunked(run, steps):
+            return lambda: run((p0, tx.init(p0)), steps)
 
         medians = {}
         for steps in lengths:
@@ -686,9 +710,9 @@ def fit_slope_rows():
                         callbacks=[scanax.Eval(val, every=every)],
                     ).model
                 ),
-                "hand, while over scans of 64": chunked(False, steps),
+                "hand, while over scans of 64": chunked(plain, steps),
                 f"hand, while over scans of 64 + cond every {every}": chunked(
-                    True, steps
+                    evaluating, steps
                 ),
             }
             times = _rounds(cands)
@@ -709,13 +733,6 @@ def loop_kind_rows():
     x, y, loss_fn, tx, p0, step = _task((32, 32, 1), 8)
     plain = lambda c, i: (step(c, i)[0], None)
 
-    def finite_step(c, i):
-        new, (loss, g) = step(c, i)
-        ok = jnp.isfinite(loss) & jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(g)])
-        )
-        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, c)
-
     def dynamic(body):
         def run(c, n):
             i, c = jax.lax.while_loop(
@@ -725,24 +742,16 @@ def loop_kind_rows():
 
         return jax.jit(run)
 
-    def chunked(c, n):
-        def chunk(ic):
-            i, c = ic
-            c, _ = jax.lax.scan(plain, c, i + jnp.arange(10))
-            return i + 10, c
-
-        return jax.lax.while_loop(lambda ic: ic[0] < n, chunk, (0, c))[1]
-
     c0 = (p0, tx.init(p0))
     scan = jax.jit(lambda c: jax.lax.scan(plain, c, jnp.arange(n))[0])
     while_ = dynamic(lambda c, i: plain(c, i)[0])
-    chunks = jax.jit(chunked)
-    checked = dynamic(finite_step)
+    chunks = _chunked(step, 10)
+    checked = dynamic(lambda c, i: _finite_select(step)(c, i)[0])
     kinds = {
         "lax.scan (static trip count)": lambda: scan(c0),
         "lax.while_loop, dynamic bound": lambda: while_(c0, n),
         "while_loop over lax.scan chunks of 10": lambda: chunks(c0, n),
-        "dynamic while_loop + isfinite(grads) select": lambda: checked(c0, n),
+        "dynamic while_loop + fit's non-finite test and select": lambda: checked(c0, n),
         "scanax.fit": lambda: (
             scanax.fit(
                 p0, tx, loss_fn, (x, y), steps=n, batch_size=8, progress=False
