@@ -368,14 +368,7 @@ def build_chunk(
     """The steps of a call as ``lanes`` take them (``Chunks``); ``periods``:
     the in-loop events' (evaluation every, a rollout's collection); ``cuts``:
     where the host ends calls (``host_cuts``)."""
-    return Chunks(
-        lanes,
-        sampler,
-        length,
-        ticks,
-        tuple(p for p in periods if p),
-        tuple(p for p in cuts if p),
-    )
+    return Chunks(lanes, sampler, length, ticks, tuple(p for p in periods if p), cuts)
 
 
 def when(due: Any, work: Callable, args: tuple) -> Any:

@@ -124,9 +124,7 @@ class Sweep:
             return found
         pop, setup, place, feats = self.pop, self.setup, self.setup.place, self.feats
         fingerprint = pop.fingerprint()
-        cuts = _fit_schedule.cuts(
-            setup, setup.spec.every if setup.spec is not None else None
-        )
+        cuts = _fit_schedule.cuts(setup)
         identity = _fit_program.identity(
             None if fingerprint is None else (fingerprint, feats.key()),
             (pop.make, feats.key()),

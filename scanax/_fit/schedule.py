@@ -91,12 +91,14 @@ class Schedule:
         return max(steps // k * k, min(k, self.length))
 
 
-def cuts(setup: Any, bar_every: int | None) -> tuple[int, ...]:
-    """The run's ``host_cuts``: its checkpoints' and bar's ``every``, and the
-    length of the calls fit does not size (as ``Schedule`` sizes them:
-    ``steps_per_call``, else the source's compiled length)."""
+def cuts(setup: Any) -> tuple[int, ...]:
+    """The run's ``host_cuts``: its checkpoints' and bar's ``every`` (whether
+    the bar's reports are the host's or in-loop), and the length of the calls
+    fit does not size (as ``Schedule`` sizes them: ``steps_per_call``, else
+    the source's compiled length)."""
     auto = setup.source.sized_automatically(setup.steps_per_call)
     per_call = None if auto else min(setup.length, setup.steps_per_call or setup.length)
+    bar_every = None if setup.spec is None else setup.spec.every
     return _fit_plan.host_cuts(setup.checkpoint_every, bar_every, per_call)
 
 

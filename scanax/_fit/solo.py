@@ -59,8 +59,7 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     eval_arrays = place.replicate(setup.eval_arrays)
     checks = _with_eval(setup.checks, feats)
     bar_every = spec.every if spec is not None and not ticks else None
-    # (the bar's every cuts chunks whether its reports are the host's or in-loop)
-    cuts = _fit_schedule.cuts(setup, spec.every if spec is not None else None)
+    cuts = _fit_schedule.cuts(setup)
     program = _model_program(feats, checks, setup, shardings, ticks, feed, cuts)
     schedule = _fit_schedule.Schedule(
         program,
