@@ -131,6 +131,72 @@ def test_optax_state_without_a_count_gets_fits_count():
     assert jax.tree.structure(a.optimizer) == jax.tree.structure(tx.init(params))
 
 
+_COUNTED = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw schedule": lambda: optax.adamw(optax.linear_schedule(1e-3, 0.0, 10)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(1e-3),
+    "chain, clip + lion": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.lion(1e-4)
+    ),
+    "sgd momentum schedule": lambda: optax.sgd(
+        optax.linear_schedule(0.1, 0.0, 10), momentum=0.9
+    ),
+    "adam + ema": lambda: optax.chain(optax.adam(1e-3), optax.ema(0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(_COUNTED))
+def test_a_state_fit_makes_starts_at_step_zero_without_a_read(name):
+    """fit makes the optimizer state with ``tx.init`` and starts it at step 0
+    without reading its counts (a read waits for the init's device work):
+    every step count of such a state is 0, as the read found; the history
+    starts at step 1, and a given state continues from its count."""
+    from scanax._fit.models.optax import OptaxAdapter, _step_counts
+
+    params = {"w": jnp.zeros((3, 1))}
+    tx = _COUNTED[name]()
+    counts = _step_counts(tx.init(params))
+    assert counts and [int(c) for c in counts] == [0] * len(counts)
+    adapter = OptaxAdapter(params, tx)
+    assert adapter.made and adapter.start_step() == 0
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    a = _fit(params, tx, loss, 3)
+    assert a.history["step"].tolist() == [1, 2, 3]
+    given = OptaxAdapter(a.model, tx, a.optimizer)
+    assert not given.made and given.start_step() == 3
+
+
+def test_a_given_state_is_checked_without_making_one(monkeypatch):
+    """With ``opt_state`` given, fit checks it against ``tx.init``'s structure
+    and shapes without running the init (``jax.eval_shape``), and a stateful
+    transform without a count (SGD with momentum) is initialised once."""
+    from scanax._fit.models.optax import OptaxAdapter
+
+    params = {"w": jnp.zeros((3, 1))}
+    sgd = optax.sgd(0.1, momentum=0.9)
+    made = []
+    real = sgd.init
+
+    def init(p):
+        made.append(any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(p)))
+        return real(p)
+
+    tx = optax.GradientTransformation(init, sgd.update)
+    fresh = OptaxAdapter(params, tx)
+    assert made == [False] and fresh.counted  # (eager: arrays)
+    assert jax.tree.structure(fresh.state["opt_state"]) == jax.tree.structure(
+        optax.chain(sgd, optax.scale_by_schedule(lambda step: 1.0)).init(params)
+    )
+    made.clear()
+    OptaxAdapter(params, tx, fresh.state["opt_state"])
+    assert made == [True]  # (traced by eval_shape: no arrays made)
+    with pytest.raises(TypeError, match=r"opt_state.*is float32\[2, 1\], expected"):
+        OptaxAdapter(params, tx, real({"w": jnp.zeros((2, 1))}))
+
+
 # ---------------------------------------------------------------- checkpoint loops
 
 

@@ -47,7 +47,11 @@ class OptaxAdapter:
         self.train, self.other = train, other
         params = [leaves[i] for i in train]
         others = [leaves[i] for i in other]
-        fresh = tx.init(self.layout.filtered(params))
+        filtered = self.layout.filtered(params)
+        # The state fit makes (eager, as a user's script makes it); for a
+        # given ``opt_state``, what it must look like (no arrays made).
+        made = opt_state is None
+        fresh = tx.init(filtered) if made else jax.eval_shape(tx.init, filtered)
         # A state that keeps no step count of its own (plain SGD, MultiSteps)
         # gets fit's: ``tx`` is trained as ``optax.chain(tx, counter)``, whose
         # state is that of ``optax.chain(tx, optax.scale_by_schedule(lambda
@@ -56,12 +60,14 @@ class OptaxAdapter:
         self.given_uncounted = False  # an opt_state given without fit's count
         if self.counted:
             self.tx = sys.modules["optax"].chain(tx, _counter())
-            if opt_state is not None and _same_structure(opt_state, fresh):
+            if not made and _same_structure(opt_state, fresh):
                 self.given_uncounted = True
                 opt_state = (opt_state, _counter().init(None))
-            fresh = self.tx.init(self.layout.filtered(params))
+            # (a chain's state is the tuple of its parts' states)
+            fresh = (fresh, _counter().init(None))
         else:
             self.tx = tx
+        self.made = made
         if opt_state is not None:
             _check_opt_state(opt_state, fresh)
             fresh = opt_state
@@ -95,6 +101,11 @@ class OptaxAdapter:
         ``inject_hyperparams``...; fit's own count for a state that keeps none):
         where this call continues from. None for an ``opt_state`` given without
         fit's count (a state made by ``tx.init``, not by ``fit``)."""
+        if self.made:
+            # Every count of a state ``tx.init`` makes starts at 0 (optax's
+            # do, ``tests/test_fit_optax.py``): no read, which would wait for
+            # the init's device work before the program is dispatched.
+            return 0
         if self.counted:
             state = self.state["opt_state"]
             return None if self.given_uncounted else int(state[1].count)
