@@ -3,7 +3,8 @@ what ``tests/test_golden.py`` holds against the programs and checkpoints that th
 fit wing wrote before its features became objects (``tests/golden/``).
 
 ``python tests/_programs.py`` (from the repository root) writes them again: the
-jaxpr of each combination's compiled call and a checkpoint directory each.
+jaxpr of each combination's compiled call and a checkpoint directory each;
+``python tests/_programs.py programs`` the programs alone.
 """
 
 from __future__ import annotations
@@ -228,6 +229,9 @@ CHECKPOINTED = ["plain", "eval_stop", "ema_eval_float16", "everything",
 
 
 def main() -> None:
+    """Write the programs and the checkpoints; with the argument ``programs``,
+    the programs alone (the checkpoints are an on-disk format from before:
+    an old one must still resume)."""
     import shutil
 
     out = GOLDEN / "programs"
@@ -237,6 +241,8 @@ def main() -> None:
         found = programs(name)
         (out / f"{name}.txt").write_text("\n\n".join(found))
         print(name, len(found), "programs", sum(len(t) for t in found), "chars")
+    if sys.argv[1:] == ["programs"]:
+        return
     for name in CHECKPOINTED:
         directory = GOLDEN / "checkpoints" / name
         shutil.rmtree(directory, ignore_errors=True)

@@ -43,7 +43,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_errors.keys",
         },
     ),
-    ("ground", {"_tree", "_fingerprint", "_nnx", "_axes", "_caller", "_backend"}),
+    (
+        "ground",
+        {"_tree", "_fingerprint", "_nnx", "_axes", "_caller", "_backend", "_once"},
+    ),
     ("eager", {"_eager"}),
     ("layouts", {"_conv_layout"}),
     ("loop core", {"_loop"}),

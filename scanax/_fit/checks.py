@@ -7,7 +7,7 @@ sums kept apart) is shared with ``scanax.evaluate``.
 
 Everything here runs inside the compiled loop: the running sums after every step
 (branch-free), the checks at the chunk boundaries where one is due, behind one
-``lax.cond`` per chunk; no recompile, and the same code under a population's
+``once_if`` per chunk; no recompile, and the same code under a population's
 ``vmap``.
 """
 
@@ -75,7 +75,7 @@ class Checks:
     ``accumulate`` after every step (branch-free: the running sums of a
     monitored training metric), ``collected`` at a rollout's collections (a
     monitored rollout metric's), and ``work`` at the chunk boundaries where a
-    check is ``due``, behind one ``lax.cond`` (the evaluation, then the
+    check is ``due``, behind one ``_once.once_if`` (the evaluation, then the
     rules)."""
 
     def __init__(

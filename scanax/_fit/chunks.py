@@ -17,6 +17,7 @@ import jax.tree_util as jtu
 
 from .. import _progress
 from .._errors import fit as errors
+from .._once import once_if
 from .plan import Plan, chunk_length, chunked
 from .program import Chunk, Out, Report, finite, outputs, step_key, trace_once
 
@@ -189,8 +190,10 @@ class Chunks:
     select per state leaf: they change nothing). Only the loop over chunks
     is dynamic: the number of steps per call varies (the automatic schedule,
     the last call, a NaN, an early stop) without recompiling. At the
-    boundaries, each event's work runs behind one ``lax.cond`` per chunk
-    (``Lanes.before``/``after``): nothing branches per step. ``plan.k`` is
+    boundaries, each event's work runs where it is due, in a loop of at most
+    one trip (``_once.once_if``, ``Lanes.before``/``after``): nothing branches
+    per step, and the loop holds no conditional (which on a TPU would move a
+    small state out of on-chip memory). ``plan.k`` is
     decided when the step is first traced (``chunk_length``: 1 on CPU,
     where a loop iteration costs no round trip and the masks would).
 
@@ -373,17 +376,14 @@ def build_chunk(
 
 def when(due: Any, work: Callable, args: tuple) -> Any:
     """``work(*args)`` (a check: a ``Checked``-like record of ``leaves``,
-    ``val``, ``carry``, ``stop``) behind one ``lax.cond``: where it is not
-    ``due``, the state as it is, NaN metrics and no stop. ``work`` is traced
-    once (its output's shapes make the other branch)."""
+    ``val``, ``carry``, ``stop``) where it is ``due`` (``once_if``: no
+    conditional), else the state as it is, NaN metrics and no stop. ``work``
+    is traced once (its output's shapes make the other value)."""
     run, shape = trace_once(work, *args)
-
-    def skip(*args: Any) -> Any:
-        nan = jtu.tree_map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shape.val)
-        stop = jnp.zeros(shape.stop.shape, bool)
-        return shape._replace(leaves=list(args[0]), val=nan, carry=args[-1], stop=stop)
-
-    return jax.lax.cond(due, run, skip, *args)
+    nan = jtu.tree_map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shape.val)
+    stop = jnp.zeros(shape.stop.shape, bool)
+    skip = shape._replace(leaves=list(args[0]), val=nan, carry=args[-1], stop=stop)
+    return once_if(due, run, skip, *args)
 
 
 def _merged(bufs: tuple, k: int, length: int) -> dict:

@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import population as errors
+from .._once import once_if
 from . import (
     checks as _fit_checks,
     chunks as _fit_chunks,
@@ -41,7 +42,7 @@ class Members(_fit_chunks.Lanes):
     With ``checks`` (``_fit_checks.Checks``): after each step, every member's
     running sums of its monitored training metric; at the chunk boundaries
     where a check is due, every member's evaluation, early-stop and plateau
-    rules (``checks.work`` under ``vmap``, behind one ``lax.cond``: the
+    rules (``checks.work`` under ``vmap``, behind one ``once_if``: the
     evaluation is due at the same steps for all), their carry with a leading
     member axis. A member whose rule says stop stops (its ``rule.stopped``);
     a member that no longer trains (stopped, or a non-finite step) leaves its
@@ -123,8 +124,8 @@ class Members(_fit_chunks.Lanes):
         due = collector.due(t)
         collect = self._vmap(collector.collect_into, (0, 0))
         kept = (list(leaves), collector.nan_metrics(stopped.shape))
-        new, metrics = jax.lax.cond(
-            due, collect, lambda leaves, hp: kept, leaves, c.hp
+        new, metrics = once_if(
+            due, collect, kept, leaves, c.hp
         )  # (a member that no longer trains keeps its feed)
         got = due & training
         leaves = [_where(got, n, x) for n, x in zip(new, leaves)]

@@ -12,9 +12,10 @@ call continues it.
 
 Collections happen at the global steps that are multiples of ``epochs *
 minibatches``, at the boundary before them (the compiled loop cuts its chunks
-there: one ``lax.cond`` per chunk, run only at those steps, the same for a
-population's members). Step ``t`` trains on minibatch ``t % minibatches`` of
-epoch ``(t // minibatches) % epochs`` of the batch.
+there: one ``once_if``, a loop of at most one trip, per chunk, run only at
+those steps, the same for a population's members). Step ``t`` trains on
+minibatch ``t % minibatches`` of epoch ``(t // minibatches) % epochs`` of the
+batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax.tree_util as jtu
 
 from ... import _caller, _fingerprint
 from ..._errors import rollout as errors
+from ..._once import once_if
 from ..._tree import is_array, is_arraylike
 from .. import feature as _feature
 from ..models import step as _model_step
@@ -342,15 +344,10 @@ class Collector:
 
     def before(self, leaves: list, t: Any, hp: Any) -> tuple[list, Any, dict]:
         """One model's boundary before global step ``t``: a collection behind
-        one ``lax.cond`` where one is due; ``(leaves, collected, metrics)``."""
+        ``once_if`` where one is due; ``(leaves, collected, metrics)``."""
         due = self.due(t)
-        leaves, metrics = jax.lax.cond(
-            due,
-            self.collect_into,
-            lambda leaves, hp: (list(leaves), self.nan_metrics()),
-            leaves,
-            hp,
-        )
+        kept = (list(leaves), self.nan_metrics())
+        leaves, metrics = once_if(due, self.collect_into, kept, leaves, hp)
         return leaves, due, metrics
 
     def names(self, prefix: str = "rollout") -> list[str]:
