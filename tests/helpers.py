@@ -15,6 +15,13 @@ import jax.tree_util as jtu
 import numpy as np
 
 
+# The jobs tests start (kill -9 and resume) run where this process runs, except
+# on a TPU, which admits one process: there conftest.py sends them to the CPU,
+# so the reference for a job's result is made by a job too (an uninterrupted
+# one), not in this process (a TPU's numbers are not the CPU's).
+JOBS_RUN_ELSEWHERE = jax.default_backend() == "tpu"
+
+
 def to_numpy(x):
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
         x = jr.key_data(x)

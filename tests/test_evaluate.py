@@ -27,6 +27,9 @@ metrics = pytest.importorskip("sklearn.metrics")
 
 allclose = ft.partial(close, rtol=2e-5, atol=1e-6)
 N = 30  # uneven for batches of 7 and 8
+# (a mesh of 4: XLA_FLAGS in conftest.py gives the CPU 4 devices; one GPU or TPU
+# chip is one)
+FOUR_DEVICES = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 X = jr.normal(jr.key(0), (N, 4))
 Y = jnp.sum(X, 1, keepdims=True) + jnp.sin(3 * X[:, :1])
 
@@ -366,6 +369,7 @@ def test_a_second_call_does_not_retrace():
     allclose(out, model(data[0]))
 
 
+@FOUR_DEVICES
 def test_mesh_splits_the_batches():
     mesh = jax.make_mesh((4,), ("data",))
     got = evaluate(PARAMS, params_eval, (X, Y), batch_size=8, mesh=mesh)
@@ -479,6 +483,7 @@ def test_errors(call, kwargs, exc, match):
         (evaluate if call == "evaluate" else predict)(*args, **kwargs)
 
 
+@FOUR_DEVICES
 def test_mesh_errors(pop):
     mesh = jax.make_mesh((4,), ("data",))
     with pytest.raises(ValueError, match="divisible by the mesh's 'data' axis"):

@@ -226,12 +226,18 @@ def test_progress_bar(capsys):
     assert "23/23" in err and "step/s" in err and "loss=" in err
 
 
-def test_progress_reports_from_inside_the_loop(monkeypatch):
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_progress_reports_from_inside_the_loop(monkeypatch, platform):
     """With a bar, each compiled call reports every few steps from inside the loop
-    (a call of 60 steps with unknown speed: every 6th step), and the result is the
-    same as without a bar."""
+    (a call of 60 steps with unknown speed: every 6th step, rounded up to a
+    multiple of the chunk off CPU: each report cuts a chunk), and the result is
+    the same as without a bar. ``platform``: fit decides as on that backend."""
     import scanax._progress as progress_module
+    from scanax import _backend
+    from scanax._fit import program as _fit_program
 
+    monkeypatch.setattr(_backend, "platform", lambda: platform)
+    _fit_program.PROGRAMS.clear()  # (built anew for this platform's plan)
     seen = []
     monkeypatch.setattr(
         progress_module, "report_newest", lambda d, loss: seen.append(int(d))
@@ -240,7 +246,11 @@ def test_progress_reports_from_inside_the_loop(monkeypatch):
     kwargs = dict(steps=60, batch_size=BS, key=KEY, steps_per_call=60)
     with_bar = scanax.fit(model, opt, nnx_loss, (X, Y), progress=True, **kwargs)
     jax.effects_barrier()
-    assert sorted(seen) == list(range(6, 61, 6))
+    (program,) = _fit_program.PROGRAMS.values()
+    k = program.chunks.plan.k
+    assert (k == 1) == (platform == "cpu")
+    every = -(-6 // k) * k
+    assert sorted(seen) == list(range(every, 61, every))
     model2, opt2 = nnx_pair()
     without = fit_quiet(model2, opt2, nnx_loss, (X, Y), **kwargs)
     np.testing.assert_array_equal(with_bar.history["loss"], without.history["loss"])

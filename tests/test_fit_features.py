@@ -21,7 +21,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import close, count_compiles
+from helpers import JOBS_RUN_ELSEWHERE, close, count_compiles
 
 import scanax
 from scanax._fit.logs import window_reduce
@@ -349,7 +349,9 @@ def test_a_failing_sink_keeps_the_result():
 def test_kill_and_resume_logs_each_step_once(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.csv"
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    # (added to the PYTHONPATH there is: the packages may be installed there)
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     job = [sys.executable, str(HERE / "_fit_log_job.py"), str(ckpt), str(log)]
     proc = subprocess.Popen(job, env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -366,9 +368,12 @@ def test_kill_and_resume_logs_each_step_once(tmp_path):
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     resumed = read_csv(log)
     whole = tmp_path / "whole.csv"
-    import _fit_log_job  # the same run, uninterrupted, in this process
+    if JOBS_RUN_ELSEWHERE:  # the same run, uninterrupted, as a job too
+        subprocess.run(job[:2] + ["", str(whole)], env=env, check=True, timeout=300)
+    else:  # ... in this process
+        import _fit_log_job
 
-    _fit_log_job.job(None, whole)
+        _fit_log_job.job(None, whole)
     reference = read_csv(whole)
     assert [r["step"] for r in resumed] == [r["step"] for r in reference]
     for a, b in zip(resumed, reference):
