@@ -1,5 +1,5 @@
-"""Work that runs only where it is due, inside a compiled loop, without a
-conditional: ``once_if``.
+"""Work that runs only where it is due, inside a compiled loop: ``once_if``, a
+``lax.cond``, or, inside ``branch_free(True)``, a loop of at most one trip.
 
 A ``lax.cond`` in a loop's body changes how XLA:TPU places the loop's state. Its
 memory-space assignment keeps a small model's whole training state in on-chip
@@ -10,32 +10,54 @@ steps, per step relative to the same loop without the work: a ``lax.cond``
 evaluating every 128 steps 1.82× (1.40× for a 32-32-1 MLP); the same
 evaluation in a ``while_loop`` of zero or one trip 0.99× (0.99×). Nesting does
 not help: the cond in an outer loop over inner loops of chunks costs the same.
+On a GPU each costs one predicate read on the host where it runs.
 
-A loop of at most one trip computes the same values as the cond. On a GPU
-each costs one predicate read on the host where it runs (the while loop one
-more where its trip runs); on CPU neither costs anything measurable. So the
-loops of ``scanax.fit`` put every boundary's work (evaluation and the rules
-after it, a rollout's collection, an in-loop progress report) behind
-``once_if``.
+Where the boundary comes every step (fit's calls on CPU, and elsewhere a step
+too long to chunk) the loop is the slower: on XLA:CPU, fit with an evaluation
+every 100 steps and ``EarlyStop``, 1000 steps, the one-trip loop took 1.52×
+(32-32-1 MLP) and 1.23× (784-256-10) the cond's time (it carries the state
+through the loop each step). So ``scanax.fit``'s loop over chunks traces its
+boundaries inside ``branch_free(k > 1)``; everything else keeps ``lax.cond``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+_STATE = threading.local()
 
-def once_if(due: Any, work: Callable[..., Any], otherwise: Any, *args: Any) -> Any:
+
+@contextlib.contextmanager
+def branch_free(on: bool) -> Iterator[None]:
+    """While tracing inside: ``once_if`` is a loop of at most one trip
+    (``on``) or a ``lax.cond`` (not ``on``; the default outside)."""
+    before = getattr(_STATE, "on", False)
+    _STATE.on = on
+    try:
+        yield
+    finally:
+        _STATE.on = before
+
+
+def once_if(
+    due: Any, work: Callable[..., Any], skip: Callable[..., Any], *args: Any
+) -> Any:
     """``work(*args)`` where ``due`` (a traced bool scalar) is true, else
-    ``otherwise`` (a pytree of the same shapes and dtypes as ``work``'s
-    result), as a ``lax.while_loop`` of at most one trip (no conditional:
-    see the module's docstring). ``work`` is traced once; ``args`` are
-    closed over, not carried."""
+    ``skip(*args)`` (the same shapes and dtypes): ``lax.cond(due, work, skip,
+    *args)``, or inside ``branch_free(True)`` a ``lax.while_loop`` of at most
+    one trip that starts from ``skip(*args)`` (no conditional: see the
+    module's docstring)."""
+    if not getattr(_STATE, "on", False):
+        return jax.lax.cond(due, work, skip, *args)
 
     def body(state: tuple) -> tuple:
         return jnp.zeros((), bool), work(*args)
 
-    return jax.lax.while_loop(lambda s: s[0], body, (jnp.asarray(due), otherwise))[1]
+    init = (jnp.asarray(due), skip(*args))
+    return jax.lax.while_loop(lambda s: s[0], body, init)[1]

@@ -3,14 +3,13 @@
 ``scanax.scan`` runs the steps in chunks of ``every`` (``_remat.run_chunks``) and
 ticks once per chunk, so a bar costs nothing per step. The loop carries an internal
 step counter next to the user's carry. Before the steps ``[i, i + n)`` run, the
-loop calls back to the host (``jax.debug.callback`` in a loop of at most one
-trip) only if that block holds a multiple of ``every`` or is the last one. The
-callback's operands depend only on the counter: they are unbatched under
-``vmap`` (one bar for the batch), and under ``grad`` they are known values of
-the forward loop, so the updates stay inside the forward loop (they depend on a
-carry, so they cannot be hoisted out as loop-invariant). Every report is made
-inside the loop: a report after it could run first, as XLA folds the final
-count to a constant.
+loop calls back to the host (``jax.debug.callback`` inside a ``lax.cond``) only if
+that block holds a multiple of ``every`` or is the last one. The callback's
+operands depend only on the counter: they are unbatched under ``vmap`` (one bar for
+the batch), and under ``grad`` they are known values of the forward loop, so the
+updates stay inside the forward loop (they depend on a carry, so they cannot be
+hoisted out as loop-invariant). Every report is made inside the loop: a report
+after it could run first, as XLA folds the final count to a constant.
 
 The callbacks are unordered (ordered effects would not run on several devices),
 so the host side tolerates reports that arrive permuted (see ``Bar``).
@@ -150,15 +149,16 @@ def report_newest(done: Any, loss: Any) -> None:
 
 def report_if(when: jax.Array, host: Callable[..., None], *args: jax.Array) -> None:
     """In a compiled loop: call ``host(*args)`` on the host if ``when`` (a host
-    callback in a loop of at most one trip, ``_once.once_if``: nothing is sent
-    when it is false, and the loop holds no conditional)."""
-
-    def send() -> Any:
-        jax.debug.callback(host, *args)
-        return jnp.zeros((), bool)
+    callback behind ``_once.once_if``: a ``lax.cond``, or in fit's chunked
+    loop a loop of at most one trip; nothing is sent when it is false)."""
 
     with jax.named_scope("scanax.progress"):
-        once_if(when, send, jnp.zeros((), bool))
+        once_if(
+            when,
+            lambda *a: jax.debug.callback(host, *a),
+            lambda *a: None,
+            *args,
+        )
 
 
 def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:

@@ -14,7 +14,6 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-
 # The jobs tests start (kill -9 and resume) run where this process runs, except
 # on a TPU, which admits one process: there conftest.py sends them to the CPU,
 # so the reference for a job's result is made by a job too (an uninterrupted

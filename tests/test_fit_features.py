@@ -350,7 +350,9 @@ def test_kill_and_resume_logs_each_step_once(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.csv"
     # (added to the PYTHONPATH there is: the packages may be installed there)
-    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(
+        filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])
+    )
     env = {**os.environ, "PYTHONPATH": path}
     job = [sys.executable, str(HERE / "_fit_log_job.py"), str(ckpt), str(log)]
     proc = subprocess.Popen(job, env=env, stderr=subprocess.PIPE)

@@ -4,11 +4,7 @@ change):
 
 - each feature combination compiles the same program, text for text (the jaxpr
   of its compiled call, function names aside): the same arithmetic, so the same
-  results bit for bit. The programs were written again once since, on purpose
-  (2026-12-06: the boundaries' work in loops of at most one trip instead of a
-  ``lax.cond``, ``scanax/_once.py``); before that, each combination's results
-  were compared with the old program's: bit for bit for 11 of the 12, within
-  one float32 ulp for a population's rollout (4e-8 on its losses);
+  results bit for bit;
 - checkpoints written then resume now, exactly as an uninterrupted run: their
   leaf names are an on-disk format.
 """

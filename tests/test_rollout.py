@@ -18,9 +18,8 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from jax.experimental import io_callback
-
 from helpers import JOBS_RUN_ELSEWHERE
+from jax.experimental import io_callback
 
 import scanax
 

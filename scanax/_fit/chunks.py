@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 
 from .. import _progress
 from .._errors import fit as errors
-from .._once import once_if
+from .._once import branch_free, once_if
 from .plan import Plan, chunk_length, chunked
 from .program import Chunk, Out, Report, finite, outputs, step_key, trace_once
 
@@ -190,10 +190,12 @@ class Chunks:
     select per state leaf: they change nothing). Only the loop over chunks
     is dynamic: the number of steps per call varies (the automatic schedule,
     the last call, a NaN, an early stop) without recompiling. At the
-    boundaries, each event's work runs where it is due, in a loop of at most
-    one trip (``_once.once_if``, ``Lanes.before``/``after``): nothing branches
-    per step, and the loop holds no conditional (which on a TPU would move a
-    small state out of on-chip memory). ``plan.k`` is
+    boundaries, each event's work runs where it is due (``_once.once_if``,
+    ``Lanes.before``/``after``): nothing branches per step. With chunks
+    (``plan.k`` > 1) that is a loop of at most one trip, so that the program
+    holds no conditional (on a TPU one moves a small state out of on-chip
+    memory); with one step per chunk, a ``lax.cond`` (a loop that carries the
+    state each step is the slower there). ``plan.k`` is
     decided when the step is first traced (``chunk_length``: 1 on CPU,
     where a loop iteration costs no round trip and the masks would).
 
@@ -275,7 +277,8 @@ class Chunks:
         def body(loop: tuple) -> tuple:
             return self._chunk(c, env, parts, loop)
 
-        return jax.lax.while_loop(more, body, loop)
+        with branch_free(self.plan.k > 1):
+            return jax.lax.while_loop(more, body, loop)
 
     def _traced(self, c: Chunk, env: Any, carry: tuple, perm: Any) -> tuple:
         """The step and the boundaries' work, each traced once (their
@@ -290,12 +293,13 @@ class Chunks:
         if self.plan is None:
             k = chunk_length(step.jaxpr, self.periods + self.cuts) if masks else 1
             self.plan = Plan(k, self.periods)
-        before = trace_once(
-            lambda carry, t: lanes.before(c, env, carry, t), carry, c.start
-        )
-        after = trace_once(
-            lambda carry, t: lanes.after(c, env, carry, t), carry, c.start + 1
-        )
+        with branch_free(self.plan.k > 1):  # (chunks: no conditional)
+            before = trace_once(
+                lambda carry, t: lanes.before(c, env, carry, t), carry, c.start
+            )
+            after = trace_once(
+                lambda carry, t: lanes.after(c, env, carry, t), carry, c.start + 1
+            )
         return step, shapes[1], before, after
 
     def _open(self, c: Chunk) -> tuple[Any, tuple, tuple]:
@@ -376,13 +380,16 @@ def build_chunk(
 
 def when(due: Any, work: Callable, args: tuple) -> Any:
     """``work(*args)`` (a check: a ``Checked``-like record of ``leaves``,
-    ``val``, ``carry``, ``stop``) where it is ``due`` (``once_if``: no
-    conditional), else the state as it is, NaN metrics and no stop. ``work``
-    is traced once (its output's shapes make the other value)."""
+    ``val``, ``carry``, ``stop``) where it is ``due`` (``once_if``), else the
+    state as it is, NaN metrics and no stop. ``work`` is traced once (its
+    output's shapes make the other branch)."""
     run, shape = trace_once(work, *args)
-    nan = jtu.tree_map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shape.val)
-    stop = jnp.zeros(shape.stop.shape, bool)
-    skip = shape._replace(leaves=list(args[0]), val=nan, carry=args[-1], stop=stop)
+
+    def skip(*args: Any) -> Any:
+        nan = jtu.tree_map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shape.val)
+        stop = jnp.zeros(shape.stop.shape, bool)
+        return shape._replace(leaves=list(args[0]), val=nan, carry=args[-1], stop=stop)
+
     return once_if(due, run, skip, *args)
 
 

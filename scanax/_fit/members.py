@@ -125,7 +125,7 @@ class Members(_fit_chunks.Lanes):
         collect = self._vmap(collector.collect_into, (0, 0))
         kept = (list(leaves), collector.nan_metrics(stopped.shape))
         new, metrics = once_if(
-            due, collect, kept, leaves, c.hp
+            due, collect, lambda leaves, hp: kept, leaves, c.hp
         )  # (a member that no longer trains keeps its feed)
         got = due & training
         leaves = [_where(got, n, x) for n, x in zip(new, leaves)]

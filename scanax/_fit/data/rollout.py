@@ -12,10 +12,10 @@ call continues it.
 
 Collections happen at the global steps that are multiples of ``epochs *
 minibatches``, at the boundary before them (the compiled loop cuts its chunks
-there: one ``once_if``, a loop of at most one trip, per chunk, run only at
-those steps, the same for a population's members). Step ``t`` trains on
-minibatch ``t % minibatches`` of epoch ``(t // minibatches) % epochs`` of the
-batch.
+there: one ``once_if``, a ``lax.cond`` or a loop of at most one trip, per
+chunk, run only at those steps, the same for a population's members). Step
+``t`` trains on minibatch ``t % minibatches`` of epoch ``(t // minibatches) %
+epochs`` of the batch.
 """
 
 from __future__ import annotations
@@ -346,8 +346,13 @@ class Collector:
         """One model's boundary before global step ``t``: a collection behind
         ``once_if`` where one is due; ``(leaves, collected, metrics)``."""
         due = self.due(t)
-        kept = (list(leaves), self.nan_metrics())
-        leaves, metrics = once_if(due, self.collect_into, kept, leaves, hp)
+        leaves, metrics = once_if(
+            due,
+            self.collect_into,
+            lambda leaves, hp: (list(leaves), self.nan_metrics()),
+            leaves,
+            hp,
+        )
         return leaves, due, metrics
 
     def names(self, prefix: str = "rollout") -> list[str]:
