@@ -57,6 +57,7 @@ STRICT_PROMOTION = {
     "test_fit_features.py",
     "test_log.py",
     "test_mesh.py",
+    "test_once.py",
     "test_plot.py",
     "test_population.py",
     "test_progress.py",
