@@ -197,6 +197,43 @@ def test_a_given_state_is_checked_without_making_one(monkeypatch):
         OptaxAdapter(params, tx, real({"w": jnp.zeros((2, 1))}))
 
 
+def test_a_given_state_of_an_init_that_tracing_cannot_tell():
+    """A custom transform whose state holds Python numbers (weakly typed when
+    traced), or whose ``init`` reads the parameters' values: the state it made
+    is accepted as given, checked against the eager ``tx.init``, and trains
+    as without it."""
+    from contextlib import nullcontext
+    from typing import Any, NamedTuple
+
+    class State(NamedTuple):
+        count: Any
+        scale: Any
+
+    def update(u, s, p=None):
+        return jax.tree.map(lambda g: -1e-2 * s.scale * g, u), State(
+            s.count + 1, s.scale
+        )
+
+    def reads(p):  # (a value on the host: no trace can make it)
+        scale = 1 / (1 + float(jnp.sum(p["w"] ** 2)))
+        return State(jnp.zeros((), jnp.int32), jnp.float32(scale))
+
+    params = {"w": jnp.ones((3, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    # (a Python int is no step count: fit counts, and says a given state
+    # starts at step 0)
+    uncounted = pytest.warns(RuntimeWarning, match="made by tx.init")
+    for init, warns in ((lambda p: State(0, 1.0), uncounted), (reads, nullcontext())):
+        tx = optax.GradientTransformation(init, update)
+        with warns:
+            given = _fit(params, tx, loss, 3, opt_state=tx.init(params))
+        made = _fit(params, tx, loss, 3)
+        np.testing.assert_array_equal(given.history["loss"], made.history["loss"])
+
+
 # ---------------------------------------------------------------- checkpoint loops
 
 

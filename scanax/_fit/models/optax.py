@@ -51,7 +51,7 @@ class OptaxAdapter:
         # The state fit makes (eager, as a user's script makes it); for a
         # given ``opt_state``, what it must look like (no arrays made).
         made = opt_state is None
-        fresh = tx.init(filtered) if made else jax.eval_shape(tx.init, filtered)
+        fresh = tx.init(filtered) if made else _init_shapes(tx, filtered)
         # A state that keeps no step count of its own (plain SGD, MultiSteps)
         # gets fit's: ``tx`` is trained as ``optax.chain(tx, counter)``, whose
         # state is that of ``optax.chain(tx, optax.scale_by_schedule(lambda
@@ -240,6 +240,20 @@ def _step_counts(opt_state: Any) -> list | None:
         if getattr(count, "shape", None) == () and name not in _OTHER_COUNTS:
             counts.append(count)
     return counts
+
+
+def _init_shapes(tx: Any, params: Any) -> Any:
+    """What ``tx.init(params)`` makes, for a check: its shapes and dtypes
+    (``jax.eval_shape``, no arrays made), or the state itself where tracing
+    would not tell (an ``init`` that reads values, or Python numbers in its
+    state, which a trace makes weakly typed arrays)."""
+    try:
+        shapes = jax.eval_shape(tx.init, params)
+    except Exception:  # noqa: BLE001 - the eager init is the reference
+        return tx.init(params)
+    if any(getattr(x, "weak_type", False) for x in jtu.tree_leaves(shapes)):
+        return tx.init(params)
+    return shapes
 
 
 def _step_count(opt_state: Any) -> int | None:
