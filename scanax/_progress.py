@@ -151,7 +151,6 @@ def report_if(when: jax.Array, host: Callable[..., None], *args: jax.Array) -> N
     """In a compiled loop: call ``host(*args)`` on the host if ``when`` (a host
     callback behind ``_once.once_if``: a ``lax.cond``, or in fit's chunked
     loop a loop of at most one trip; nothing is sent when it is false)."""
-
     with jax.named_scope("scanax.progress"):
         once_if(
             when,

@@ -277,8 +277,7 @@ class Chunks:
         def body(loop: tuple) -> tuple:
             return self._chunk(c, env, parts, loop)
 
-        with branch_free(self.plan.k > 1):
-            return jax.lax.while_loop(more, body, loop)
+        return jax.lax.while_loop(more, body, loop)
 
     def _traced(self, c: Chunk, env: Any, carry: tuple, perm: Any) -> tuple:
         """The step and the boundaries' work, each traced once (their
@@ -293,7 +292,7 @@ class Chunks:
         if self.plan is None:
             k = chunk_length(step.jaxpr, self.periods + self.cuts) if masks else 1
             self.plan = Plan(k, self.periods)
-        with branch_free(self.plan.k > 1):  # (chunks: no conditional)
+        with self._boundaries():
             before = trace_once(
                 lambda carry, t: lanes.before(c, env, carry, t), carry, c.start
             )
@@ -301,6 +300,12 @@ class Chunks:
                 lambda carry, t: lanes.after(c, env, carry, t), carry, c.start + 1
             )
         return step, shapes[1], before, after
+
+    def _boundaries(self) -> Any:
+        """How the boundaries' work is traced (``_once.once_if``): with chunks
+        (``plan.k`` > 1) in loops of at most one trip, so that the program
+        holds no conditional; one step per chunk, behind ``lax.cond``."""
+        return branch_free(self.plan.k > 1)
 
     def _open(self, c: Chunk) -> tuple[Any, tuple, tuple]:
         perm = self.sampler.first(c.key, c.start)
@@ -365,7 +370,8 @@ class Chunks:
             last = jax.lax.dynamic_index_in_dim(
                 ys["loss"], end - 1 - base, keepdims=False
             )
-            _progress.tick_newest(end % c.every == 0, end, last)
+            with self._boundaries():
+                _progress.tick_newest(end % c.every == 0, end, last)
         return end - c.start, carry, perm, (bufs, pre_bufs, post_bufs)
 
 

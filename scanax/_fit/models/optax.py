@@ -103,8 +103,8 @@ class OptaxAdapter:
         fit's count (a state made by ``tx.init``, not by ``fit``)."""
         if self.made:
             # Every count of a state ``tx.init`` makes starts at 0 (optax's
-            # do, ``tests/test_fit_optax.py``): no read, which would wait for
-            # the init's device work before the program is dispatched.
+            # do: ``tests/test_fit_continue.py``): no read, which would wait
+            # for the init's device work before the program is dispatched.
             return 0
         if self.counted:
             state = self.state["opt_state"]
