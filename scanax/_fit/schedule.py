@@ -31,15 +31,24 @@ class Schedule:
         self.auto = auto = source.sized_automatically(steps_per_call)
         self.stops = [e for e in (checkpoint_every, bar_every) if e]
         known = program.seconds_per_step
-        # (``fits``: the most steps a call fit sizes may run, before ``per_call``
-        # is rounded to the chunks' grid)
+        # ``fits``: the most steps one call may run (``per_call`` rounds it)
         if not auto:
-            self.per_call = self.fits = min(length, steps_per_call or length)
+            self.fits = min(length, steps_per_call or length)
         elif known is None:
-            self.per_call = self.fits = min(length, 8)
+            self.fits = min(length, 8)
         else:
-            self.per_call = self._size(known)
+            self.fits = self._fits(known)
         self.last = None
+
+    @property
+    def per_call(self) -> int:
+        """The steps of a call fit sizes from a measured speed: ``fits`` in
+        whole chunks of the program (``k``), when that fits its buffers; else
+        ``fits``."""
+        if not self.auto or self.program.seconds_per_step is None:
+            return self.fits
+        k = self.program.k
+        return max(self.fits // k * k, min(k, self.length))
 
     def want(self, start: int, end: int) -> int:
         left = end - start
@@ -78,17 +87,13 @@ class Schedule:
         began = max(dispatched, self.last or dispatched)
         per_step = max(now - began, 1e-9) / steps
         self.program.seconds_per_step = per_step
-        self.per_call = self._size(per_step)
+        self.fits = self._fits(per_step)
         self.last = now
 
-    def _size(self, seconds_per_step: float) -> int:
-        """The steps a call of about ``_SECONDS_PER_CALL`` takes, a multiple
-        of the program's chunk (so that its chunks are whole) when that fits
-        the call's buffers."""
-        steps = max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
-        self.fits = steps
-        k = self.program.k
-        return max(steps // k * k, min(k, self.length))
+    def _fits(self, seconds_per_step: float) -> int:
+        """The steps a call of about ``_SECONDS_PER_CALL`` takes, at most the
+        call's buffers."""
+        return max(1, min(self.length, int(_SECONDS_PER_CALL / seconds_per_step)))
 
 
 def cuts(setup: Any) -> tuple[int, ...]:
