@@ -146,18 +146,21 @@ _COUNTED = {
 
 
 @pytest.mark.parametrize("name", list(_COUNTED))
-def test_a_state_fit_makes_starts_at_step_zero_without_a_read(name):
+def test_a_state_fit_makes_starts_at_step_zero_without_a_read(name, monkeypatch):
     """fit makes the optimizer state with ``tx.init`` and starts it at step 0
     without reading its counts (a read waits for the init's device work):
     every step count of such a state is 0, as the read found; the history
     starts at step 1, and a given state continues from its count."""
-    from scanax._fit.models.optax import OptaxAdapter, _step_counts
+    from scanax._fit.models import optax as adapters
 
     params = {"w": jnp.zeros((3, 1))}
     tx = _COUNTED[name]()
-    counts = _step_counts(tx.init(params))
+    counts = adapters._step_counts(tx.init(params))
     assert counts and [int(c) for c in counts] == [0] * len(counts)
-    adapter = OptaxAdapter(params, tx)
+    read = []
+    real = adapters._step_count
+    monkeypatch.setattr(adapters, "_step_count", lambda s: read.append(1) or real(s))
+    adapter = adapters.OptaxAdapter(params, tx)
     assert adapter.made and adapter.start_step() == 0
 
     def loss(p, b):
@@ -165,8 +168,10 @@ def test_a_state_fit_makes_starts_at_step_zero_without_a_read(name):
 
     a = _fit(params, tx, loss, 3)
     assert a.history["step"].tolist() == [1, 2, 3]
-    given = OptaxAdapter(a.model, tx, a.optimizer)
+    assert read == []  # (the state fit made: no count read)
+    given = adapters.OptaxAdapter(a.model, tx, a.optimizer)
     assert not given.made and given.start_step() == 3
+    assert read  # (a given state: its count read)
 
 
 def test_a_given_state_is_checked_without_making_one(monkeypatch):

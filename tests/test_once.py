@@ -20,7 +20,15 @@ def skip(x, y):
 
 
 def reference(due, x, y):
-    return work(x, y) if due else skip(x, y)
+    """The Python choice, compiled alone (the same ops XLA compiles in
+    ``once_if``'s branch)."""
+    return jax.jit(work if due else skip)(x, y)
+
+
+def same(got, want):
+    # (one float32 rounding apart at most: off CPU XLA may fuse the sine with
+    # the product in one program and not in the other)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
 
 
 @pytest.mark.parametrize("loop", [False, True])
@@ -32,9 +40,7 @@ def test_the_same_values_as_the_python_choice(loop, due):
         with branch_free(loop):
             return once_if(due, work, skip, x, y)
 
-    got = jax.jit(f)(due, x, y)
-    want = reference(due, x, y)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
+    same(jax.jit(f)(due, x, y), reference(due, x, y))
 
 
 @pytest.mark.parametrize("loop", [False, True])
@@ -49,12 +55,7 @@ def test_a_batched_predicate_chooses_per_lane(loop):
 
     got = jax.jit(jax.vmap(f))(due, x, y)
     for i in range(4):
-        want = reference(bool(due[i]), x[i], y[i])
-        jax.tree.map(
-            np.testing.assert_array_equal,
-            (got["s"][i], got["n"][i]),
-            (want["s"], want["n"]),
-        )
+        same(jax.tree.map(lambda a: a[i], got), reference(bool(due[i]), x[i], y[i]))
 
 
 def test_only_the_branch_free_program_holds_no_conditional():
@@ -68,6 +69,4 @@ def test_only_the_branch_free_program_holds_no_conditional():
     assert " conditional(" in program(False)
     looped = program(True)
     assert " conditional(" not in looped and " while(" in looped
-    with branch_free(True):  # (restored on the way out)
-        pass
-    assert " conditional(" in program(False)
+    assert " conditional(" in program(False)  # (restored on the way out)
