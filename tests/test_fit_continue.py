@@ -191,15 +191,120 @@ def test_a_given_state_is_checked_without_making_one(monkeypatch):
 
     tx = optax.GradientTransformation(init, sgd.update)
     fresh = OptaxAdapter(params, tx)
-    assert made == [False] and fresh.counted  # (eager: arrays)
+    assert made == [True] and fresh.counted  # (traced once, and compiled)
     assert jax.tree.structure(fresh.state["opt_state"]) == jax.tree.structure(
         optax.chain(sgd, optax.scale_by_schedule(lambda step: 1.0)).init(params)
     )
     made.clear()
     OptaxAdapter(params, tx, fresh.state["opt_state"])
-    assert made == [True]  # (traced by eval_shape: no arrays made)
+    assert (
+        False not in made
+    )  # (traced by eval_shape, or its trace reused: no arrays made)
     with pytest.raises(TypeError, match=r"opt_state.*is float32\[2, 1\], expected"):
         OptaxAdapter(params, tx, real({"w": jnp.zeros((2, 1))}))
+
+
+def _adam_init_leaves(state):
+    return [
+        (np.asarray(x), x.dtype, x.weak_type, x.sharding)
+        for x in jax.tree.leaves(state)
+    ]
+
+
+def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
+    """fit makes the optax state with one compiled call of ``tx.init`` (not a
+    dispatch per array), compiled once per transform and parameter shapes: a
+    rebuilt ``optax.adam(1e-3)`` reuses it, another learning rate or other
+    shapes compile anew. Each state equals the eager ``tx.init``: values,
+    dtypes, weak types, devices."""
+    from scanax._fit.models import optax as adapters
+
+    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    compiled = []
+    real = adapters._compiled_init
+    monkeypatch.setattr(
+        adapters, "_compiled_init", lambda tx, p: compiled.append(1) or real(tx, p)
+    )
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2), "i": jnp.arange(3), "n": None}
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 5, 50)
+    for tx in (
+        optax.adam(1e-3),
+        optax.adam(1e-3),  # (rebuilt: the same program)
+        optax.adamw(schedule, weight_decay=1e-2),
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)),
+    ):
+        adapter = adapters.OptaxAdapter(params, tx)
+        fresh = adapter.state["opt_state"]
+        eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
+        assert jax.tree.structure(fresh) == jax.tree.structure(eager)
+        for a, b in zip(_adam_init_leaves(fresh), _adam_init_leaves(eager)):
+            np.testing.assert_array_equal(a[0], b[0])
+            assert a[1:] == b[1:]
+    assert len(compiled) == 4  # (the rebuilt Adam compiled nothing)
+    assert all(init != adapters._EAGER for init in adapters._INITS.values())
+    adapters.OptaxAdapter({"w": jnp.ones((4, 2))}, optax.adam(1e-3))
+    assert len(compiled) == 5  # (other shapes: another program)
+
+
+def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypatch):
+    """The eager ``tx.init``, as a user's script calls it, where one compiled
+    call would not make the same state or could not be reused: an init that
+    reads values, one that keeps Python numbers, parameters that are NumPy
+    arrays or sharded over devices, a transform with no fingerprint."""
+    from typing import Any, NamedTuple
+
+    from scanax._fit.models import optax as adapters
+
+    class State(NamedTuple):
+        count: Any
+        scale: Any
+
+    def update(u, s, p=None):
+        return u, s
+
+    def reads(p):  # (a value on the host: no trace can make it)
+        return State(jnp.zeros((), jnp.int32), jnp.float32(float(jnp.sum(p["w"]))))
+
+    class Box:  # (a mutable instance: no fingerprint)
+        lr = 1e-3
+
+    box = Box()
+    unknown = optax.GradientTransformation(
+        lambda p: optax.adam(box.lr).init(p), optax.adam(1e-3).update
+    )
+    params = {"w": jnp.ones((3, 1))}
+    cases = [
+        (optax.GradientTransformation(reads, update), params),
+        (
+            optax.GradientTransformation(lambda p: (0, 1.0), lambda u, s, p: (u, s)),
+            params,
+        ),
+        (optax.adam(1e-3), {"w": np.ones((3, 1), np.float32)}),
+        (unknown, params),
+    ]
+    if jax.device_count() >= 2:  # (the suite's CPU has 4; a TPU v5e machine one)
+        mesh = jax.make_mesh((2,), ("data",))
+        sharding = jax.NamedSharding(mesh, jax.P("data"))
+        cases.append(
+            (optax.adam(1e-3), {"w": jax.device_put(jnp.ones((4, 1)), sharding)})
+        )
+    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    for tx, p in cases:
+        adapter = adapters.OptaxAdapter(p, tx)
+        state = adapter.state["opt_state"]
+        if adapter.counted:
+            state = state[0]
+        eager = tx.init(p)
+        assert jax.tree.structure(state) == jax.tree.structure(eager)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(eager)):
+            assert type(a) is type(b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            if isinstance(a, jax.Array):
+                assert (a.dtype, a.weak_type, a.sharding) == (
+                    b.dtype, b.weak_type, b.sharding
+                )  # fmt: skip
+    assert set(adapters._INITS.values()) == {adapters._EAGER}  # (none compiled)
 
 
 def test_a_given_state_of_an_init_that_tracing_cannot_tell():

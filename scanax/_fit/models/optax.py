@@ -7,6 +7,7 @@ schedules...) or, for a transform that keeps none, fit's own (``_counter``).
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -48,10 +49,17 @@ class OptaxAdapter:
         params = [leaves[i] for i in train]
         others = [leaves[i] for i in other]
         filtered = self.layout.filtered(params)
-        # The state fit makes (eager, as a user's script makes it); for a
-        # given ``opt_state``, what it must look like (no arrays made).
+        # The transform's fingerprint, walked once: the program's key and the
+        # compiled init's (``fingerprint``, ``_made_state``).
+        self.tx_key = _fingerprint.of(tx)
+        # The state fit makes (one compiled call where it can: ``_made_state``);
+        # for a given ``opt_state``, what it must look like (no arrays made).
         made = opt_state is None
-        fresh = tx.init(filtered) if made else _init_shapes(tx, filtered)
+        fresh = (
+            _made_state(tx, self.tx_key, filtered)
+            if made
+            else _init_shapes(tx, filtered)
+        )
         # A state that keeps no step count of its own (plain SGD, MultiSteps)
         # gets fit's: ``tx`` is trained as ``optax.chain(tx, counter)``, whose
         # state is that of ``optax.chain(tx, optax.scale_by_schedule(lambda
@@ -76,7 +84,8 @@ class OptaxAdapter:
         self.static = ("optax", treedef, train, other, statics, tx, self.counted)
 
     def fingerprint(self) -> Any:
-        return _fingerprint.of(self.static)
+        rest = _fingerprint.of(self.static[:5] + self.static[6:])  # (all but tx)
+        return None if rest is None or self.tx_key is None else (rest, self.tx_key)
 
     def trained(self) -> list[int]:
         """The positions of the trained parameters in ``state``'s leaves."""
@@ -240,6 +249,61 @@ def _step_counts(opt_state: Any) -> list | None:
         if getattr(count, "shape", None) == () and name not in _OTHER_COUNTS:
             counts.append(count)
     return counts
+
+
+# Compiled ``tx.init``s, by the transform's fingerprint and the parameters'
+# structure, shapes, dtypes and devices (the newest ``_INITS_KEPT``).
+_INITS: collections.OrderedDict = collections.OrderedDict()
+_INITS_KEPT = 64
+_EAGER = "eager"  # (a key whose init runs eagerly: ``_compiled_init``)
+
+
+def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
+    """``tx.init(params)``: one compiled call where the init is a function of
+    the parameters' shapes alone, not one dispatch per array it makes. Eager
+    (17 dispatches for Adam on four arrays: 3.9 ms a call on a TPU v5e, against
+    0.6 ms for one compiled call) where the transform has no fingerprint (a
+    rebuilt transform would compile again), a parameter is not a JAX array on
+    one device, or ``_compiled_init`` says so."""
+    leaves, treedef = jtu.tree_flatten(params)
+    if tx_key is None or not all(_on_one_device(x) for x in leaves):
+        return tx.init(params)
+    key = (
+        tx_key,
+        treedef,
+        tuple((x.shape, x.dtype, x.weak_type, x.sharding) for x in leaves),
+        jax.config.jax_enable_x64,
+    )
+    init = _INITS.get(key)
+    if init is None:
+        init = _INITS[key] = _compiled_init(tx, params)
+        while len(_INITS) > _INITS_KEPT:
+            _INITS.popitem(last=False)
+    else:
+        _INITS.move_to_end(key)
+    return tx.init(params) if init is _EAGER else init(params)
+
+
+def _compiled_init(tx: Any, params: Any) -> Any:
+    """``tx.init`` compiled for ``params``; ``_EAGER`` where a trace would not
+    make what the eager init makes: an init that reads values (it fails to
+    trace) or keeps Python numbers in its state (a trace makes them weakly
+    typed arrays)."""
+    try:
+        shapes = jax.eval_shape(tx.init, params)
+        if any(getattr(x, "weak_type", True) for x in jtu.tree_leaves(shapes)):
+            return _EAGER
+        return jax.jit(tx.init).lower(params).compile()
+    except Exception:  # noqa: BLE001 - the eager init is the reference
+        return _EAGER
+
+
+def _on_one_device(x: Any) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and len(x.sharding.device_set) == 1
+    )
 
 
 def _init_shapes(tx: Any, params: Any) -> Any:
