@@ -21,6 +21,15 @@ import numpy as np
 JOBS_RUN_ELSEWHERE = jax.default_backend() == "tpu"
 
 
+def working_bytes(compiled) -> int:
+    """A compiled program's working memory beyond its arguments, as XLA reports
+    it: XLA:CPU as temporaries (its peak holds arguments and outputs alone),
+    XLA:TPU in its peak (temporaries 0 there, seen on a v5e)."""
+    m = compiled.memory_analysis()
+    peak = (getattr(m, "peak_memory_in_bytes", 0) or 0) - m.argument_size_in_bytes
+    return max(m.temp_size_in_bytes, peak)
+
+
 def to_numpy(x):
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
         x = jr.key_data(x)

@@ -9,6 +9,7 @@ import functools as ft
 import re
 import sys
 import warnings
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -420,6 +421,18 @@ def test_free_memory_is_known_here():
         assert free > 0
     compiled = jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64))).compile()
     assert _memory.call_bytes(compiled) >= 64 * 64 * 4
+    # What XLA reports, as the backends report it: XLA:CPU its temporaries,
+    # XLA:TPU none (temp 0) but a peak that holds them and the arguments.
+    cpu = SimpleNamespace(
+        output_size_in_bytes=100, alias_size_in_bytes=40, temp_size_in_bytes=1000,
+        argument_size_in_bytes=500, peak_memory_in_bytes=600,
+    )  # fmt: skip
+    tpu = SimpleNamespace(
+        output_size_in_bytes=100, alias_size_in_bytes=0, temp_size_in_bytes=0,
+        argument_size_in_bytes=500, peak_memory_in_bytes=20_000,
+    )  # fmt: skip
+    assert _memory._ask(SimpleNamespace(memory_analysis=lambda: cpu)) == 1060
+    assert _memory._ask(SimpleNamespace(memory_analysis=lambda: tpu)) == 19_500
     assert _memory.members_that_fit(8, 800, 200, multiple=1) == 1  # 0.85 * 200 / 100
     assert _memory.members_that_fit(8, 800, 2000, multiple=4) == 8
     assert _memory.members_that_fit(8, 800, 500, multiple=2) == 4

@@ -153,10 +153,7 @@ def test_remat_sqrt_lowers_gradient_memory():
     stopping late): compiled temp memory of the gradient well under the plain one."""
     h0, w = H0, W64
     plain, sqrt = tanh_grad(False), tanh_grad("sqrt")
-    ratio = (
-        sqrt.memory_analysis().temp_size_in_bytes
-        / plain.memory_analysis().temp_size_in_bytes
-    )
+    ratio = helpers.working_bytes(sqrt) / helpers.working_bytes(plain)
     assert ratio < 0.3
     np.testing.assert_allclose(sqrt(h0, w)[1], plain(h0, w)[1], rtol=1e-5)
 
@@ -230,14 +227,17 @@ def test_linearizations_over_the_budget_store_carries(monkeypatch):
         return jnp.sum(carry[0]) + jnp.sum(ys[1])
 
     jax.block_until_ready(jax.jit(value)((h, s)))  # forward only: one call a step
+    jax.effects_barrier()  # (a debug callback may run after its program: a TPU's do)
     steps = len(calls)
     assert 1 < steps < 30
     calls.clear()
     g = jax.block_until_ready(jax.jit(jax.grad(value))((h, s)))
+    jax.effects_barrier()
     assert len(calls) == 2 * steps
     monkeypatch.undo()
     calls.clear()
     close(g, jax.jit(jax.grad(value))((h, s)))
+    jax.effects_barrier()
     assert len(calls) == steps
 
 
@@ -308,6 +308,7 @@ def test_without_gradients_it_is_a_while_loop():
     carry, ys, steps = scanax.scan_until(
         counted, init, xs, until=until, in_axes=(0, None)
     )
+    jax.effects_barrier()  # (a debug callback may run after its program: a TPU's do)
     assert len(calls) == int(steps) < 30  # the steps after the stop never run
 
 
@@ -531,6 +532,7 @@ def test_gradient_runs_only_the_steps_taken(remat, passes):
     steps = int(ours((h, s), (a, w))[2])
     g = jax.jit(jax.grad(value))((h, s))
     jax.block_until_ready(g)
+    jax.effects_barrier()
     assert steps < 30 and len(calls) == passes * steps
 
 

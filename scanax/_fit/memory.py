@@ -43,7 +43,12 @@ def _ask(compiled: Any) -> int | None:
     temp = getattr(stats, "temp_size_in_bytes", None)
     if out is None or temp is None:
         return None
-    return int(out) - int(getattr(stats, "alias_size_in_bytes", 0)) + int(temp)
+    need = int(out) - int(getattr(stats, "alias_size_in_bytes", 0)) + int(temp)
+    # XLA:TPU reports no temporaries (0 on a v5e, 2026-12-06) but a peak that
+    # holds them, and the arguments; XLA:CPU's peak holds arguments and outputs
+    # alone. The larger of the two counts what either says.
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    return max(need, peak - int(getattr(stats, "argument_size_in_bytes", 0) or 0))
 
 
 def free_bytes(devices: list) -> int | None:
