@@ -74,6 +74,6 @@ def digest(result):
 
 
 if __name__ == "__main__":
-    out = digest(job(sys.argv[1]))
+    out = digest(job(sys.argv[1] or None))  # ("": no checkpoints)
     with open(sys.argv[2], "w") as f:
         f.write(out)

@@ -59,6 +59,6 @@ def digest(result):
 
 
 if __name__ == "__main__":
-    out = digest(job(sys.argv[1], int(sys.argv[3])))
+    out = digest(job(sys.argv[1] or None, int(sys.argv[3])))  # ("": no checkpoints)
     with open(sys.argv[2], "w") as f:
         f.write(out)

@@ -1,6 +1,15 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# float16 and bfloat16 as written: XLA may otherwise keep a fusion's low-precision
+# intermediates in float32 ("excess precision"), where it fuses, so that two
+# programs computing the same thing (fit's and a reference loop's) round
+# differently, and overflow (the loss scale's signal) where the other does not.
+# XLA:CPU rounds alike either way; XLA:TPU did not (1-ulp float16 differences
+# and a member's loss scale halving apart in tests/test_precision.py, 2026-12-06).
+# Set before JAX reads its flags; a flag given already is kept.
+if "xla_allow_excess_precision" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_allow_excess_precision=false"
 # On an accelerator the suite's processes (xdist workers, the jobs tests start)
 # share one device: none may take most of its memory up front, as JAX does by
 # default.

@@ -18,11 +18,17 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
+from helpers import JOBS_RUN_ELSEWHERE  # noqa: E402
 
 import scanax
 from scanax._fit import checkpoint as _checkpoint
 from scanax._fit.callbacks import best as _best
 from scanax._fit.models import adapt as _models
+
+# A job's result (run on the CPU where a TPU admits one process: helpers) against
+# this process's: bit for bit on one backend; a TPU's float32 arithmetic is not
+# the CPU's (5e-6 relative measured on a TPU v5e).
+JOB_RTOL = 1e-4 if JOBS_RUN_ELSEWHERE else 1e-6
 
 HERE = Path(__file__).resolve().parent
 XV = job.X[:16] + 0.5
@@ -310,4 +316,4 @@ def test_an_unwritable_best_dir_raises_and_the_process_exits(tmp_path):
     assert "END" in proc.stdout and "Traceback" not in proc.stderr
     first = save_job.fit(None, None, 4)  # (the best of the first 4 steps)
     loaded, _ = scanax.load_best(best, save_job.P0, save_job.TX)
-    np.testing.assert_allclose(loaded["w"], first.model["w"], rtol=1e-6)
+    np.testing.assert_allclose(loaded["w"], first.model["w"], rtol=JOB_RTOL)

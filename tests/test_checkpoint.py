@@ -21,7 +21,12 @@ pytest.importorskip("orbax.checkpoint")
 
 import _fit_kill_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
 from fit_helpers import BS, TX, X, Y, nnx_loss  # noqa: E402
-from helpers import leaves_equal  # noqa: E402
+from helpers import JOBS_RUN_ELSEWHERE, leaves_equal  # noqa: E402
+
+# A job's result (run on the CPU where a TPU admits one process: helpers) against
+# this process's: bit for bit on one backend; a TPU's float32 arithmetic is not
+# the CPU's (5e-6 relative measured on a TPU v5e).
+JOB_RTOL = 1e-4 if JOBS_RUN_ELSEWHERE else 1e-6
 
 HERE = pathlib.Path(__file__).parent
 
@@ -272,11 +277,16 @@ def test_resume_with_other_metrics_keeps_history_aligned(tmp_path):
 def _run_job(directory, out, kill_after=None, during_save=False):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(directory.parent / "jax-cache")
+    env["JAX_COMPILATION_CACHE_DIR"] = str(out.parent / "jax-cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_fit_kill_job.py"), str(directory), str(out)],
+        [
+            sys.executable,
+            str(HERE / "_fit_kill_job.py"),
+            str(directory or ""),
+            str(out),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -320,7 +330,12 @@ def test_kill_9_at_random_moments_then_resume_is_exact(tmp_path):
     assert any(killed)  # at least one process really died mid-run
     assert 0 < _steps(directory) < job.STEPS
     _run_job(directory, out)
-    assert out.read_text() == job.digest(job.job(None))
+    if JOBS_RUN_ELSEWHERE:  # (the same run, uninterrupted, as a job too)
+        ref = tmp_path / "whole"
+        _run_job(None, ref)
+        assert out.read_text() == ref.read_text()
+    else:
+        assert out.read_text() == job.digest(job.job(None))
 
 
 def test_checkpoint_of_another_format_is_refused(tmp_path, monkeypatch):
@@ -360,7 +375,7 @@ def _resumes_at(tmp_path, steps, done):
         out = save_job.fit(ckpt, best, steps)
     assert out.steps == done
     ref = save_job.fit(None, None, steps)
-    np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=1e-6)
+    np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=JOB_RTOL)
     return out
 
 
@@ -411,5 +426,5 @@ def test_an_unwritable_checkpoint_dir_raises_and_the_process_exits(tmp_path):
     out = save_job.fit(ckpt, best, 16)  # (restored at 4: steps 5... trained)
     ref = save_job.fit(None, None, 16)
     np.testing.assert_array_equal(out.history["step"], np.arange(1, 17))
-    np.testing.assert_allclose(out.history["loss"], ref.history["loss"], rtol=1e-6)
-    np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=1e-6)
+    np.testing.assert_allclose(out.history["loss"], ref.history["loss"], rtol=JOB_RTOL)
+    np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=JOB_RTOL)

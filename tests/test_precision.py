@@ -324,6 +324,18 @@ member_close = (
     if jax.default_backend() == "cpu"
     else ft.partial(allclose, rtol=float(jnp.finfo(jnp.float16).eps))
 )
+# Its state: each of Adam's STEPS updates (at most LR in size, normalised) may
+# move by float16's epsilon of LR where a gradient rounded otherwise (measured
+# on a TPU v5e: 2.4e-5 on a weight of 0.015, the bound here 2.3e-4).
+member_state_close = (
+    allclose
+    if jax.default_backend() == "cpu"
+    else ft.partial(
+        allclose,
+        rtol=float(jnp.finfo(jnp.float16).eps),
+        atol=STEPS * LR * float(jnp.finfo(jnp.float16).eps),
+    )
+)
 
 
 def same(result_state, reference_state, close=allclose):
@@ -525,7 +537,7 @@ def test_population_members_have_their_own_scales():
         ref = optax_reference(k)
         np.testing.assert_array_equal(out.history["loss_scale"][i], ref["loss_scale"])
         member_close(out.history["loss"][i], ref["loss"])
-        same((out.model[i], out.optimizer[i]), ref["state"], member_close)
+        same((out.model[i], out.optimizer[i]), ref["state"], member_state_close)
     assert out.history["loss_scale"][1].min() == 2.0**15
 
 

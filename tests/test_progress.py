@@ -11,10 +11,29 @@ import scanax
 from scanax import _progress
 
 
+class Reports(list):
+    """The reports seen, read once every callback has run: off CPU a program's
+    host callbacks may run after it returns (a TPU's did), so each read waits
+    for them (``jax.effects_barrier``)."""
+
+    def __eq__(self, other):
+        jax.effects_barrier()
+        return list(self) == other
+
+    def __iter__(self):
+        jax.effects_barrier()
+        return super().__iter__()
+
+    def __len__(self):
+        jax.effects_barrier()
+        return super().__len__()
+
+
 @pytest.fixture
 def reports(monkeypatch):
     """Every host callback, as (steps done, closing), without drawing a bar."""
-    seen = []
+    jax.effects_barrier()  # (an earlier test's callbacks: before the patch)
+    seen = Reports()
     monkeypatch.setattr(
         _progress.Bar,
         "report",
@@ -180,6 +199,7 @@ def test_real_bar(capsys, unroll):
     )
     fn()
     fn()
+    jax.effects_barrier()  # (the bar's callbacks may run after the call returns)
     err = capsys.readouterr().err
     assert err.count("simulate") >= 2 and err.count("30/30") == 2
 
