@@ -191,7 +191,7 @@ def test_a_given_state_is_checked_without_making_one(monkeypatch):
 
     tx = optax.GradientTransformation(init, sgd.update)
     fresh = OptaxAdapter(params, tx)
-    assert made == [True] and fresh.counted  # (traced once, and compiled)
+    assert made == [False] and fresh.counted  # (eager: arrays)
     assert jax.tree.structure(fresh.state["opt_state"]) == jax.tree.structure(
         optax.chain(sgd, optax.scale_by_schedule(lambda step: 1.0)).init(params)
     )
@@ -234,7 +234,7 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
         optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
         optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)),
     ):
-        adapter = adapters.OptaxAdapter(params, tx)
+        adapter = adapters.OptaxAdapter(params, tx, compiled_init=True)
         fresh = adapter.state["opt_state"]
         eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
         assert jax.tree.structure(fresh) == jax.tree.structure(eager)
@@ -243,8 +243,23 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
             assert a[1:] == b[1:]
     assert len(compiled) == 4  # (the rebuilt Adam compiled nothing)
     assert all(init != adapters._EAGER for init in adapters._INITS.values())
-    adapters.OptaxAdapter({"w": jnp.ones((4, 2))}, optax.adam(1e-3))
+    adapters.OptaxAdapter({"w": jnp.ones((4, 2))}, optax.adam(1e-3), compiled_init=True)
     assert len(compiled) == 5  # (other shapes: another program)
+
+    # fit's own run makes its state so; a population's members and a
+    # checkpoint's layout (structures looked at, their arrays replaced) eagerly.
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    _fit({"w": jnp.ones((3, 1))}, optax.adam(2e-3), loss, 2)
+    assert len(compiled) == 6
+    pop = scanax.population(
+        lambda key, lr: ({"w": jnp.ones((3, 1))}, optax.adam(lr)), 3,
+        key=jax.random.key(0), lr=np.float32([1e-3, 2e-3, 3e-3]),
+    )  # fmt: skip
+    out = _fit(pop, None, loss, 2)
+    [out.model[i] for i in range(3)]
+    assert len(compiled) == 6
 
 
 def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypatch):
@@ -291,7 +306,7 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
         )
     monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
     for tx, p in cases:
-        adapter = adapters.OptaxAdapter(p, tx)
+        adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
         state = adapter.state["opt_state"]
         if adapter.counted:
             state = state[0]

@@ -88,7 +88,7 @@ def configure(
     adapter = None
     if pop is None:
         _no_population_options(shared_batches, members_per_call)
-        adapter = _models.adapt(model, optimizer, opt_state)
+        adapter = _models.adapt(model, optimizer, opt_state, compiled_init=True)
     else:
         members_per_call = _population_options(
             pop, optimizer, opt_state, members_per_call

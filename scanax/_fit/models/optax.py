@@ -34,7 +34,9 @@ class OptaxAdapter:
 
     kind = "optax"
 
-    def __init__(self, model: Any, tx: Any, opt_state: Any = None):
+    def __init__(
+        self, model: Any, tx: Any, opt_state: Any = None, compiled_init: bool = False
+    ):
         flat, treedef = jtu.tree_flatten_with_path(model)
         leaves = [x for _, x in flat]
         self.paths = [p for p, _ in flat]
@@ -52,14 +54,19 @@ class OptaxAdapter:
         # The transform's fingerprint, walked once: the program's key and the
         # compiled init's (``fingerprint``, ``_made_state``).
         self.tx_key = _fingerprint.of(tx)
-        # The state fit makes (one compiled call where it can: ``_made_state``);
-        # for a given ``opt_state``, what it must look like (no arrays made).
+        # The state fit makes: ``tx.init``, in one compiled call for the run's
+        # own state (``compiled_init``: ``_made_state``), eager for a structure
+        # looked at (a population's member, a checkpoint's layout: its arrays
+        # are replaced, and a compile per member's learning rate would cost
+        # more than it saves); for a given ``opt_state``, what it must look
+        # like (no arrays made).
         made = opt_state is None
-        fresh = (
-            _made_state(tx, self.tx_key, filtered)
-            if made
-            else _init_shapes(tx, filtered)
-        )
+        if not made:
+            fresh = _init_shapes(tx, filtered)
+        elif compiled_init:
+            fresh = _made_state(tx, self.tx_key, filtered)
+        else:
+            fresh = tx.init(filtered)
         # A state that keeps no step count of its own (plain SGD, MultiSteps)
         # gets fit's: ``tx`` is trained as ``optax.chain(tx, counter)``, whose
         # state is that of ``optax.chain(tx, optax.scale_by_schedule(lambda
