@@ -68,6 +68,17 @@ class _Same:
         return id(self.obj)
 
 
+def trace_context() -> Any:
+    """The JAX configuration that ``jax.jit`` keys its caches on (matmul
+    precision, PRNG implementation, default device...): a program traced under
+    other settings is another program."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - another JAX: every setting counts
+        return tuple(sorted((k, repr(v)) for k, v in jax.config.values.items()))
+    return config.trace_context()
+
+
 def of(value: Any) -> Any:
     """A hashable fingerprint of ``value``, or None (see the module docstring)."""
     try:

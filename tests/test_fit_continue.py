@@ -204,19 +204,30 @@ def test_a_given_state_is_checked_without_making_one(monkeypatch):
         OptaxAdapter(params, tx, real({"w": jnp.zeros((2, 1))}))
 
 
-def _adam_init_leaves(state):
-    return [
-        (np.asarray(x), x.dtype, x.weak_type, x.sharding)
-        for x in jax.tree.leaves(state)
-    ]
+def _same_state(made, eager):
+    """``made`` equals the eager state: structure, values, dtypes, weak types;
+    each leaf the eager init commits to a device (Adam's moments: the
+    parameters') on that device, committed (a leaf it leaves uncommitted, as
+    Adam's count, may be made on the parameters' device)."""
+    assert jax.tree.structure(made) == jax.tree.structure(eager)
+    for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(eager), strict=True):
+        assert type(a) is type(b)
+        if jax.dtypes.issubdtype(getattr(b, "dtype", None), jax.dtypes.prng_key):
+            assert a.dtype == b.dtype  # (the same PRNG implementation)
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if isinstance(a, jax.Array):
+            assert (a.dtype, a.weak_type) == (b.dtype, b.weak_type)
+            if b.committed:
+                assert a.committed and a.sharding == b.sharding
 
 
 def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     """fit makes the optax state with one compiled call of ``tx.init`` (not a
-    dispatch per array), compiled once per transform and parameter shapes: a
-    rebuilt ``optax.adam(1e-3)`` reuses it, another learning rate or other
-    shapes compile anew. Each state equals the eager ``tx.init``: values,
-    dtypes, weak types, devices."""
+    dispatch per array), compiled once per transform, parameter shapes and
+    devices and JAX settings: a rebuilt ``optax.adam(1e-3)`` reuses it, another
+    learning rate, other shapes, another device or PRNG compile anew. Each
+    state equals the eager ``tx.init`` (``_same_state``)."""
     from scanax._fit.models import optax as adapters
 
     monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
@@ -227,39 +238,55 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     )
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2), "i": jnp.arange(3), "n": None}
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 5, 50)
-    for tx in (
-        optax.adam(1e-3),
-        optax.adam(1e-3),  # (rebuilt: the same program)
-        optax.adamw(schedule, weight_decay=1e-2),
-        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
-        optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)),
-    ):
-        adapter = adapters.OptaxAdapter(params, tx, compiled_init=True)
-        fresh = adapter.state["opt_state"]
-        eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
-        assert jax.tree.structure(fresh) == jax.tree.structure(eager)
-        for a, b in zip(_adam_init_leaves(fresh), _adam_init_leaves(eager)):
-            np.testing.assert_array_equal(a[0], b[0])
-            assert a[1:] == b[1:]
-    assert len(compiled) == 4  # (the rebuilt Adam compiled nothing)
+    injected = optax.inject_hyperparams(optax.adam)
+    cases = [
+        (optax.adam(1e-3), 1),
+        (optax.adam(1e-3), 0),  # (rebuilt: the same program)
+        (optax.adamw(schedule, weight_decay=1e-2), 1),
+        (injected(learning_rate=1e-3), 1),
+        (injected(learning_rate=3e-3), 1),  # (its state holds the rate)
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)), 1),
+        (optax.add_noise(0.1, 0.5, 3), 1),  # (its state holds a key)
+    ]
+    places = [params]
+    if jax.device_count() >= 2:  # (on another device than the default one)
+        places.append(jax.device_put(params, jax.devices()[1]))
+    for p in places:
+        for tx, compiles in cases:
+            before = len(compiled)
+            adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
+            assert len(compiled) - before == compiles
+            eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
+            _same_state(adapter.state["opt_state"], eager)
     assert all(init != adapters._EAGER for init in adapters._INITS.values())
     adapters.OptaxAdapter({"w": jnp.ones((4, 2))}, optax.adam(1e-3), compiled_init=True)
-    assert len(compiled) == 5  # (other shapes: another program)
+    assert len(compiled) == 6 * len(places) + 1  # (other shapes: another program)
+    # Another PRNG implementation: the key it makes is of that one.
+    impl = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", "rbg")
+    try:
+        tx = optax.add_noise(0.1, 0.5, 3)
+        adapter = adapters.OptaxAdapter(params, tx, compiled_init=True)
+        _same_state(adapter.state["opt_state"], tx.init(params))
+    finally:
+        jax.config.update("jax_default_prng_impl", impl)
+    assert len(compiled) == 6 * len(places) + 2
 
     # fit's own run makes its state so; a population's members and a
     # checkpoint's layout (structures looked at, their arrays replaced) eagerly.
     def loss(p, b):
         return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
 
+    n = len(compiled)
     _fit({"w": jnp.ones((3, 1))}, optax.adam(2e-3), loss, 2)
-    assert len(compiled) == 6
+    assert len(compiled) == n + 1
     pop = scanax.population(
         lambda key, lr: ({"w": jnp.ones((3, 1))}, optax.adam(lr)), 3,
         key=jax.random.key(0), lr=np.float32([1e-3, 2e-3, 3e-3]),
     )  # fmt: skip
     out = _fit(pop, None, loss, 2)
     [out.model[i] for i in range(3)]
-    assert len(compiled) == 6
+    assert len(compiled) == n + 1
 
 
 def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypatch):
@@ -305,6 +332,11 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
             (optax.adam(1e-3), {"w": jax.device_put(jnp.ones((4, 1)), sharding)})
         )
     monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    traced = []
+    real = adapters._compiled_init
+    monkeypatch.setattr(
+        adapters, "_compiled_init", lambda tx, p: traced.append(1) or real(tx, p)
+    )
     for tx, p in cases:
         adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
         state = adapter.state["opt_state"]
@@ -319,7 +351,10 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
                 assert (a.dtype, a.weak_type, a.sharding) == (
                     b.dtype, b.weak_type, b.sharding
                 )  # fmt: skip
-    assert set(adapters._INITS.values()) == {adapters._EAGER}  # (none compiled)
+    # none compiled: the two that trace differently found out by a trace, the
+    # rest (NumPy or sharded parameters, no fingerprint) without one
+    assert set(adapters._INITS.values()) == {adapters._EAGER}
+    assert len(traced) == len(adapters._INITS) <= 2
 
 
 def test_a_given_state_of_an_init_that_tracing_cannot_tell():

@@ -113,17 +113,6 @@ class Program:
         return (treedef, *(_leaf_signature(x) for x in leaves))
 
 
-def _trace_context() -> Any:
-    """The JAX configuration that ``jax.jit`` keys its caches on (matmul
-    precision, PRNG implementation...): a program traced under other settings is
-    another program."""
-    try:
-        from jax._src import config
-    except ImportError:  # pragma: no cover - another JAX: every setting counts
-        return tuple(sorted((k, repr(v)) for k, v in jax.config.values.items()))
-    return config.trace_context()
-
-
 def _leaf_signature(x: Any) -> tuple:
     if isinstance(x, jax.Array):
         return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
@@ -137,7 +126,7 @@ def program(identity: tuple, build: Callable[[], Callable]) -> Program:
     ``optax.adam(1e-3)`` or a re-defined ``loss_fn`` with the same code is the
     same), with JAX's trace context added."""
     try:
-        cache_key = _Key((_trace_context(), _backend.platform(), *identity))
+        cache_key = _Key((_fingerprint.trace_context(), _backend.platform(), *identity))
     except TypeError:  # an unhashable static part: compile for this call only
         cache_key = None
     found = None if cache_key is None else PROGRAMS.get(cache_key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -258,10 +259,13 @@ def _step_counts(opt_state: Any) -> list | None:
     return counts
 
 
-# Compiled ``tx.init``s, by the transform's fingerprint and the parameters'
-# structure, shapes, dtypes and devices (the newest ``_INITS_KEPT``).
+# Compiled ``tx.init``s, by the transform's fingerprint, the parameters'
+# structure, shapes, dtypes and devices, and JAX's settings (the newest
+# ``_INITS_KEPT``, as many as fit keeps programs: a key holds a transform's
+# large arrays alive).
 _INITS: collections.OrderedDict = collections.OrderedDict()
-_INITS_KEPT = 64
+_INITS_KEPT = 32
+_INITS_LOCK = threading.Lock()  # (fit may be called from several threads)
 _EAGER = "eager"  # (a key whose init runs eagerly: ``_compiled_init``)
 
 
@@ -279,15 +283,21 @@ def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
         tx_key,
         treedef,
         tuple((x.shape, x.dtype, x.weak_type, x.sharding) for x in leaves),
-        jax.config.jax_enable_x64,
+        # JAX's settings a trace reads: x64, the default device... (jit's own
+        # key), and the PRNG implementation, which is not in it
+        _fingerprint.trace_context(),
+        jax.config.jax_default_prng_impl,
     )
-    init = _INITS.get(key)
+    with _INITS_LOCK:
+        init = _INITS.get(key)
+        if init is not None:
+            _INITS.move_to_end(key)
     if init is None:
-        init = _INITS[key] = _compiled_init(tx, params)
-        while len(_INITS) > _INITS_KEPT:
-            _INITS.popitem(last=False)
-    else:
-        _INITS.move_to_end(key)
+        init = _compiled_init(tx, params)
+        with _INITS_LOCK:
+            _INITS[key] = init
+            while len(_INITS) > _INITS_KEPT:
+                _INITS.popitem(last=False)
     return tx.init(params) if init is _EAGER else init(params)
 
 
@@ -300,7 +310,9 @@ def _compiled_init(tx: Any, params: Any) -> Any:
         shapes = jax.eval_shape(tx.init, params)
         if any(getattr(x, "weak_type", True) for x in jtu.tree_leaves(shapes)):
             return _EAGER
-        return jax.jit(tx.init).lower(params).compile()
+        # (every argument kept: an init that reads none, as Adam's, runs where
+        # the parameters are, as the eager one makes its state there)
+        return jax.jit(tx.init, keep_unused=True).lower(params).compile()
     except Exception:  # noqa: BLE001 - the eager init is the reference
         return _EAGER
 
