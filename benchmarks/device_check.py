@@ -622,6 +622,60 @@ def first_call_rows():
         )
 
 
+def fit_call_rows():
+    """What a call costs beyond its steps: fit and the hand-fused script (its
+    ``tx.init`` jitted, as fit makes the state) at 8 steps, and fit's call in
+    phases (diagnostic hooks on fit's internals, this part alone): the host
+    before the compiled launch, the launch, the wait and read of its results,
+    the host after."""
+    from scanax._fit import engine, schedule
+
+    steps = 8
+    x, y, loss_fn, tx, p0, step = _task(*MLPS[0][1:])
+    hand = _hand_fused(step, tx, p0, steps, jit_init=True)
+    ours = lambda: _fit_mlp(x, y, loss_fn, tx, p0, steps, MLPS[0][2]).model
+    _pair(
+        f"fit / hand-fused with a jitted tx.init, tiny MLP, {steps} steps", ours, hand
+    )
+    marks: dict = {}
+    get, device_get = schedule.Execution.get, engine.jax.device_get
+
+    def timed_get(self, mode, compile):
+        fn = get(self, mode, compile)
+
+        def launch(*args):
+            marks.setdefault("launch", time.perf_counter())
+            out = fn(*args)
+            marks.setdefault("launched", time.perf_counter())
+            return out
+
+        return launch
+
+    def timed_read(tree):
+        out = device_get(tree)
+        marks.setdefault("read", time.perf_counter())
+        return out
+
+    schedule.Execution.get, engine.jax.device_get = timed_get, timed_read
+    phases: dict = {k: [] for k in ("host before", "launch", "wait + read", "after")}
+    try:
+        for _ in range(3 if QUICK else 30):
+            marks.clear()
+            began = time.perf_counter()
+            _block(ours())
+            end = time.perf_counter()
+            t = [began, marks["launch"], marks["launched"], marks["read"], end]
+            for got, a, b in zip(phases.values(), t, t[1:]):
+                got.append(b - a)
+    finally:
+        schedule.Execution.get, engine.jax.device_get = get, device_get
+    print(
+        f"fit's call in phases, tiny MLP, {steps} steps (median ms): "
+        + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in phases.items()),
+        flush=True,
+    )
+
+
 def fit_piece_rows():
     """Where fit's time goes on this device, 1000 steps ÷ the hand-fused scan:
     the hand-fused scan with one of fit's per-step pieces added (the shuffled
@@ -1112,6 +1166,7 @@ PARTS = (
     # where fit's time goes (no README target of their own): last, so that a
     # device that runs past the budget skips these first
     fit_slope_rows,
+    fit_call_rows,
     fit_piece_rows,
 )
 

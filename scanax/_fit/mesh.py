@@ -283,6 +283,18 @@ def _put(x: Any, sharding: Any) -> Any:
 # ---------------------------------------------------------------- the placement
 
 
+def _device_put(tree: Any) -> Any:
+    """``jax.device_put(tree)`` (no mesh): host values onto the default device;
+    a tree of JAX arrays as it is, which is what ``device_put`` returns for it
+    without a device, less its cost per call (0.17 ms for a PRNG key on CPU)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if all(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves
+    ):
+        return tree
+    return jax.device_put(tree)
+
+
 class Placement:
     """Where the arrays of a ``fit`` (or an ``evaluate``) live: the default
     device (``mesh`` None), or a mesh with a ``data`` axis (batches split over
@@ -349,7 +361,7 @@ class Placement:
         """Array data onto the devices (on a mesh: global arrays keep their
         spec, the rest replicated)."""
         if self.mesh is None:
-            return jax.device_put(tree)
+            return _device_put(tree)
         return place_data(self.mesh, tree)
 
     def replicate(self, tree: Any) -> Any:
@@ -357,7 +369,7 @@ class Placement:
         if tree is None:
             return None
         if self.mesh is None:
-            return jax.device_put(tree)
+            return _device_put(tree)
         return replicate(self.mesh, tree)
 
     def put_chunk(self, chunk: Any, axis: int) -> Any:
