@@ -292,8 +292,9 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
 def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypatch):
     """The eager ``tx.init``, as a user's script calls it, where one compiled
     call would not make the same state or could not be reused: an init that
-    reads values, one that keeps Python numbers, parameters that are NumPy
-    arrays or sharded over devices, a transform with no fingerprint."""
+    reads values, one that keeps Python numbers or NumPy arrays, parameters
+    that are NumPy arrays or sharded over devices, a transform with no
+    fingerprint."""
     from typing import Any, NamedTuple
 
     from scanax._fit.models import optax as adapters
@@ -320,6 +321,13 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
         (optax.GradientTransformation(reads, update), params),
         (
             optax.GradientTransformation(lambda p: (0, 1.0), lambda u, s, p: (u, s)),
+            params,
+        ),
+        (  # (NumPy and Python values, which a trace cannot tell: found by one
+            # comparison with the eager state)
+            optax.GradientTransformation(
+                lambda p: (np.zeros(3), True), lambda u, s, p: (u, s)
+            ),
             params,
         ),
         (optax.adam(1e-3), {"w": np.ones((3, 1), np.float32)}),
@@ -351,10 +359,10 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
                 assert (a.dtype, a.weak_type, a.sharding) == (
                     b.dtype, b.weak_type, b.sharding
                 )  # fmt: skip
-    # none compiled: the two that trace differently found out by a trace, the
-    # rest (NumPy or sharded parameters, no fingerprint) without one
+    # none kept compiled: the three that trace differently found out, the rest
+    # (NumPy or sharded parameters, no fingerprint) without a trace
     assert set(adapters._INITS.values()) == {adapters._EAGER}
-    assert len(traced) == len(adapters._INITS) <= 2
+    assert len(traced) == len(adapters._INITS) <= 3
 
 
 def test_a_given_state_of_an_init_that_tracing_cannot_tell():

@@ -282,7 +282,7 @@ def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
     key = (
         tx_key,
         treedef,
-        tuple((x.shape, x.dtype, x.weak_type, x.sharding) for x in leaves),
+        tuple((x.shape, x.dtype, _weak(x), x.sharding) for x in leaves),
         # JAX's settings a trace reads: x64, the default device... (jit's own
         # key), and the PRNG implementation, which is not in it
         _fingerprint.trace_context(),
@@ -292,13 +292,42 @@ def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
         init = _INITS.get(key)
         if init is not None:
             _INITS.move_to_end(key)
+    made = None
     if init is None:
         init = _compiled_init(tx, params)
+        if init is not _EAGER:
+            # Checked once against the eager init, whose state is the
+            # reference: eager from now on where they differ in kind (NumPy
+            # arrays or Python values a trace makes JAX arrays of, float64
+            # that x64 off makes float32, another device).
+            made, eager = init(params), tx.init(params)
+            if not _alike(made, eager):
+                init, made = _EAGER, eager
         with _INITS_LOCK:
             _INITS[key] = init
             while len(_INITS) > _INITS_KEPT:
                 _INITS.popitem(last=False)
+    if made is not None:
+        return made
     return tx.init(params) if init is _EAGER else init(params)
+
+
+def _alike(made: Any, eager: Any) -> bool:
+    """The same pytree, each leaf of the same type, shape, dtype and weak type,
+    and where the eager init committed a leaf to a device, on that device."""
+    a, treedef = jtu.tree_flatten(made)
+    b, eager_treedef = jtu.tree_flatten(eager)
+    if treedef != eager_treedef:
+        return False
+    for x, y in zip(a, b):
+        if type(x) is not type(y):
+            return False
+        if isinstance(y, jax.Array) and (
+            (x.shape, x.dtype, _weak(x)) != (y.shape, y.dtype, _weak(y))
+            or (y.committed and x.sharding != y.sharding)
+        ):
+            return False
+    return True
 
 
 def _compiled_init(tx: Any, params: Any) -> Any:
@@ -315,6 +344,10 @@ def _compiled_init(tx: Any, params: Any) -> Any:
         return jax.jit(tx.init, keep_unused=True).lower(params).compile()
     except Exception:  # noqa: BLE001 - the eager init is the reference
         return _EAGER
+
+
+def _weak(x: Any) -> bool:
+    return getattr(x, "weak_type", False)  # (a PRNG key array has none)
 
 
 def _on_one_device(x: Any) -> bool:
