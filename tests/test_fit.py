@@ -722,6 +722,34 @@ def test_error_unsupported_pair():
         fit_quiet(ts_make(), TX, ts_loss, (X, Y), steps=1, batch_size=BS)
 
 
+def test_error_a_line_search_without_its_arguments():
+    """optax.lbfgs()'s line search needs ``grad=`` and ``value_fn=``, which fit
+    does not pass: a TypeError of fit's naming the fix (not optax's from inside
+    its update), before any step, with every model kind left as it was; without
+    the line search it trains."""
+    match = (
+        r"(?s)update asks for arguments fit does not pass.*value_fn.*linesearch=None"
+    )
+    tx = optax.lbfgs()
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    before = jtu.tree_map(np.asarray, nnx.state((model, opt)))
+    with pytest.raises(TypeError, match=match):
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS)
+    leaves_equal(nnx.state((model, opt)), before)
+    state = ts_make().replace(tx=tx)
+    state = state.replace(opt_state=tx.init(state.params))
+    with pytest.raises(TypeError, match=match):
+        fit_quiet(state, None, ts_loss, (X, Y), steps=2, batch_size=BS)
+    with pytest.raises(TypeError, match=match):
+        fit_quiet(eqx_model(), tx, eqx_loss, (X, Y), steps=2, batch_size=BS)
+    out = fit_quiet(
+        eqx_model(), optax.lbfgs(0.1, linesearch=None), eqx_loss, (X, Y),
+        steps=2, batch_size=BS,
+    )  # fmt: skip
+    assert out.steps == 2 and np.isfinite(out.history["loss"]).all()
+
+
 class Sowing(MLP):
     """MLP that stores its hidden layer with ``sow``: a new Variable per call."""
 

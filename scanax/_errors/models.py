@@ -143,6 +143,18 @@ def opt_state_mismatch(detail: str) -> TypeError:
     )
 
 
+def update_needs_more(err: TypeError) -> TypeError:
+    return TypeError(
+        f"{CALL}: the optimizer's update asks for arguments fit does not pass "
+        f"({err}). fit passes `value=` (the step's loss) to a transform that "
+        "takes extra arguments, not `grad=` and `value_fn=`, which a line search "
+        "needs (optax.lbfgs() has one: it evaluates the loss at trial points).\n"
+        "Fix: optax.lbfgs(learning_rate=..., linesearch=None), or another "
+        "optimizer; for a line search, a loop of your own calling "
+        "optax.value_and_grad_from_state and tx.update(..., value_fn=...)."
+    )
+
+
 def opt_state_not_optax(optimizer: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `opt_state` is for an Equinox module or pytree trained with "

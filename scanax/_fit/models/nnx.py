@@ -17,7 +17,14 @@ import jax.tree_util as jtu
 from ... import _nnx
 from ..._errors import models as errors
 from ..._errors.fit import CALL as _CALL
-from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+from .step import (
+    accumulated,
+    evaluation,
+    extra_args,
+    is_inexact,
+    split_loss,
+    updating,
+)
 
 
 class NNXAdapter:
@@ -123,7 +130,8 @@ class NNXAdapter:
             else:
                 model, optimizer = _nnx.unflatten(graphdef, state)
                 loss, metrics, grads = grads_at(model, optimizer, batch, key)
-            optimizer.update(model, grads, **extra_args(optimizer.tx, loss))
+            with updating():
+                optimizer.update(model, grads, **extra_args(optimizer.tx, loss))
             after, values = _nnx.values([model, optimizer])
             same = after == graphdef and (
                 jtu.tree_structure(values) == jtu.tree_structure(state)

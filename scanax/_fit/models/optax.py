@@ -21,7 +21,14 @@ from ... import _fingerprint
 from ..._errors import models as errors, short_type
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
-from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+from .step import (
+    accumulated,
+    evaluation,
+    extra_args,
+    is_inexact,
+    split_loss,
+    updating,
+)
 
 
 class OptaxAdapter:
@@ -146,12 +153,13 @@ class OptaxAdapter:
                 return p, loss, metrics, grads
 
             _, loss, metrics, grads = accumulated(one, params, batch, key, accumulate)
-            updates, opt_state = tx.update(
-                layout.filtered(grads),
-                state["opt_state"],
-                layout.filtered(params),
-                **extra_args(tx, loss),
-            )
+            with updating():
+                updates, opt_state = tx.update(
+                    layout.filtered(grads),
+                    state["opt_state"],
+                    layout.filtered(params),
+                    **extra_args(tx, loss),
+                )
             flat = jtu.tree_leaves(updates)
             new = [(p + u).astype(p.dtype) for p, u in zip(params, flat)]
             out = {"params": new, "other": others, "opt_state": opt_state}

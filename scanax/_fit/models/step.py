@@ -11,6 +11,7 @@ chooses one.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -170,6 +171,19 @@ def _add(total: Any, v: Any) -> Any:
     if not isinstance(v, jax.Array):  # a Ratio: its numerator and denominator
         return jtu.tree_map(jnp.add, total, v)
     return total + v if _averaged(v) else v
+
+
+@contextlib.contextmanager
+def updating() -> Any:
+    """Around an optimizer's update: optax's TypeError for an argument fit does
+    not pass (a line search's ``grad=`` and ``value_fn=``) as fit's own, naming
+    the fix; any other error as it is."""
+    try:
+        yield
+    except TypeError as err:
+        if "missing" in str(err) and "value_fn" in str(err):
+            raise errors.update_needs_more(err) from err
+        raise
 
 
 def extra_args(tx: Any, loss: Any) -> dict:

@@ -17,7 +17,14 @@ from ... import _fingerprint
 from ..._errors import models as errors
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
-from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+from .step import (
+    accumulated,
+    evaluation,
+    extra_args,
+    is_inexact,
+    split_loss,
+    updating,
+)
 
 
 class TrainStateAdapter:
@@ -96,13 +103,16 @@ class TrainStateAdapter:
             # as applying the updates after it)
             extra = extra_args(after.tx, loss)
             if not extra:
-                return after.apply_gradients(grads=grads), loss, metrics, grads
+                with updating():
+                    new = after.apply_gradients(grads=grads)
+                return new, loss, metrics, grads
             # apply_gradients calls tx.update without extra arguments: it runs on
             # the transform with them bound, then the state gets its own back
             # (a subclass's apply_gradients and OVERWRITE_WITH_GRADIENT still hold)
             tx = after.tx
             bound = tx._replace(update=ft.partial(tx.update, **extra))
-            new = after.replace(tx=bound).apply_gradients(grads=grads)
+            with updating():
+                new = after.replace(tx=bound).apply_gradients(grads=grads)
             return new.replace(tx=tx), loss, metrics, grads
 
         return step
