@@ -234,7 +234,7 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     compiled = []
     real = adapters._compiled_init
     monkeypatch.setattr(
-        adapters, "_compiled_init", lambda tx, p: compiled.append(1) or real(tx, p)
+        adapters, "_compiled_init", lambda *a: compiled.append(1) or real(*a)
     )
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2), "i": jnp.arange(3), "n": None}
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 5, 50)
@@ -254,10 +254,12 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     for p in places:
         for tx, compiles in cases:
             before = len(compiled)
-            adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
+            # (twice: the key's first call compiles, the second reuses it)
+            for _ in range(2):
+                adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
+                eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
+                _same_state(adapter.state["opt_state"], eager)
             assert len(compiled) - before == compiles
-            eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
-            _same_state(adapter.state["opt_state"], eager)
     assert all(init != adapters._EAGER for init in adapters._INITS.values())
     adapters.OptaxAdapter({"w": jnp.ones((4, 2))}, optax.adam(1e-3), compiled_init=True)
     assert len(compiled) == 6 * len(places) + 1  # (other shapes: another program)
@@ -266,8 +268,9 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     jax.config.update("jax_default_prng_impl", "rbg")
     try:
         tx = optax.add_noise(0.1, 0.5, 3)
-        adapter = adapters.OptaxAdapter(params, tx, compiled_init=True)
-        _same_state(adapter.state["opt_state"], tx.init(params))
+        for _ in range(2):
+            adapter = adapters.OptaxAdapter(params, tx, compiled_init=True)
+            _same_state(adapter.state["opt_state"], tx.init(params))
     finally:
         jax.config.update("jax_default_prng_impl", impl)
     assert len(compiled) == 6 * len(places) + 2
@@ -323,8 +326,8 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
             optax.GradientTransformation(lambda p: (0, 1.0), lambda u, s, p: (u, s)),
             params,
         ),
-        (  # (NumPy and Python values, which a trace cannot tell: found by one
-            # comparison with the eager state)
+        (  # (NumPy and Python values, which a compiled init cannot return:
+            # seen while tracing)
             optax.GradientTransformation(
                 lambda p: (np.zeros(3), True), lambda u, s, p: (u, s)
             ),
@@ -343,7 +346,7 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
     traced = []
     real = adapters._compiled_init
     monkeypatch.setattr(
-        adapters, "_compiled_init", lambda tx, p: traced.append(1) or real(tx, p)
+        adapters, "_compiled_init", lambda *a: traced.append(1) or real(*a)
     )
     for tx, p in cases:
         adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
@@ -363,6 +366,55 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
     # (NumPy or sharded parameters, no fingerprint) without a trace
     assert set(adapters._INITS.values()) == {adapters._EAGER}
     assert len(traced) == len(adapters._INITS) <= 3
+
+
+_INIT_CONFIG = {"scale": 1.0}
+
+
+def _configured_init(p):  # (reads a global: its fingerprint sees the value)
+    return (
+        jnp.full((3,), _INIT_CONFIG["scale"], jnp.float32),
+        jnp.zeros((), jnp.int32),
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class _NumpyAux:
+    """An optax-like state whose pytree metadata is a NumPy array (treedefs
+    then refuse to compare)."""
+
+    def __init__(self, count, aux):
+        self.count, self.aux = count, aux
+
+    def tree_flatten(self):
+        return (self.count,), self.aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], aux)
+
+
+def test_the_compiled_init_makes_what_the_eager_one_makes_now(monkeypatch):
+    """An init reading a value that changed between fits makes the new value
+    (a fresh trace, not one ``jax.jit`` kept of ``tx.init``), and a state whose
+    metadata cannot be compared stays eager instead of failing."""
+    from scanax._fit.models import optax as adapters
+
+    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setitem(_INIT_CONFIG, "scale", 1.0)
+    keep = lambda u, s, p=None: (u, s)
+    tx = optax.GradientTransformation(_configured_init, keep)
+    params = {"w": jnp.ones((3, 1))}
+    for scale in (1.0, 1.0, 5.0, 5.0):  # (each second: the compiled init)
+        _INIT_CONFIG["scale"] = scale
+        state = adapters.OptaxAdapter(params, tx, compiled_init=True).state
+        np.testing.assert_array_equal(state["opt_state"][0][0], [scale] * 3)
+    aux = optax.GradientTransformation(
+        lambda p: _NumpyAux(jnp.zeros((), jnp.int32), np.arange(3)), keep
+    )
+    for _ in range(2):
+        state = adapters.OptaxAdapter(params, aux, compiled_init=True).state
+        assert isinstance(state["opt_state"][0], _NumpyAux)  # (with fit's count)
 
 
 def test_a_given_state_of_an_init_that_tracing_cannot_tell():

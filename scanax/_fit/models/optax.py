@@ -300,58 +300,41 @@ def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
         init = _INITS.get(key)
         if init is not None:
             _INITS.move_to_end(key)
-    made = None
     if init is None:
         init = _compiled_init(tx, params)
-        if init is not _EAGER:
-            # Checked once against the eager init, whose state is the
-            # reference: eager from now on where they differ in kind (NumPy
-            # arrays or Python values a trace makes JAX arrays of, float64
-            # that x64 off makes float32, another device).
-            made, eager = init(params), tx.init(params)
-            if not _alike(made, eager):
-                init, made = _EAGER, eager
         with _INITS_LOCK:
             _INITS[key] = init
             while len(_INITS) > _INITS_KEPT:
                 _INITS.popitem(last=False)
-    if made is not None:
-        return made
     return tx.init(params) if init is _EAGER else init(params)
 
 
-def _alike(made: Any, eager: Any) -> bool:
-    """The same pytree, each leaf of the same type, shape, dtype and weak type,
-    and where the eager init committed a leaf to a device, on that device."""
-    a, treedef = jtu.tree_flatten(made)
-    b, eager_treedef = jtu.tree_flatten(eager)
-    if treedef != eager_treedef:
-        return False
-    for x, y in zip(a, b):
-        if type(x) is not type(y):
-            return False
-        if isinstance(y, jax.Array) and (
-            (x.shape, x.dtype, _weak(x)) != (y.shape, y.dtype, _weak(y))
-            or (y.committed and x.sharding != y.sharding)
-        ):
-            return False
-    return True
-
-
 def _compiled_init(tx: Any, params: Any) -> Any:
-    """``tx.init`` compiled for ``params``; ``_EAGER`` where a trace would not
-    make what the eager init makes: an init that reads values (it fails to
-    trace) or keeps Python numbers in its state (a trace makes them weakly
-    typed arrays)."""
+    """``tx.init`` compiled for ``params``, or ``_EAGER`` where one compiled
+    call would not make what the eager init makes: an init that does not trace
+    (it reads values), or one whose state holds anything but values it computes
+    (seen while tracing: Python numbers, which a trace makes weakly typed
+    arrays, NumPy arrays or float64 that x64 off makes float32, an array it
+    closes over). Traced anew each time (a fresh function: ``jax.jit`` would
+    reuse a trace of ``tx.init`` made before a value it reads changed)."""
+    held: list = []
+
+    def init(p):
+        state = tx.init(p)
+        held.extend(
+            x
+            for x in jtu.tree_leaves(state)
+            if not isinstance(x, jax.core.Tracer) or x.aval.weak_type
+        )
+        return state
+
     try:
-        shapes = jax.eval_shape(tx.init, params)
-        if any(getattr(x, "weak_type", True) for x in jtu.tree_leaves(shapes)):
-            return _EAGER
         # (every argument kept: an init that reads none, as Adam's, runs where
         # the parameters are, as the eager one makes its state there)
-        return jax.jit(tx.init, keep_unused=True).lower(params).compile()
+        compiled = jax.jit(init, keep_unused=True).lower(params).compile()
     except Exception:  # noqa: BLE001 - the eager init is the reference
         return _EAGER
+    return _EAGER if held else compiled
 
 
 def _weak(x: Any) -> bool:
