@@ -21,14 +21,8 @@ from ... import _fingerprint
 from ..._errors import models as errors, short_type
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
-from .step import (
-    accumulated,
-    evaluation,
-    extra_args,
-    is_inexact,
-    split_loss,
-    updating,
-)
+from . import step as _step
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
 class OptaxAdapter:
@@ -70,7 +64,7 @@ class OptaxAdapter:
         # like (no arrays made).
         made = opt_state is None
         if not made:
-            fresh = _init_shapes(tx, filtered)
+            fresh = _init_shapes(tx, self.tx_key, filtered)
         elif compiled_init:
             fresh = _made_state(tx, self.tx_key, filtered)
         else:
@@ -96,10 +90,11 @@ class OptaxAdapter:
             fresh = opt_state
         self.state = {"params": params, "other": others, "opt_state": fresh}
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
-        self.static = ("optax", treedef, train, other, statics, tx, self.counted)
+        self._layout_key = ("optax", treedef, train, other, statics, self.counted)
+        self.static = (*self._layout_key, tx)
 
     def fingerprint(self) -> Any:
-        rest = _fingerprint.of(self.static[:5] + self.static[6:])  # (all but tx)
+        rest = _fingerprint.of(self._layout_key)  # (tx's: ``tx_key``, walked once)
         return None if rest is None or self.tx_key is None else (rest, self.tx_key)
 
     def trained(self) -> list[int]:
@@ -153,7 +148,7 @@ class OptaxAdapter:
                 return p, loss, metrics, grads
 
             _, loss, metrics, grads = accumulated(one, params, batch, key, accumulate)
-            with updating():
+            with _step.updating():
                 updates, opt_state = tx.update(
                     layout.filtered(grads),
                     state["opt_state"],
@@ -267,26 +262,64 @@ def _step_counts(opt_state: Any) -> list | None:
     return counts
 
 
-# Compiled ``tx.init``s, by the transform's fingerprint, the parameters'
-# structure, shapes, dtypes and devices, and JAX's settings (the newest
-# ``_INITS_KEPT``, as many as fit keeps programs: a key holds a transform's
-# large arrays alive).
+# ``tx.init`` per transform and parameter layout (``_Init``), by the
+# transform's fingerprint, the parameters' structure, shapes, dtypes and
+# devices, and JAX's settings (the newest ``_INITS_KEPT``, as many as fit keeps
+# programs: a key holds a transform's large arrays alive).
 _INITS: collections.OrderedDict = collections.OrderedDict()
 _INITS_KEPT = 32
 _INITS_LOCK = threading.Lock()  # (fit may be called from several threads)
-_EAGER = "eager"  # (a key whose init runs eagerly: ``_compiled_init``)
 
 
-def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
-    """``tx.init(params)``: one compiled call where the init is a function of
-    the parameters' shapes alone, not one dispatch per array it makes. Eager
-    (17 dispatches for Adam on four arrays: 3.9 ms a call on a TPU v5e, against
-    0.6 ms for one compiled call) where the transform has no fingerprint (a
-    rebuilt transform would compile again), a parameter is not a JAX array on
-    one device, or ``_compiled_init`` says so."""
+class _Init:
+    """``tx.init`` for one parameter layout, traced once: ``traced`` (a
+    ``jax.stages.Traced``), or None where one trace would not make what the
+    eager init makes: an init that does not trace (it reads values), or one
+    whose state holds anything but values it computes (seen while tracing:
+    Python numbers, which a trace makes weakly typed arrays, NumPy arrays or
+    float64 that x64 off makes float32, an array it closes over). Compiled on
+    first use (``run``). Traced anew for each entry (a fresh function:
+    ``jax.jit`` would reuse a trace of ``tx.init`` made before a value it
+    reads changed)."""
+
+    def __init__(self, tx: Any, params: Any):
+        held: list = []
+
+        def init(p):
+            state = tx.init(p)
+            held.extend(
+                x
+                for x in jtu.tree_leaves(state)
+                if not isinstance(x, jax.core.Tracer) or x.aval.weak_type
+            )
+            return state
+
+        try:
+            # (every argument kept: an init that reads none, as Adam's, runs
+            # where the parameters are, as the eager one makes its state there)
+            traced = jax.jit(init, keep_unused=True).trace(params)
+        except Exception:  # noqa: BLE001 - the eager init is the reference
+            traced = None
+        self.traced = None if held else traced
+        self._run = None
+
+    def run(self) -> Any:
+        """The compiled init, or None where it does not compile."""
+        if self._run is None and self.traced is not None:
+            try:
+                self._run = self.traced.lower().compile()
+            except Exception:  # noqa: BLE001 - the eager init is the reference
+                self.traced = None
+        return self._run
+
+
+def _init_of(tx: Any, tx_key: Any, params: Any) -> _Init | None:
+    """The cached ``_Init`` of ``tx`` for ``params``; None where none is kept:
+    a transform without a fingerprint (a rebuilt one would trace again), or a
+    parameter that is not a JAX array on one device."""
     leaves, treedef = jtu.tree_flatten(params)
     if tx_key is None or not all(_on_one_device(x) for x in leaves):
-        return tx.init(params)
+        return None
     key = (
         tx_key,
         treedef,
@@ -297,44 +330,33 @@ def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
         jax.config.jax_default_prng_impl,
     )
     with _INITS_LOCK:
-        init = _INITS.get(key)
-        if init is not None:
+        found = _INITS.get(key)
+        if found is not None:
             _INITS.move_to_end(key)
-    if init is None:
-        init = _compiled_init(tx, params)
-        with _INITS_LOCK:
-            _INITS[key] = init
-            while len(_INITS) > _INITS_KEPT:
-                _INITS.popitem(last=False)
-    return tx.init(params) if init is _EAGER else init(params)
+            return found
+    found = _Init(tx, params)
+    with _INITS_LOCK:
+        _INITS[key] = found
+        while len(_INITS) > _INITS_KEPT:
+            _INITS.popitem(last=False)
+    return found
 
 
-def _compiled_init(tx: Any, params: Any) -> Any:
-    """``tx.init`` compiled for ``params``, or ``_EAGER`` where one compiled
-    call would not make what the eager init makes: an init that does not trace
-    (it reads values), or one whose state holds anything but values it computes
-    (seen while tracing: Python numbers, which a trace makes weakly typed
-    arrays, NumPy arrays or float64 that x64 off makes float32, an array it
-    closes over). Traced anew each time (a fresh function: ``jax.jit`` would
-    reuse a trace of ``tx.init`` made before a value it reads changed)."""
-    held: list = []
+def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
+    """``tx.init(params)``: one compiled call, not one dispatch per array it
+    makes (17 for Adam on four arrays: 3.9 ms a call on a TPU v5e, against 0.6
+    ms for one compiled call); eager where no ``_Init`` is kept or it says so."""
+    init = _init_of(tx, tx_key, params)
+    run = None if init is None else init.run()
+    return tx.init(params) if run is None else run(params)
 
-    def init(p):
-        state = tx.init(p)
-        held.extend(
-            x
-            for x in jtu.tree_leaves(state)
-            if not isinstance(x, jax.core.Tracer) or x.aval.weak_type
-        )
-        return state
 
-    try:
-        # (every argument kept: an init that reads none, as Adam's, runs where
-        # the parameters are, as the eager one makes its state there)
-        compiled = jax.jit(init, keep_unused=True).lower(params).compile()
-    except Exception:  # noqa: BLE001 - the eager init is the reference
-        return _EAGER
-    return _EAGER if held else compiled
+def _init_shapes(tx: Any, tx_key: Any, params: Any) -> Any:
+    """What ``tx.init(params)`` makes, for a check: its shapes and dtypes (the
+    traced ``_Init``'s, no arrays made), or the state itself where tracing
+    would not tell."""
+    init = _init_of(tx, tx_key, params) or _Init(tx, params)
+    return tx.init(params) if init.traced is None else init.traced.out_info
 
 
 def _weak(x: Any) -> bool:
@@ -347,20 +369,6 @@ def _on_one_device(x: Any) -> bool:
         and not isinstance(x, jax.core.Tracer)
         and len(x.sharding.device_set) == 1
     )
-
-
-def _init_shapes(tx: Any, params: Any) -> Any:
-    """What ``tx.init(params)`` makes, for a check: its shapes and dtypes
-    (``jax.eval_shape``, no arrays made), or the state itself where tracing
-    would not tell (an ``init`` that reads values, or Python numbers in its
-    state, which a trace makes weakly typed arrays)."""
-    try:
-        shapes = jax.eval_shape(tx.init, params)
-    except Exception:  # noqa: BLE001 - the eager init is the reference
-        return tx.init(params)
-    if any(getattr(x, "weak_type", False) for x in jtu.tree_leaves(shapes)):
-        return tx.init(params)
-    return shapes
 
 
 def _step_count(opt_state: Any) -> int | None:
