@@ -44,11 +44,17 @@ def _ask(compiled: Any) -> int | None:
     if out is None or temp is None:
         return None
     need = int(out) - int(getattr(stats, "alias_size_in_bytes", 0)) + int(temp)
-    # XLA:TPU reports no temporaries (0 on a v5e, 2026-12-06) but a peak that
-    # holds them, and the arguments; XLA:CPU's peak holds arguments and outputs
-    # alone. The larger of the two counts what either says.
+    # The larger of the two counts what either backend says (``peak_beyond``).
+    return max(need, peak_beyond(stats))
+
+
+def peak_beyond(stats: Any) -> int:
+    """XLA's peak memory beyond a program's arguments (0 where not reported).
+    XLA:TPU reports no temporaries (0 on a v5e, 2026-12-06) but a peak that
+    holds them and the arguments; XLA:CPU's peak holds arguments and outputs
+    alone."""
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    return max(need, peak - int(getattr(stats, "argument_size_in_bytes", 0) or 0))
+    return peak - int(getattr(stats, "argument_size_in_bytes", 0) or 0)
 
 
 def free_bytes(devices: list) -> int | None:

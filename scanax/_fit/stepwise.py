@@ -28,6 +28,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from . import memory as _memory
 from .chunks import Chunks
 from .program import Chunk, Out, Program
 
@@ -96,17 +97,14 @@ class Stepwise:
         begin = self._begin.memory_analysis()
         if step is None or begin is None:
             return None
-
-        def beyond_arguments(stats):  # (a peak: ``_memory._ask``)
-            peak = getattr(stats, "peak_memory_in_bytes", 0) or 0
-            return peak - (getattr(stats, "argument_size_in_bytes", 0) or 0)
-
         return types.SimpleNamespace(
             output_size_in_bytes=begin.output_size_in_bytes,
             alias_size_in_bytes=0,
             temp_size_in_bytes=max(begin.temp_size_in_bytes, step.temp_size_in_bytes),
             argument_size_in_bytes=0,
-            peak_memory_in_bytes=max(beyond_arguments(begin), beyond_arguments(step)),
+            peak_memory_in_bytes=max(
+                _memory.peak_beyond(begin), _memory.peak_beyond(step)
+            ),
         )
 
     @staticmethod
