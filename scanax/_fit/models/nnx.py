@@ -17,14 +17,8 @@ import jax.tree_util as jtu
 from ... import _nnx
 from ..._errors import models as errors
 from ..._errors.fit import CALL as _CALL
-from .step import (
-    accumulated,
-    evaluation,
-    extra_args,
-    is_inexact,
-    split_loss,
-    updating,
-)
+from . import step as _step
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
 class NNXAdapter:
@@ -130,7 +124,7 @@ class NNXAdapter:
             else:
                 model, optimizer = _nnx.unflatten(graphdef, state)
                 loss, metrics, grads = grads_at(model, optimizer, batch, key)
-            with updating():
+            with _step.updating():
                 optimizer.update(model, grads, **extra_args(optimizer.tx, loss))
             after, values = _nnx.values([model, optimizer])
             same = after == graphdef and (

@@ -17,14 +17,8 @@ from ... import _fingerprint
 from ..._errors import models as errors
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
-from .step import (
-    accumulated,
-    evaluation,
-    extra_args,
-    is_inexact,
-    split_loss,
-    updating,
-)
+from . import step as _step
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
 class TrainStateAdapter:
@@ -102,16 +96,13 @@ class TrainStateAdapter:
             # (apply_gradients changes step, params and opt_state only: the same
             # as applying the updates after it)
             extra = extra_args(after.tx, loss)
-            if not extra:
-                with updating():
-                    new = after.apply_gradients(grads=grads)
-                return new, loss, metrics, grads
-            # apply_gradients calls tx.update without extra arguments: it runs on
-            # the transform with them bound, then the state gets its own back
-            # (a subclass's apply_gradients and OVERWRITE_WITH_GRADIENT still hold)
+            # apply_gradients calls tx.update without extra arguments: with
+            # some, it runs on the transform with them bound, then the state
+            # gets its own back (a subclass's apply_gradients and
+            # OVERWRITE_WITH_GRADIENT still hold)
             tx = after.tx
-            bound = tx._replace(update=ft.partial(tx.update, **extra))
-            with updating():
+            bound = tx._replace(update=ft.partial(tx.update, **extra)) if extra else tx
+            with _step.updating():
                 new = after.replace(tx=bound).apply_gradients(grads=grads)
             return new.replace(tx=tx), loss, metrics, grads
 
