@@ -69,4 +69,6 @@ def test_only_the_branch_free_program_holds_no_conditional():
     assert " conditional(" in program(False)
     looped = program(True)
     assert " conditional(" not in looped and " while(" in looped
-    assert " conditional(" in program(False)  # (restored on the way out)
+    # (restored on the way out: outside ``branch_free``, a conditional again)
+    after = jax.jit(lambda due, x, y: once_if(due, work, skip, x, y))
+    assert " conditional(" in after.lower(True, jnp.ones(3), 1.0).compile().as_text()
