@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from . import scalars as _scalars
 from .callbacks import plateau as _plateau
 from .callbacks.early_stop import EarlyStop, keep_best
 from .callbacks.plateau import Plateau, PlateauCarry
@@ -119,8 +120,8 @@ class Checks:
         return StopCarry(
             self.early.init(dtype),
             list(leaves),
-            jnp.zeros((), jnp.float32),
-            jnp.zeros((), jnp.int32),
+            _scalars.constant(0, jnp.float32),
+            _scalars.constant(0, jnp.int32),
         )
 
     def _rules(self) -> list:

@@ -168,7 +168,7 @@ class Solo(Lanes):
                 jax.lax.with_sharding_constraint(x, s)
                 for x, s in zip(leaves, self.shardings)
             ]
-        report = Report(applied, ran, stopped, early, loss_ok, grads_ok)
+        report = Report(applied, ran, stopped, early, loss_ok, grads_ok).packed()
         # A stop by the rule also stops the next call (already dispatched).
         return Out(leaves, stopped | early, report, bufs, extra)
 

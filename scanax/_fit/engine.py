@@ -24,7 +24,7 @@ from . import (
     schedule as _fit_schedule,
 )
 from .history import History
-from .program import Carry, Chunk, false
+from .program import Carry, Chunk, Report, false
 
 _REPORT_SECONDS = 0.1  # in-loop progress reports: about 10 a second
 
@@ -306,7 +306,7 @@ class Run:
     def call(self, args: Chunk, mode: str | None = None) -> Any:
         """The call of ``args``, executed in ``mode`` (default: the run's)."""
         with self.context():
-            return self.compiled(args, mode)(*args)
+            return self.compiled(args, mode)(*self.place.scalars(args))
 
     def compiled(self, args: tuple, mode: str | None = None) -> Any:
         """The compiled chunk in ``mode``, compiled for the first call's
@@ -329,7 +329,7 @@ class Run:
             with self.context():
                 fn = self.compiled(args, mode)
                 began = time.perf_counter()
-                out = fn(*args)
+                out = fn(*self.place.scalars(args))
             self.state = Carry(out.leaves, out.stopped, out.extra)
             # Compiling happens in the call above, running after it returns.
             dispatched = time.perf_counter()
@@ -351,7 +351,8 @@ class Run:
             self._collect(hooks, *pending)
 
     def _collect(self, hooks, start, end, out, args, dispatched, began, mode):
-        report, ys = jax.device_get((out.report, out.bufs))
+        packed, ys = jax.device_get((out.report, out.bufs))
+        report = Report.read(packed)
         self.execution.read(mode, int(np.max(report.ran)), began)
         read = self.kind.collect(self, start, end, out, args, report, ys, dispatched)
         self.done += read.ran

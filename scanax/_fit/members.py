@@ -175,7 +175,7 @@ class Members(_fit_chunks.Lanes):
 
     def finish(self, c, i, carry, bufs):
         leaves, stopped, extra, (applied, ran) = carry
-        report = _fit_program.Report(applied, ran, stopped, _ended(extra))
+        report = _fit_program.Report(applied, ran, stopped, _ended(extra)).packed()
         # What the host reads after the call, readable by every process (members
         # split over processes' devices gathered); the carry keeps its placement.
         (report, bufs), (leaves, stopped, extra) = self.place.readable(

@@ -189,13 +189,28 @@ class Report(NamedTuple):
     loss_ok: Any = None  # one model: the last step run's loss was finite
     grads_ok: Any = None  # and its gradients
 
+    def packed(self) -> Any:
+        """Inside the call: the report as one int32 array, ``[field, *members]``
+        (``ran`` broadcast), which the host reads in one transfer. A transfer
+        per field cost 0.07 ms each on a TPU v5e (six: 0.4 ms a call)."""
+        fields = [jnp.asarray(x) for x in self if x is not None]
+        shape = jnp.broadcast_shapes(*(x.shape for x in fields))
+        return jnp.stack([jnp.broadcast_to(x.astype(jnp.int32), shape) for x in fields])
+
+    @classmethod
+    def read(cls, packed: Any) -> Report:
+        """On the host: the ``Report`` of a ``packed()`` one read from the device
+        (``ran``: one number)."""
+        applied, ran, *flags = np.asarray(packed)
+        return cls(applied, ran.max(), *(f.astype(bool) for f in flags))
+
 
 class Out(NamedTuple):
     """A compiled call's outputs."""
 
     leaves: list
     stopped: Any  # the next call's ``Chunk.stopped``
-    report: Report
+    report: Any  # ``Report.packed()``
     bufs: Any  # per-step outputs, ``[length, ...]`` ({"loss", "metrics", ...})
     extra: Any  # the early-stop carry
 

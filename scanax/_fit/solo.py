@@ -26,7 +26,7 @@ from .callbacks import best as _best
 from .data import rollout as _rollout
 from .engine import Read
 from .models import adapt as _models
-from .program import Carry, Chunk, false
+from .program import Carry, Chunk, Report, false
 from .result import FitResult, best_state
 
 _CALL = errors.CALL
@@ -282,8 +282,9 @@ class Model:
             stopped=false(), count=np.int32(count), every=np.int32(count + 1)
         )  # count + 1: no reports
         out = run.call(again)
-        if int(out.report.applied) != count:
-            raise errors.replay_mismatch(_CALL, count, int(out.report.applied))
+        applied = int(Report.read(jax.device_get(out.report)).applied)
+        if applied != count:
+            raise errors.replay_mismatch(_CALL, count, applied)
         return out.leaves, out.extra
 
     def hand_over(self, run: Any) -> None:

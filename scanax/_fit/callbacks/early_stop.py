@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ..._errors import stop as errors
-from .. import feature as _feature
+from .. import feature as _feature, scalars as _scalars
 
 # ``mode="auto"`` (documented in ``EarlyStop.direction``): words of metrics that
 # grow, and words that make a name a loss even then. Up to ``correlation``: every
@@ -221,11 +221,12 @@ class EarlyStop(_feature.Feature):
         """The state before the first evaluation (values compared in ``dtype``).
         For a population, ``jax.vmap`` it over a dummy axis or broadcast it."""
         worst = jnp.inf if self.direction == "min" else -jnp.inf
+        # (constants on the device, kept: a fit call starts with no transfer)
         return StopState(
-            best=jnp.asarray(worst, dtype),
-            best_step=jnp.asarray(-1, jnp.int32),
-            wait=jnp.asarray(0, jnp.int32),
-            stopped=jnp.asarray(False),
+            best=_scalars.constant(worst, dtype),
+            best_step=_scalars.constant(-1, jnp.int32),
+            wait=_scalars.constant(0, jnp.int32),
+            stopped=_scalars.constant(False, jnp.bool_),
         )
 
     def update(

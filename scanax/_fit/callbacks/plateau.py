@@ -30,7 +30,7 @@ import numpy as np
 
 from ... import _tree
 from ..._errors import plateau as errors
-from .. import feature as _feature
+from .. import feature as _feature, scalars as _scalars
 from .early_stop import MODES, auto_mode, beats
 
 # The history entry of the scale each step's update was multiplied by.
@@ -226,11 +226,12 @@ class Plateau(_feature.Feature):
         the scale is float32). For a population, ``jax.vmap`` it over a dummy
         axis or broadcast it."""
         worst = jnp.inf if self.direction == "min" else -jnp.inf
+        # (constants on the device, kept: a fit call starts with no transfer)
         return PlateauState(
-            best=jnp.asarray(worst, dtype),
-            wait=jnp.asarray(0, jnp.int32),
-            cooldown=jnp.asarray(0, jnp.int32),
-            scale=jnp.asarray(1.0, jnp.float32),
+            best=_scalars.constant(worst, dtype),
+            wait=_scalars.constant(0, jnp.int32),
+            cooldown=_scalars.constant(0, jnp.int32),
+            scale=_scalars.constant(1.0, jnp.float32),
         )
 
     def update(
@@ -319,7 +320,8 @@ def start(plateau: Plateau, state: PlateauState | None = None) -> PlateauCarry:
     state, or ``state`` (``plateau_state=``: an earlier call's, checked), with
     an empty window of the monitored training metric."""
     rule = plateau.init() if state is None else state
-    return PlateauCarry(rule, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    zero = _scalars.constant(0, jnp.float32), _scalars.constant(0, jnp.int32)
+    return PlateauCarry(rule, *zero)
 
 
 def checked_state(state: Any, members: int | None = None) -> PlateauState:
