@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fit.mesh",
             "_fit.checkpoint",
             "_fit.compile_cache",
+            "_fit.scalars",
             "_fit.memory",
             "_fit.plot",
         },

@@ -21,6 +21,7 @@ from . import (
     checkpoint as _checkpoint,
     hooks as _fit_hooks,
     logs as _fit_logs,
+    scalars as _scalars,
     schedule as _fit_schedule,
 )
 from .history import History
@@ -306,7 +307,15 @@ class Run:
     def call(self, args: Chunk, mode: str | None = None) -> Any:
         """The call of ``args``, executed in ``mode`` (default: the run's)."""
         with self.context():
-            return self.compiled(args, mode)(*self.place.scalars(args))
+            return self.compiled(args, mode)(*self.launched(args))
+
+    def launched(self, args: Chunk) -> Chunk:
+        """``args`` as a launch takes them: with no mesh, the step numbers as
+        device scalars kept by value (``_scalars``: none transferred when they
+        repeat); on a mesh as they are (the executable places them)."""
+        if not self.place.local:
+            return args
+        return Chunk(*map(_scalars.on_device, args))
 
     def compiled(self, args: tuple, mode: str | None = None) -> Any:
         """The compiled chunk in ``mode``, compiled for the first call's
@@ -329,7 +338,7 @@ class Run:
             with self.context():
                 fn = self.compiled(args, mode)
                 began = time.perf_counter()
-                out = fn(*self.place.scalars(args))
+                out = fn(*self.launched(args))
             self.state = Carry(out.leaves, out.stopped, out.extra)
             # Compiling happens in the call above, running after it returns.
             dispatched = time.perf_counter()

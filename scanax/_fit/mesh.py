@@ -29,7 +29,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _caller
 from .._errors import fit as errors, population as pop_errors, short_type
-from . import scalars as _scalars
 
 AXIS = "data"
 MEMBERS = "members"  # a population's member axis (population parallelism)
@@ -357,15 +356,6 @@ class Placement:
         return fewest(self.mesh, count)
 
     # ------------------------------------------------------------ placing
-
-    def scalars(self, chunk: Any) -> Any:
-        """A call's arguments (``_fit_program.Chunk``) with its NumPy scalars
-        (the step numbers: ``start``, ``count``, ``every``) as device scalars
-        kept by value (``_scalars.device_scalar``), with no mesh. On a mesh,
-        as they are: the executable places them on its devices."""
-        if self.mesh is not None:
-            return chunk
-        return type(chunk)(*map(_scalars.on_device, chunk))
 
     def put(self, tree: Any) -> Any:
         """Array data onto the devices (on a mesh: global arrays keep their
