@@ -485,17 +485,19 @@ CHECKS = {
 @pytest.mark.parametrize("kind", ["optax", "eqx", "ts"])
 def test_a_repeated_call_moves_nothing_to_the_device(kind, checks, execution):
     """fit passes its step numbers, and starts its early-stop and plateau
-    carries and a ``TrainState``'s Python ``step``, as device scalars kept by
-    value (``_fit.scalars``): a call that repeats one before (the same model,
-    steps and features) transfers nothing from the host, explicitly or not (on
-    a TPU v5e a scalar's transfer cost 0.17 ms a call). It trains as the first
-    did."""
+    carries, as device scalars kept by value (``_fit.scalars``): a call that
+    repeats one before (the same model, steps and features) transfers nothing
+    from the host, explicitly or not (on a TPU v5e a scalar's transfer cost
+    0.17 ms a call). It trains as the first did. (A ``TrainState`` made by
+    ``create`` has a Python ``step``: one transfer a call, a fresh array,
+    since fit may give it back; here it is an array, as fit returns it.)"""
     if kind == "optax":
         model, tx, loss = {"w": jnp.zeros((3, 1))}, TX, _linear_loss
     elif kind == "eqx":
         model, tx, loss = eqx_model(), TX, eqx_loss
     else:
         model, tx, loss = ts_make(), None, ts_loss
+        model = model.replace(step=jnp.asarray(model.step, jnp.int32))
 
     def call():
         return scanax.fit(
@@ -517,9 +519,19 @@ def _linear_loss(p, b):
 
 
 def test_device_scalars_are_kept_by_value_and_made_anew_when_deleted():
-    """One array per value's bytes (``-0.0`` is not ``0.0``), dtype and default
-    device; a kept scalar a user's code deleted (a donation) is made anew."""
+    """One array per value's bytes (``-0.0`` is not ``0.0``), dtype (``int4``
+    and ``uint4`` share a ``dtype.str``) and default device; a kept scalar a
+    user's code deleted (a donation) is made anew; one first asked for inside a
+    trace is not kept (a tracer would outlive it)."""
     from scanax._fit import scalars
+
+    traced = jax.jit(lambda: scalars.device_scalar(np.int32(12345)) + 0)
+    assert int(traced()) == 12345
+    assert not isinstance(scalars.device_scalar(np.int32(12345)), jax.core.Tracer)
+    jax.eval_shape(lambda: scalars.constant(54321, jnp.int32))
+    assert int(scalars.constant(54321, jnp.int32)) == 54321
+    assert scalars.constant(1, jnp.int4).dtype == jnp.int4
+    assert scalars.constant(1, jnp.uint4).dtype == jnp.uint4
 
     a, b = (
         scalars.device_scalar(np.float32(0.0)),
@@ -537,6 +549,33 @@ def test_device_scalars_are_kept_by_value_and_made_anew_when_deleted():
         with jax.default_device(jax.devices()[1]):
             z = scalars.device_scalar(np.int32(11))
         assert z.devices() == {jax.devices()[1]} and z is not y
+
+
+def test_what_fit_gives_back_shares_no_kept_scalar():
+    """Kept device scalars are shared, so none leaves fit: a rule's ``init()``
+    (which a user may donate to a jitted update, as the rules' docstrings do)
+    and a ``TrainState`` fit gives back without training (an iterable already
+    exhausted) hold fresh arrays of their own, ``init(None)`` weakly typed as
+    ``jnp.asarray`` makes it."""
+    rule = scanax.Plateau("val_loss", factor=0.5, patience=1)
+    update = jax.jit(lambda s, v: rule.update(s, v)[0], donate_argnums=0)
+    assert float(update(rule.init(), jnp.float32(3.0)).scale) == 1.0  # (no alias)
+    a = scanax.EarlyStop("val_loss", patience=1)
+    b = scanax.EarlyStop("val_acc", patience=1)
+    sa, sb = a.init(), b.init()
+    jax.jit(lambda s: a.update(s, jnp.float32(1.0), 1)[0], donate_argnums=0)(sa)
+    assert float(b.update(sb, jnp.float32(0.5), 1)[0].best) == 0.5
+    for init in (a.init, rule.init):
+        leaves = jax.tree.leaves(init(None))
+        assert len({id(x) for x in leaves}) == len(leaves)
+        assert leaves[0].weak_type == jnp.asarray(jnp.inf).weak_type
+    empty = [scanax.fit(ts_make(), None, ts_loss, iter([]), steps=3,
+                        progress=False) for _ in range(2)]  # fmt: skip
+    assert [r.steps for r in empty] == [0, 0]
+    empty = [r.model for r in empty]
+    assert empty[0].step is not empty[1].step
+    jax.jit(lambda s: s.replace(step=s.step + 1), donate_argnums=0)(empty[0])
+    assert int(empty[1].step) == 0
 
 
 def test_a_calls_report_is_one_array_read_back_as_it_was():

@@ -35,7 +35,6 @@ import numpy as np
 
 from .. import _caller
 from .._errors import checkpoint as errors
-from . import scalars as _scalars
 
 _FORMAT = 1
 KEEP = 3
@@ -497,12 +496,14 @@ def strong(leaves: list) -> list:
     float64 NumPy array is float32 unless x64 is on; a Python int is int32), with
     weak types dropped (a carry must keep its type; restored checkpoints lose them).
     Checkpoints are written and checked in these types. A host scalar (a
-    ``TrainState``'s first ``step``) is a device scalar kept by value: no
-    transfer when the next call passes it again."""
+    ``TrainState``'s first ``step``) takes one transfer, typed on the host (not
+    a transfer and a conversion); a fresh array each call: a state fit gives
+    back may be donated by the user's code."""
     out = []
     for x in leaves:
         if not isinstance(x, jax.Array) and np.ndim(x) == 0:
-            out.append(_scalars.constant(x, None))
+            dtype = jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
+            out.append(jax.device_put(np.asarray(x, dtype)))
             continue
         a = x if isinstance(x, jax.Array) else jnp.asarray(x)
         out.append(jnp.asarray(a, a.dtype) if getattr(a, "weak_type", False) else a)

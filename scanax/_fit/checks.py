@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 
 from . import scalars as _scalars
 from .callbacks import plateau as _plateau
-from .callbacks.early_stop import EarlyStop, keep_best
+from .callbacks.early_stop import EarlyStop, keep_best, kept_init
 from .callbacks.plateau import Plateau, PlateauCarry
 from .metrics import Ratio, over_dataset
 
@@ -118,7 +118,7 @@ class Checks:
         if self.early is None:
             return None
         return StopCarry(
-            self.early.init(dtype),
+            kept_init(self.early, dtype),
             list(leaves),
             _scalars.constant(0, jnp.float32),
             _scalars.constant(0, jnp.int32),

@@ -220,14 +220,7 @@ class EarlyStop(_feature.Feature):
     def init(self, dtype: Any = jnp.float32) -> StopState:
         """The state before the first evaluation (values compared in ``dtype``).
         For a population, ``jax.vmap`` it over a dummy axis or broadcast it."""
-        worst = jnp.inf if self.direction == "min" else -jnp.inf
-        # (constants on the device, kept: a fit call starts with no transfer)
-        return StopState(
-            best=_scalars.constant(worst, dtype),
-            best_step=_scalars.constant(-1, jnp.int32),
-            wait=_scalars.constant(0, jnp.int32),
-            stopped=_scalars.constant(False, jnp.bool_),
-        )
+        return StopState(*(jnp.asarray(v, t) for v, t in _start(self, dtype)))
 
     def update(
         self, state: StopState, value: jax.Array, step: jax.Array
@@ -267,6 +260,21 @@ class EarlyStop(_feature.Feature):
                 stopped=stop,
             )
             return new, improved, stop
+
+
+def _start(rule: EarlyStop, dtype: Any) -> tuple:
+    """The initial state's values and dtypes (``init``'s, ``kept_init``'s)."""
+    worst = jnp.inf if rule.direction == "min" else -jnp.inf
+    return (worst, dtype), (-1, jnp.int32), (0, jnp.int32), (False, None)
+
+
+def kept_init(rule: EarlyStop, dtype: Any = jnp.float32) -> StopState:
+    """``rule.init(dtype)`` as device scalars kept by value (``_scalars``): the
+    carry a fit call starts from, with no transfer when a call repeats (a
+    subclass's own ``init`` as it is). Shared arrays: for fit's carry alone."""
+    if type(rule).init is not EarlyStop.init:
+        return rule.init(dtype)
+    return StopState(*(_scalars.constant(v, t) for v, t in _start(rule, dtype)))
 
 
 def beats(value: jax.Array, best: jax.Array, min_delta: float, direction: str):

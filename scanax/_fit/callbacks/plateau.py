@@ -225,14 +225,7 @@ class Plateau(_feature.Feature):
         """The state before the first evaluation (values compared in ``dtype``;
         the scale is float32). For a population, ``jax.vmap`` it over a dummy
         axis or broadcast it."""
-        worst = jnp.inf if self.direction == "min" else -jnp.inf
-        # (constants on the device, kept: a fit call starts with no transfer)
-        return PlateauState(
-            best=_scalars.constant(worst, dtype),
-            wait=_scalars.constant(0, jnp.int32),
-            cooldown=_scalars.constant(0, jnp.int32),
-            scale=_scalars.constant(1.0, jnp.float32),
-        )
+        return PlateauState(*(jnp.asarray(v, t) for v, t in _start(self, dtype)))
 
     def update(
         self, state: PlateauState, value: jax.Array
@@ -315,11 +308,26 @@ class Plateau(_feature.Feature):
 # ------------------------------------------------------------ in fit's loop
 
 
+def _start(rule: Plateau, dtype: Any) -> tuple:
+    """The initial state's values and dtypes (``init``'s, ``start``'s)."""
+    worst = jnp.inf if rule.direction == "min" else -jnp.inf
+    return (worst, dtype), (0, jnp.int32), (0, jnp.int32), (1.0, jnp.float32)
+
+
 def start(plateau: Plateau, state: PlateauState | None = None) -> PlateauCarry:
     """The carry of a ``fit`` call before its first check: the rule's initial
     state, or ``state`` (``plateau_state=``: an earlier call's, checked), with
-    an empty window of the monitored training metric."""
-    rule = plateau.init() if state is None else state
+    an empty window of the monitored training metric. Its constants are device
+    scalars kept by value (``_scalars``: no transfer when a call repeats; a
+    subclass's own ``init`` as it is): the carry stays inside fit."""
+    if state is not None:
+        rule = state
+    elif type(plateau).init is not Plateau.init:
+        rule = plateau.init()
+    else:
+        rule = PlateauState(
+            *(_scalars.constant(v, t) for v, t in _start(plateau, jnp.float32))
+        )
     zero = _scalars.constant(0, jnp.float32), _scalars.constant(0, jnp.int32)
     return PlateauCarry(rule, *zero)
 
