@@ -5,7 +5,6 @@ once, finiteness, per-step keys, the state's dtypes)."""
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import numpy as np
 
 from .. import _backend, _conv_layout, _fingerprint
 from .._errors import fit as errors
+from . import scalars as _scalars
 
 _CALL = errors.CALL
 _CACHE_SIZE = 32
@@ -262,7 +262,7 @@ def step_key(root: Any, t: Any, accumulate: int) -> Any:
     return jax.vmap(lambda m: jr.fold_in(root, m))(micro)
 
 
-@functools.cache
 def false() -> Any:
-    """A device ``False`` (``jnp.array(False)`` compiles a program, ~20 ms)."""
-    return jax.device_put(np.False_)
+    """A device ``False``, kept (``_scalars``; ``jnp.array(False)`` compiles a
+    program, ~20 ms): a call's ``stopped`` before the first."""
+    return _scalars.device_scalar(np.False_)
