@@ -495,16 +495,15 @@ def strong(leaves: list) -> list:
     """The state as the loop carries it: JAX arrays in JAX's default dtypes (a
     float64 NumPy array is float32 unless x64 is on; a Python int is int32), with
     weak types dropped (a carry must keep its type; restored checkpoints lose them).
-    Checkpoints are written and checked in these types. A host scalar (a
-    ``TrainState``'s first ``step``) takes one transfer, typed on the host (not
-    a transfer and a conversion); a fresh array each call: a state fit gives
-    back may be donated by the user's code."""
+    Checkpoints are written and checked in these types. A host value (a
+    ``TrainState``'s first ``step``) is typed on the host and put in one
+    transfer (not a transfer and a conversion), a fresh array each call: a
+    state fit gives back may be donated by the user's code."""
     out = []
     for x in leaves:
-        if not isinstance(x, jax.Array) and np.ndim(x) == 0:
-            dtype = jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
-            out.append(jax.device_put(np.asarray(x, dtype)))
-            continue
-        a = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if not isinstance(x, jax.Array) and not hasattr(x, "__jax_array__"):
+            host = np.asarray(x)
+            x = jax.device_put(host.astype(jax.dtypes.canonicalize_dtype(host.dtype)))
+        a = jnp.asarray(x)
         out.append(jnp.asarray(a, a.dtype) if getattr(a, "weak_type", False) else a)
     return out
