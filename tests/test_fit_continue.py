@@ -578,6 +578,35 @@ def test_what_fit_gives_back_shares_no_kept_scalar():
     assert int(empty[1].step) == 0
 
 
+class _StoppedAtStart(scanax.EarlyStop):
+    def init(self, dtype=jnp.float32):
+        return super().init(dtype)._replace(stopped=jnp.asarray(True))
+
+
+class _NothingImproves(scanax.Plateau):
+    def init(self, dtype=jnp.float32):
+        return super().init(dtype)._replace(best=jnp.asarray(-jnp.inf, dtype))
+
+
+def test_a_rule_subclass_starts_fit_from_its_own_init():
+    """fit starts its carries from kept device scalars only for the rules'
+    own ``init``: a subclass's ``init`` is what it starts from (a stop rule
+    already stopped ends the run at the first evaluation; a plateau rule with
+    nothing to beat lowers the scale at each one)."""
+
+    def run(rule):
+        return scanax.fit(
+            eqx_model(), TX, eqx_loss, (X, Y), steps=12, batch_size=BS,
+            progress=False, callbacks=[scanax.Eval(VAL, every=2), rule],
+        )  # fmt: skip
+
+    assert run(scanax.EarlyStop("val_loss", patience=2)).steps == 12
+    assert run(_StoppedAtStart("val_loss", patience=2)).steps == 2
+    assert float(run(scanax.Plateau("val_loss", patience=1)).plateau.scale) == 1.0
+    lowered = run(_NothingImproves("val_loss", patience=1, factor=0.5)).plateau
+    assert float(lowered.scale) < 0.5 and float(lowered.best) == -np.inf
+
+
 def test_a_calls_report_is_one_array_read_back_as_it_was():
     """A call's report leaves the device as one int32 array (one transfer, not
     one a field: 0.07 ms each on a TPU v5e) and reads back as the ``Report``

@@ -314,20 +314,22 @@ def _start(rule: Plateau, dtype: Any) -> tuple:
     return (worst, dtype), (0, jnp.int32), (0, jnp.int32), (1.0, jnp.float32)
 
 
+def kept_init(rule: Plateau, dtype: Any = jnp.float32) -> PlateauState:
+    """``rule.init(dtype)`` as device scalars kept by value (``_scalars``), as
+    ``early_stop.kept_init``: the carry a fit call starts from, with no transfer
+    when a call repeats (a subclass's own ``init`` as it is). Shared arrays:
+    for fit's carry alone."""
+    if type(rule).init is not Plateau.init:
+        return rule.init(dtype)
+    return PlateauState(*(_scalars.constant(v, t) for v, t in _start(rule, dtype)))
+
+
 def start(plateau: Plateau, state: PlateauState | None = None) -> PlateauCarry:
     """The carry of a ``fit`` call before its first check: the rule's initial
-    state, or ``state`` (``plateau_state=``: an earlier call's, checked), with
-    an empty window of the monitored training metric. Its constants are device
-    scalars kept by value (``_scalars``: no transfer when a call repeats; a
-    subclass's own ``init`` as it is): the carry stays inside fit."""
-    if state is not None:
-        rule = state
-    elif type(plateau).init is not Plateau.init:
-        rule = plateau.init()
-    else:
-        rule = PlateauState(
-            *(_scalars.constant(v, t) for v, t in _start(plateau, jnp.float32))
-        )
+    state (``kept_init``), or ``state`` (``plateau_state=``: an earlier call's,
+    checked), with an empty window of the monitored training metric (kept
+    zeros: the carry stays inside fit)."""
+    rule = kept_init(plateau) if state is None else state
     zero = _scalars.constant(0, jnp.float32), _scalars.constant(0, jnp.int32)
     return PlateauCarry(rule, *zero)
 
