@@ -8,14 +8,15 @@ The programs are built from the fused loop's own pieces (``_fit_chunks.Chunks``:
 state: bit-identical results on CPU, every feature of the loop (a non-finite
 step's stop, evaluation and the early-stop rule, accumulation, a population's
 members, meshes, a rollout's feed) unchanged. Between steps the loop's state
-stays on the device as a flat list of arrays, donated to the next step (on a
-TPU its large leaves only: ``donated``); the host flattens nothing per step.
-Each dispatch is a ``lax.while_loop`` of the fused loop's own body (one chunk)
-and condition, bounded to one iteration, so the host dispatches the call's chunks (``Plan.count``: computed from the call's steps,
-without reading the device), a call that stopped early costs only its
-remaining (empty) loops, and XLA compiles the chunk as the fused loop's body:
-bit for bit the same arithmetic, a population's too (a ``lax.cond`` compiled a
-population's step differently in the last bits).
+stays on the device as a flat list of arrays, donated to the next step (on a TPU
+its large leaves only: ``donated``); the host flattens nothing per step. Each
+dispatch is a ``lax.while_loop`` of the fused loop's own body (one chunk) and
+condition, bounded to one iteration, so the host dispatches the call's chunks
+(``Plan.count``: computed from the call's steps, without reading the device), a
+call that stopped early costs only its remaining (empty) loops, and XLA compiles
+the chunk as the fused loop's body: bit for bit the same arithmetic, a
+population's too (a ``lax.cond`` compiled a population's step differently in the
+last bits).
 """
 
 from __future__ import annotations
