@@ -120,9 +120,11 @@ def _layer_name(i: int) -> Callable[[tuple], str]:
     return lambda path: f"layers[{i}]" + "".join(f"[{k!r}]" for k in path)
 
 
-def _call_layer(layer: Any, x: Any, kwargs: dict, remat: Any, i: int) -> Any:
+def _call_layer(
+    layer: Any, x: Any, kwargs: dict, remat: Any, i: int, looped: bool
+) -> Any:
     if remat is False or not nnx.graph.is_graph_node(layer):
-        return _stack.call_pytree_layer(layer, x, kwargs, remat)
+        return _stack.call_pytree_layer(layer, x, kwargs, remat, looped)
     run = Run(layer, _layer_name(i))
 
     def pure(arrays, x):
@@ -130,7 +132,7 @@ def _call_layer(layer: Any, x: Any, kwargs: dict, remat: Any, i: int) -> Any:
         y = module(x, **kwargs)
         return y, run.changes(module, arrays)
 
-    y, new = _stack.checkpoint_call(pure, (run.arrays, x), remat)
+    y, new = _stack.checkpoint_call(pure, (run.arrays, x), remat, looped)
     run.write_back(new)
     return y
 
@@ -214,8 +216,10 @@ class NNXLayers(_stack.Layers):
         # A path in the run's first block: its first key is the layer in the block.
         return Run(data, lambda path: _layer_name(start + path[0])(path[1:]))
 
-    def call(self, layer: Any, x: Any, kwargs: dict, remat: Any, i: int) -> Any:
-        return _call_layer(layer, x, kwargs, remat, i)
+    def call(
+        self, layer: Any, x: Any, kwargs: dict, remat: Any, i: int, looped: bool
+    ) -> Any:
+        return _call_layer(layer, x, kwargs, remat, i, looped)
 
     def eager(self, stack: Any) -> bool:
         # Not inside `nnx.capture`, which stores into the Stack's own modules (see

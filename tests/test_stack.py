@@ -264,14 +264,15 @@ def test_kwargs_remat_unroll():
     assert "checkpoint" in jaxpr or "remat" in jaxpr
 
 
-def checkpoint_policies(fn, *args):
-    """Policies of the checkpoints in fn's jaxpr: (outside scans, inside scans)."""
+def checkpoint_policies(fn, *args, param="policy"):
+    """Policies (or another ``param``) of the checkpoints in fn's jaxpr:
+    (outside scans, inside scans)."""
     outside, inside = [], []
 
     def walk(jaxpr, in_scan):
         for e in jaxpr.eqns:
             if e.primitive.name == "remat2":  # jax.checkpoint
-                (inside if in_scan else outside).append(e.params["policy"])
+                (inside if in_scan else outside).append(e.params[param])
             for sub in e.params.values():
                 if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
                     walk(
@@ -306,6 +307,41 @@ def test_remat_default_by_backend(monkeypatch, backend):
         layers, X
     )
     close(list(g), ref)
+
+
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+def test_checkpoints_in_a_run_let_xla_merge_recomputation(kind):
+    """A layer checkpointed inside a run's scan does without CSE prevention
+    (``prevent_cse=False``: there CSE cannot undo the checkpoint, and the
+    prevention's optimization barriers can foil XLA's fusion, as
+    ``jax.checkpoint`` documents); a layer outside any run keeps JAX's
+    default. Values and gradients are the plain loop's."""
+    layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
+    stack = scanax.Stack(layers, remat=True)
+    fn = (lambda m, x: jax.vmap(m)(x)) if kind == "eqx" else (lambda m, x: m(x))
+    if kind == "nnx":
+        graphdef, state = nnx.split(stack)
+        fn = lambda s, x: nnx.merge(graphdef, s)(x)
+        stack = state
+    outside, inside = checkpoint_policies(fn, stack, X, param="prevent_cse")
+    assert outside and set(outside) == {True}
+    assert inside and set(inside) == {False}
+    grad = jax.grad(lambda m, x: jnp.sum(jnp.sin(fn(m, x))))
+    g = jit(grad)(stack, X)
+    if kind == "eqx":
+        ref = jax.grad(
+            lambda ls, x: jnp.sum(jnp.sin(jax.vmap(lambda v: loop(ls, v))(x)))
+        )(layers, X)
+        close(list(g), ref)
+    else:
+        gd_layers, s_layers = nnx.split(layers)
+        ref = jax.grad(lambda s, x: jnp.sum(jnp.sin(loop(nnx.merge(gd_layers, s), x))))(
+            s_layers, X
+        )
+        close(
+            [nnx.state(m) for m in nnx.merge(graphdef, g)],
+            [ref[i] for i in range(len(layers))],
+        )
 
 
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
