@@ -628,3 +628,23 @@ def test_stepwise_donates_on_a_tpu_only_large_leaves(monkeypatch, platform):
     assert [a.donated for a in state] == (
         big if platform == "tpu" else [True] * len(state)
     )
+
+
+def test_donated_counts_a_leafs_share_on_one_device(monkeypatch):
+    """On a TPU the size that decides a donation is a leaf's share on one
+    device (a split leaf's buffers are its shards); elsewhere every leaf is
+    donated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from scanax._fit.stepwise import donated
+
+    f32 = jnp.float32
+    split = NamedSharding(jax.make_mesh((4,), ("data",)), PartitionSpec("data"))
+    monkeypatch.setattr(_backend, "platform", lambda: "tpu")
+    assert donated(jax.ShapeDtypeStruct((128, 128), f32))  # 64 KiB
+    assert not donated(jax.ShapeDtypeStruct((127, 128), f32))
+    assert not donated(jax.ShapeDtypeStruct((128, 128), f32, sharding=split))
+    assert donated(jax.ShapeDtypeStruct((512, 128), f32, sharding=split))
+    assert not donated(jnp.zeros(3))
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
+    assert donated(jax.ShapeDtypeStruct((1,), f32)) and donated(jnp.zeros(3))

@@ -39,24 +39,28 @@ _SYNC_EVERY = 16
 
 # On a TPU, a chunk whose loop state was donated ran its steps about twice as
 # slowly as the fused loop's (a TPU v5e, the tiny MLP: 14 us a step against
-# 6.8, the same HLO loop body; stepwise 1.81x fused, undonated 1.14x): there
-# only leaves of at least this size are donated, where the memory a donation
-# saves matters. Elsewhere every leaf is (on CPU, undonated steps were 1.5x as
-# slow; a GPU is not measured).
+# 6.8, the same HLO loop body; stepwise 1.81x fused, undonated 1.14x; leaves
+# of 800 KB donated too: no slower): there only leaves of at least this size
+# per device are donated, where the memory a donation saves matters.
+# Elsewhere every leaf is (on CPU, undonated steps were 1.5x as slow; a GPU is
+# not measured). The backend is the default one, as for the chunks' plan.
 _TPU_DONATE_BYTES = 1 << 16
 
 
 def donated(leaf: Any) -> bool:
-    """Whether a step donates the loop state's ``leaf`` (an array or a
-    ``ShapeDtypeStruct``) to the next."""
+    """Whether a step donates the loop state's ``leaf`` (a placed
+    ``ShapeDtypeStruct``, or an array) to the next: its share on one device
+    against ``_TPU_DONATE_BYTES`` on a TPU."""
     if _backend.platform() != "tpu":
         return True
-    return math.prod(leaf.shape) * leaf.dtype.itemsize >= _TPU_DONATE_BYTES
+    where = getattr(leaf, "sharding", None)
+    shape = leaf.shape if where is None else where.shard_shape(leaf.shape)
+    return math.prod(shape) * leaf.dtype.itemsize >= _TPU_DONATE_BYTES
 
 
 class Stepwise:
     """The programs of one argument signature: ``begin`` (the loop's state
-    before the first step), ``step`` (one step, donating the state) and
+    before the first step), ``step`` (one chunk, donating the state: ``donated``) and
     ``close`` (the call's ``Out``); called like the fused executable. Built in
     two parts: tracing and lowering, with ``begin`` compiled to learn the
     state's placement (``__init__``, on the caller's thread: it runs the user's
