@@ -140,8 +140,9 @@ def default_policy(backend: str) -> Callable:
     and peak memory against the unrolled model: this default 1.25 and 0.70,
     ``remat=True`` 1.28 and 0.51, ``checkpoint_dots`` 1.27 and 1.00,
     ``remat=False`` 1.45 and 1.81; the unrolled model's blocks under this
-    policy 1.15 and 0.59 (the policy's own cost: the ``[batch, heads, T, T]``
-    softmax recomputed).
+    policy 1.15 and 0.59 (the policy's own cost: attention's scores and
+    softmax over ``[batch, heads, T, T]``, and the elementwise work,
+    recomputed).
     """
     if backend == "cpu":
         return jax.checkpoint_policies.checkpoint_dots
@@ -326,7 +327,7 @@ def apply(
         per = per_layer_slice(per_layer, piece)
         if piece[2] == 1:
             kw = layer_kwargs(kwargs, per)
-            x = adapter.call(data, x, kw, single_remat(remat), piece[0], False)
+            x = adapter.call(data, x, kw, single_remat(remat), piece[0], looped=False)
         else:
             run = adapter.open(data, piece[0])
             x = _run(adapter, piece, run, x, kwargs, per, remat, unroll)
@@ -351,7 +352,7 @@ def _run(
         layers = run.block(arrays)
         for k, layer in enumerate(layers):
             kw_k = layer_kwargs(kw, per_j, k)
-            x = adapter.call(layer, x, kw_k, in_run, start + k, True)
+            x = adapter.call(layer, x, kw_k, in_run, start + k, looped=True)
         return x, run.changes(layers, arrays)
 
     def step(x, inp):

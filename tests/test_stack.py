@@ -310,7 +310,7 @@ def test_remat_default_by_backend(monkeypatch, backend):
 
 
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
-def test_checkpoints_in_a_run_let_xla_merge_recomputation(kind):
+def test_checkpoints_inside_a_run_skip_cse_prevention(kind):
     """A layer checkpointed inside a run's scan does without CSE prevention
     (``prevent_cse=False``: there CSE cannot undo the checkpoint, and the
     prevention's optimization barriers can foil XLA's fusion, as
