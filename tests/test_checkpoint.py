@@ -164,6 +164,22 @@ def test_incompatible_checkpoint_is_refused(tmp_path):
         )
 
 
+def test_strong_types_the_carry_and_passes_strong_arrays_as_they_are():
+    """``strong``: the loop's carry types (weak types dropped, host values in
+    JAX's default dtypes, JAX arrays, values kept); a JAX array already
+    strong, a PRNG key array too, is the same object."""
+    from scanax._fit import checkpoint as _checkpoint
+
+    w, key = jnp.zeros(3), jax.random.key(0)
+    host = [jnp.asarray(1.0), 2, np.float64(0.5), np.arange(3), True]
+    out = _checkpoint.strong([w, key, *host])
+    assert out[0] is w and out[1] is key
+    want = [jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.bool_]
+    for x, dtype, given in zip(out[2:], want, host, strict=True):
+        assert isinstance(x, jax.Array) and x.dtype == dtype and not x.weak_type
+        np.testing.assert_array_equal(x, np.asarray(given))
+
+
 def test_iterable_resume_and_weak_types(tmp_path):
     # A weak-typed leaf (jnp.asarray(1.0)): orbax restores it strong; fit never
     # carries weak types, so the resumed carry has the uninterrupted run's types.

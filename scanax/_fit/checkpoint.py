@@ -501,6 +501,9 @@ def strong(leaves: list) -> list:
     state fit gives back may be donated by the user's code."""
     out = []
     for x in leaves:
+        if isinstance(x, jax.Array) and not getattr(x, "weak_type", False):
+            out.append(x)  # (``jnp.asarray`` would return it too, in ~10 us)
+            continue
         if not isinstance(x, jax.Array) and not hasattr(x, "__jax_array__"):
             host = np.asarray(x)
             x = jax.device_put(host.astype(jax.dtypes.canonicalize_dtype(host.dtype)))
