@@ -309,25 +309,20 @@ def test_remat_default_by_backend(monkeypatch, backend):
     close(list(g), ref)
 
 
-@pytest.mark.parametrize("kind", ["eqx", "nnx"])
-def test_checkpoints_inside_a_run_skip_cse_prevention(kind):
-    """A layer checkpointed inside a run's scan does without CSE prevention
-    (``prevent_cse=False``: there CSE cannot undo the checkpoint, and the
-    prevention's optimization barriers can foil XLA's fusion, as
-    ``jax.checkpoint`` documents); a layer outside any run keeps JAX's
-    default. Values and gradients are the plain loop's."""
-    layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
-    stack = scanax.Stack(layers, remat=True)
-    fn = (lambda m, x: jax.vmap(m)(x)) if kind == "eqx" else (lambda m, x: m(x))
-    if kind == "nnx":
-        graphdef, state = nnx.split(stack)
-        fn = lambda s, x: nnx.merge(graphdef, s)(x)
-        stack = state
-    outside, inside = checkpoint_policies(fn, stack, X, param="prevent_cse")
-    assert outside and set(outside) == {True}
-    assert inside and set(inside) == {False}
-    grad = jax.grad(lambda m, x: jnp.sum(jnp.sin(fn(m, x))))
-    g = jit(grad)(stack, X)
+def stacked_call(kind, layers, **kw):
+    """``(fn, stack, graphdef)``: a Stack of ``layers`` and the call of it on a
+    batch, ``fn(stack, x)`` (an NNX Stack split into its state)."""
+    stack = scanax.Stack(layers, **kw)
+    if kind == "eqx":
+        return (lambda m, x: jax.vmap(m)(x)), stack, None
+    graphdef, state = nnx.split(stack)
+    return (lambda s, x: nnx.merge(graphdef, s)(x)), state, graphdef
+
+
+def assert_loop_gradients(kind, layers, fn, stack, graphdef):
+    """The gradient of ``sum(sin(fn(stack, X)))`` is the plain loop's, per
+    layer (an NNX Stack's read back through its own indexing)."""
+    g = jit(jax.grad(lambda m, x: jnp.sum(jnp.sin(fn(m, x)))))(stack, X)
     if kind == "eqx":
         ref = jax.grad(
             lambda ls, x: jnp.sum(jnp.sin(jax.vmap(lambda v: loop(ls, v))(x)))
@@ -338,10 +333,23 @@ def test_checkpoints_inside_a_run_skip_cse_prevention(kind):
         ref = jax.grad(lambda s, x: jnp.sum(jnp.sin(loop(nnx.merge(gd_layers, s), x))))(
             s_layers, X
         )
-        close(
-            [nnx.state(m) for m in nnx.merge(graphdef, g)],
-            [ref[i] for i in range(len(layers))],
-        )
+        got = [nnx.state(m) for m in nnx.merge(graphdef, g)]
+        close(got, [ref[i] for i in range(len(layers))])
+
+
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+def test_checkpoints_inside_a_run_skip_cse_prevention(kind):
+    """A layer checkpointed inside a run's scan does without CSE prevention
+    (``prevent_cse=False``: there CSE cannot undo the checkpoint, and the
+    prevention's optimization barriers can foil XLA's fusion, as
+    ``jax.checkpoint`` documents); a layer outside any run keeps JAX's
+    default. Values and gradients are the plain loop's."""
+    layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
+    fn, stack, graphdef = stacked_call(kind, layers, remat=True)
+    outside, inside = checkpoint_policies(fn, stack, X, param="prevent_cse")
+    assert outside and set(outside) == {True}
+    assert inside and set(inside) == {False}
+    assert_loop_gradients(kind, layers, fn, stack, graphdef)
 
 
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
@@ -352,30 +360,12 @@ def test_remat_default_keeps_matmuls_in_runs_only(kind):
     then the chunk of 1 left), not the layers one by one; values and gradients are
     those of the plain loop in every case."""
     layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
-    x = X
     dots = stack_module.default_policy(_backend.platform())
     cases = [(None, ([], [dots])), (False, ([], [])), ("sqrt", ([None], [None]))]
     for remat, want in cases:
-        stack = scanax.Stack(layers, remat=remat)
-        fn = (lambda m, x: jax.vmap(m)(x)) if kind == "eqx" else (lambda m, x: m(x))
-        if kind == "nnx":
-            graphdef, state = nnx.split(stack)
-            fn = lambda s, x: nnx.merge(graphdef, s)(x)
-            stack = state
-        assert checkpoint_policies(fn, stack, x) == want
-        g = jit(jax.grad(lambda m, x: jnp.sum(jnp.sin(fn(m, x)))))(stack, x)
-        if kind == "eqx":
-            ref = jax.grad(
-                lambda ls, x: jnp.sum(jnp.sin(jax.vmap(lambda v: loop(ls, v))(x)))
-            )(layers, x)
-            close(list(g), ref)
-        else:  # per-layer gradients, read back through the Stack's own indexing
-            gd_layers, s_layers = nnx.split(layers)
-            ref = jax.grad(
-                lambda s, x: jnp.sum(jnp.sin(loop(nnx.merge(gd_layers, s), x)))
-            )(s_layers, x)
-            got = [nnx.state(m) for m in nnx.merge(graphdef, g)]
-            close(got, [ref[i] for i in range(len(layers))])
+        fn, stack, graphdef = stacked_call(kind, layers, remat=remat)
+        assert checkpoint_policies(fn, stack, X) == want
+        assert_loop_gradients(kind, layers, fn, stack, graphdef)
 
 
 class EqxTagged(eqx.Module):
