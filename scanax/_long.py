@@ -47,7 +47,7 @@ class Options:
             reporter = _progress.Reporter(self.progress, loop.length)
         sqrt = self.remat == "sqrt" and loop.length > 0
         if self.remat is not None and self.remat != "sqrt":
-            loop = _remat.checkpoint_body(loop, self.remat)
+            loop = _remat.checkpoint_body(loop, self.remat, unroll)
         per_step = reporter is not None and self.thin and not sqrt
         if per_step:  # the thinned lowering ticks between chunks only with sqrt
             loop, reporter = reporter.wrap(loop), None

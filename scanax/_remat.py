@@ -49,9 +49,22 @@ def checkpoint(fn: Callable, remat: Any, prevent_cse: bool = False) -> Callable:
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-def checkpoint_body(loop: Loop, remat: Any) -> Loop:
-    """The loop with a checkpointed body (``remat`` True or a policy)."""
-    return Loop(checkpoint(loop.body, remat), loop.init, loop.xs, loop.length)
+def in_loop(unroll: int | bool, length: int) -> bool:
+    """Whether every step of a scan of ``length`` steps unrolled ``unroll``
+    times runs inside its loop, where a checkpoint needs no CSE prevention:
+    not unrolled into straight-line code (``unroll=True``, or a remainder of
+    ``length % unroll`` steps after the loop), and at least two trips (XLA
+    removes a loop of one)."""
+    k = length if unroll is True else max(1, int(unroll))
+    return length % k == 0 and length // k >= 2
+
+
+def checkpoint_body(loop: Loop, remat: Any, unroll: int | bool = 1) -> Loop:
+    """The loop with a checkpointed body (``remat`` True or a policy): with CSE
+    prevention where a step may run as straight-line code (``in_loop``)."""
+    prevent_cse = not in_loop(unroll, loop.length)
+    body = checkpoint(loop.body, remat, prevent_cse=prevent_cse)
+    return Loop(body, loop.init, loop.xs, loop.length)
 
 
 def chunk_size(length: int) -> int:
@@ -128,20 +141,22 @@ def run_chunks(
             loop.body, carry, xs, length=steps, reverse=reverse, unroll=unroll
         )
 
-    def segment(state, start, steps):
+    def segment(state, start, steps, looped):
         carry, count = state
         if reporter is not None:
             count = reporter.tick(count, steps * scale)
         inner = lambda c_, x_, s_: run_chunk(c_, x_, s_, steps)
         if checkpoint:
-            inner = jax.checkpoint(inner, prevent_cse=False)
+            # (CSE prevention where the chunk is straight-line code: the tail,
+            # or a head scan of one trip, which XLA removes)
+            inner = jax.checkpoint(inner, prevent_cse=not looped)
         carry, ys = inner(carry, loop.xs, start)
         return (carry, count), ys
 
     def run_head(state):
         starts = jnp.arange(outer, dtype=jnp.int32) * c
         state, ys = jax.lax.scan(
-            lambda s, start: segment(s, start, c),
+            lambda s, start: segment(s, start, c, outer >= 2),
             state,
             starts,
             length=outer,
@@ -153,10 +168,10 @@ def run_chunks(
     state = (loop.init, count)
     tail_start = jnp.int32(outer * c)
     if rest and reverse:
-        state, ys_tail = segment(state, tail_start, rest)
+        state, ys_tail = segment(state, tail_start, rest, False)
     state, ys = run_head(state)
     if rest and not reverse:
-        state, ys_tail = segment(state, tail_start, rest)
+        state, ys_tail = segment(state, tail_start, rest, False)
     if rest:
         ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
     return state[0], ys, state[1]

@@ -165,11 +165,12 @@ def single_remat(remat: Any) -> Any:
 def checkpoint_call(fn: Callable, args: tuple, remat: Any, looped: bool) -> Any:
     """``fn(*args)`` under ``jax.checkpoint`` (``remat`` True or a policy). Only array
     leaves cross the checkpoint: other leaves of ``args`` (functions, strings,
-    None) and of the result pass around it unchanged. ``looped``: the call is
-    in a run's scan, where (as ``jax.checkpoint`` documents) CSE cannot undo
-    the checkpoint and its prevention only costs (optimization barriers, which
-    can foil XLA's fusion and scheduling, "especially on GPU"); outside one,
-    ``jax.checkpoint``'s default ``prevent_cse=True``."""
+    None) and of the result pass around it unchanged. ``looped``: the call
+    runs inside a scan's loop (``_remat.in_loop``), where (as ``jax.checkpoint``
+    documents) CSE cannot undo the checkpoint and its prevention only costs
+    (optimization barriers, which can foil XLA's fusion and scheduling,
+    "especially on GPU"); in straight-line code, ``jax.checkpoint``'s default
+    ``prevent_cse=True``."""
     parts = partition(args)
     out_parts: list[Partition] = []
 
@@ -300,7 +301,7 @@ class Layers:
         self, layer: Any, x: Any, kwargs: dict, remat: Any, i: int, looped: bool
     ) -> Any:
         """``layer(x, **kwargs)`` (layer ``i``), checkpointed as ``remat`` says
-        (``looped``: in a run's scan, ``checkpoint_call``)."""
+        (``looped``: inside a scan's loop, ``checkpoint_call``)."""
         return call_pytree_layer(layer, x, kwargs, remat, looped)
 
     def eager(self, stack: Any) -> bool:
@@ -348,15 +349,17 @@ def _run(
     start, _, repeats = piece
     in_run = run_remat(remat)
 
-    def block(x, arrays, per_j, kw):
+    def block(x, arrays, per_j, kw, looped=False):
         layers = run.block(arrays)
         for k, layer in enumerate(layers):
             kw_k = layer_kwargs(kw, per_j, k)
-            x = adapter.call(layer, x, kw_k, in_run, start + k, looped=True)
+            x = adapter.call(layer, x, kw_k, in_run, start + k, looped=looped)
         return x, run.changes(layers, arrays)
 
+    looped = _remat.in_loop(unroll, repeats)
+
     def step(x, inp):
-        y, new = block(x, *inp)
+        y, new = block(x, *inp, looped=looped)
         check_carry(piece, x, y)
         return y, new
 

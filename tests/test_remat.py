@@ -113,14 +113,15 @@ def test_chunk_size(n, c):
     assert chunk_size(n) == c
 
 
-def checkpoints(fn, *args):
-    """The policy of every ``jax.checkpoint`` in fn's jaxpr, nested ones too."""
+def checkpoints(fn, *args, param="policy"):
+    """The policy (or another ``param``) of every ``jax.checkpoint`` in fn's
+    jaxpr, nested ones too."""
     found = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
             if e.primitive.name in ("remat2", "checkpoint"):  # jax.checkpoint
-                found.append(e.params["policy"])
+                found.append(e.params[param])
             for sub in e.params.values():
                 if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
                     walk(getattr(sub, "jaxpr", sub))
@@ -139,6 +140,39 @@ def test_remat_checkpoints_the_body(remat):
     want = None if REMATS[remat] in (True, "sqrt") else REMATS[remat]
     assert found == [want]
     assert checkpoints(lambda i, x: ours(i, x, False), init, xs) == []
+
+
+def test_in_loop():
+    """Every step inside the scan's loop: not unrolled into straight-line
+    code (fully, or a remainder after the loop), at least two trips."""
+    from scanax._remat import in_loop
+
+    assert in_loop(1, 2) and in_loop(False, 16) and in_loop(2, 8) and in_loop(4, 8)
+    assert not in_loop(True, 16) and not in_loop(1, 1) and not in_loop(8, 8)
+    assert not in_loop(3, 8) and not in_loop(16, 8)
+
+
+@pytest.mark.parametrize(
+    "remat, n, unroll, want",
+    [
+        (True, 16, 1, [False]),  # (inside the loop: CSE cannot undo it)
+        (True, 16, 4, [False]),
+        (True, 16, True, [True]),  # (straight-line code: prevented)
+        (True, 16, 3, [True]),  # (a remainder after the loop)
+        (True, 1, 1, [True]),  # (a loop of one trip, removed)
+        ("sqrt", 16, 1, [False]),  # (4 chunks of 4 in the outer scan)
+        ("sqrt", 13, 1, [False, True]),  # (3 chunks of 4, then a tail of 1)
+    ],
+)
+def test_checkpoints_prevent_cse_only_outside_a_loop(remat, n, unroll, want):
+    """``jax.checkpoint`` needs ``prevent_cse`` only where its recomputation
+    could be merged with the forward pass: in straight-line code (an unrolled
+    scan, a loop of one trip, the tail chunk of ``remat="sqrt"``), not inside
+    a loop. Values and gradients are the plain scan's either way."""
+    init, xs = inputs(n)
+    fn = lambda i, x: ours(i, x, remat, unroll=unroll)
+    assert checkpoints(fn, init, xs, param="prevent_cse") == want
+    close(jax.grad(fn)(init, xs), jax.grad(plain)(init, xs))
 
 
 def test_sqrt_is_nested_scans():

@@ -338,18 +338,49 @@ def assert_loop_gradients(kind, layers, fn, stack, graphdef):
 
 
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
-def test_checkpoints_inside_a_run_skip_cse_prevention(kind):
-    """A layer checkpointed inside a run's scan does without CSE prevention
-    (``prevent_cse=False``: there CSE cannot undo the checkpoint, and the
-    prevention's optimization barriers can foil XLA's fusion, as
-    ``jax.checkpoint`` documents); a layer outside any run keeps JAX's
-    default. Values and gradients are the plain loop's."""
+@pytest.mark.parametrize("unroll", [1, True])
+def test_checkpoints_inside_a_run_skip_cse_prevention(kind, unroll):
+    """A layer checkpointed inside a run's scan loop does without CSE
+    prevention (``prevent_cse=False``: there CSE cannot undo the checkpoint,
+    and the prevention's optimization barriers can foil XLA's fusion, as
+    ``jax.checkpoint`` documents); a layer outside any run, or in a run
+    unrolled into straight-line code, keeps JAX's default. Values and
+    gradients are the plain loop's."""
     layers = eqx_layers(3) if kind == "eqx" else nnx_layers(3)
-    fn, stack, graphdef = stacked_call(kind, layers, remat=True)
+    fn, stack, graphdef = stacked_call(kind, layers, remat=True, unroll=unroll)
     outside, inside = checkpoint_policies(fn, stack, X, param="prevent_cse")
     assert outside and set(outside) == {True}
-    assert inside and set(inside) == {False}
+    assert inside and set(inside) == {unroll is True}
     assert_loop_gradients(kind, layers, fn, stack, graphdef)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Halving:
+    """A layer that halves its input's length: a run of them cannot be a
+    scan's carry (the Stack loops over them in Python)."""
+
+    w: jax.Array
+
+    def __call__(self, x):
+        return jnp.tanh(self.w * x).reshape(-1, 2).mean(-1)
+
+
+def test_checkpoints_of_a_run_looped_in_python_prevent_cse():
+    """Layers that change the input's shape run as a Python loop, straight-line
+    code: their checkpoints keep CSE prevention; the gradient is the loop's."""
+    layers = [Halving(jnp.float32(0.5 + 0.1 * i)) for i in range(4)]
+    stack = scanax.Stack(layers, remat=True)
+    x = jnp.linspace(-1.0, 1.0, 64)
+    fn = lambda m, x: m(x)
+    outside, inside = checkpoint_policies(fn, stack, x, param="prevent_cse")
+    assert outside == [True] * 4 and inside == []
+    g = jit(jax.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=(0, 1)))(stack, x)
+    ref = jax.grad(lambda ls, x: jnp.sum(jnp.sin(loop(ls, x))), argnums=(0, 1))(
+        layers, x
+    )
+    close(g[1], ref[1])
+    close([layer.w for layer in g[0]], [layer.w for layer in ref[0]])
 
 
 @pytest.mark.parametrize("kind", ["eqx", "nnx"])
