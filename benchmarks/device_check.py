@@ -241,15 +241,16 @@ def _gpt2_parts():
 
     class RematBlocks(nnx.Module):
         """The unrolled blocks, each under ``nnx.remat`` with the policy
-        ``Stack`` uses off CPU: what that policy costs without a scan."""
+        ``Stack`` uses on this backend: what that policy costs without a scan."""
 
         def __init__(self, blocks):
             self.blocks = nnx.List(blocks)
 
         def __call__(self, x):
+            from scanax import _backend
             from scanax._stack import default_policy
 
-            policy = default_policy("gpu")
+            policy = default_policy(_backend.platform())
             for block in self.blocks:
                 x = nnx.remat(lambda b, x: b(x), policy=policy)(block, x)
             return x

@@ -309,7 +309,7 @@ class Plateau(_feature.Feature):
 
 
 def _start(rule: Plateau, dtype: Any) -> tuple:
-    """The initial state's values and dtypes (``init``'s, ``start``'s)."""
+    """The initial state's values and dtypes (``init``'s, ``kept_init``'s)."""
     worst = jnp.inf if rule.direction == "min" else -jnp.inf
     return (worst, dtype), (0, jnp.int32), (0, jnp.int32), (1.0, jnp.float32)
 
