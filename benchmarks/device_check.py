@@ -38,11 +38,11 @@ would start past ``BUDGET`` seconds is skipped with a line):
 * ``scanax.scan`` ÷ ``lax.scan`` (a matmul body, 10k steps); ``scanax.rnn``'s
   ``order="time"`` ÷ ``"layer"``; a small-CNN Adam step in ``scanax.scan`` ÷
   ``lax.scan`` (200 and 2000 steps);
-* where fit's time goes (last: no target of their own): fit per step and per
+* where fit's time goes (last: no target of their own): fit's program and the
+  hand-fused one in device time (a profiler trace); fit per step and per
   call (each timed at 1024 and 4096 steps: slope and intercept ÷ the
   hand-fused scan's, with the hand-fused scan as chunks with and without an
-  evaluating ``lax.cond``); fit's call in phases; fit's program and the
-  hand-fused one in device time (a profiler trace); the hand-fused scan with
+  evaluating ``lax.cond``); fit's call in phases; the hand-fused scan with
   one of fit's per-step pieces added (the shuffled rows' gather of ``key=``,
   the non-finite test with a select and without one, as fit's chunks run
   it), fit as planned here and planned as on CPU, bare and with evaluation
@@ -1268,10 +1268,11 @@ PARTS = (
     rnn_rows,
     conv_rows,
     # where fit's time goes (no README target of their own): last, so that a
-    # device that runs past the budget skips these first
+    # device that runs past the budget skips these first (the device-time
+    # split first among them: it says whether fit's gap is the device's)
+    fit_device_rows,
     fit_slope_rows,
     fit_call_rows,
-    fit_device_rows,
     fit_piece_rows,
 )
 
