@@ -56,7 +56,7 @@ def in_loop(unroll: int | bool, length: int) -> bool:
     ``length % unroll`` steps after the loop), and at least two trips (XLA
     removes a loop of one)."""
     k = length if unroll is True else max(1, int(unroll))
-    return length % k == 0 and length // k >= 2
+    return length >= 2 and length % k == 0 and length // k >= 2
 
 
 def checkpoint_body(loop: Loop, remat: Any, unroll: int | bool = 1) -> Loop:

@@ -3,6 +3,7 @@ import functools as ft
 import helpers
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import scanax
@@ -150,6 +151,19 @@ def test_in_loop():
     assert in_loop(1, 2) and in_loop(False, 16) and in_loop(2, 8) and in_loop(4, 8)
     assert not in_loop(True, 16) and not in_loop(1, 1) and not in_loop(8, 8)
     assert not in_loop(3, 8) and not in_loop(16, 8)
+    assert not in_loop(True, 0) and not in_loop(1, 0) and not in_loop(True, 1)
+
+
+@pytest.mark.parametrize("unroll", [True, 1, 2])
+def test_an_empty_scan_with_remat_is_lax_scans(unroll):
+    """No steps, checkpointed, any unroll: what ``lax.scan`` gives (the CSE
+    rule divided by a zero length when unrolled fully)."""
+    body = lambda c, x: (c + x, c * x)
+    xs = jnp.zeros((0, 3))
+    want = jax.lax.scan(body, jnp.ones(3), xs, unroll=unroll)
+    got = scanax.scan(body, jnp.ones(3), xs, remat=True, unroll=unroll)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+    assert got[1].shape == (0, 3)
 
 
 @pytest.mark.parametrize(
