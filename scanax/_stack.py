@@ -349,7 +349,7 @@ def _run(
     start, _, repeats = piece
     in_run = run_remat(remat)
 
-    def block(x, arrays, per_j, kw, looped=False):
+    def block(x, arrays, per_j, kw, looped):
         layers = run.block(arrays)
         for k, layer in enumerate(layers):
             kw_k = layer_kwargs(kw, per_j, k)
@@ -379,7 +379,8 @@ def _run(
         news = []
         for j in range(repeats):
             arrays = [a[j] for a in run.arrays]
-            x, new_j = block(x, arrays, pytree_view(per, j), kwargs)
+            # (straight-line code: the checkpoints keep CSE prevention)
+            x, new_j = block(x, arrays, pytree_view(per, j), kwargs, looped=False)
             news.append(new_j)
         new = [jnp.stack(v) for v in zip(*news, strict=True)]
     run.write_back(new)
