@@ -203,8 +203,8 @@ def nonfinite_step(t: int, loss: Any, loss_ok: bool, grads_ok: bool, done: int) 
     what = []
     if not loss_ok:
         what.append(f"a non-finite loss ({float(loss)})")
-    if not grads_ok:
-        what.append("non-finite gradients")
+    if not grads_ok:  # (or an update that overflowed: the parameters tell)
+        what.append("non-finite gradients or parameters")
     return (
         f"{CALL}: step {t + 1} gave {' and '.join(what)}; training stopped before "
         f"applying it. The result holds the state after step {t} ({done} good "

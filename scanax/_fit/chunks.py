@@ -19,7 +19,17 @@ from .. import _progress
 from .._errors import fit as errors
 from .._once import branch_free, once_if
 from .plan import Plan, chunk_length, chunked
-from .program import Chunk, Out, Report, finite, outputs, step_key, trace_once
+from .program import (
+    Chunk,
+    Out,
+    Report,
+    finite,
+    intact,
+    marked,
+    outputs,
+    step_key,
+    trace_once,
+)
 
 _CALL = errors.CALL
 
@@ -77,9 +87,14 @@ def masked(active: Any, new: list, old: list) -> list:
 
 
 class Solo(Lanes):
-    """One model: a step stops the loop when its loss or gradients are not
-    finite (it is applied, and the rest of its chunk runs on; the host
-    recomputes the call's good steps, see ``Chunks``); with ``checks``
+    """One model: a step stops the loop when its loss is not finite (it is
+    applied, and the rest of its chunk runs on; the host recomputes the call's
+    good steps, see ``Chunks``). Its gradients are not tested each step: a
+    non-finite one marks the parameter it trains (``_fit_program.marked``: NaN
+    there), and the call's end reports whether its parameters are ``intact``
+    (a bad call stops the next one, already dispatched); the host then replays
+    the call to find the first bad step. ``trained``: the parameters'
+    positions among the leaves. With ``checks``
     (``_fit_checks.Checks``), the monitored training metrics are summed each
     step, and at the boundaries where one is due: evaluation, the early-stop
     rule (which may end the loop) and the plateau rule. ``collector``: a
@@ -95,44 +110,41 @@ class Solo(Lanes):
         takes_key,
         checks,
         accumulate,
+        trained,
         collector=None,
     ):
         self.fn, self.sampler, self.place = step, sampler, place
+        self.trained = trained
         self.shardings, self.takes_key = shardings, takes_key
         self.checks, self.accumulate = checks, accumulate
         self.collector = collector
 
     def begin(self, c: Chunk) -> tuple[Any, Any]:
         root = jr.split(c.key)[1] if self.takes_key else None
-        # (loss_ok, grads_ok) of the last step run: the bad one, if any; the
-        # early-stop rule said stop; the steps run
-        oks = (jnp.array(True), jnp.array(True))
-        return root, (oks, jnp.array(False), jnp.int32(0))
+        # the early-stop rule said stop; the steps run
+        return root, (jnp.array(False), jnp.int32(0))
 
     def step(self, c, env, carry, perm, t, i, active):
-        leaves, stopped, extra, (oks, early, ran) = carry
+        leaves, stopped, extra, (early, ran) = carry
         batch = self.sampler.batch(perm, c.data, c.xs, t, i)
         batch = self.place.constrain_batch(batch, 1 if self.accumulate > 1 else 0)
         key_t = step_key(env, t, self.accumulate) if self.takes_key else None
         new, loss, metrics, grads = self.fn(leaves, batch, key_t, c.hp)
-        loss_ok, grads_ok = finite(loss, grads)
+        new, tested = marked(new, self.trained, grads)
+        loss_ok, grads_ok = finite(loss, tested)
         out = outputs(loss, metrics)
         ok = loss_ok & grads_ok
         if self.checks is not None:
             take = ok if active is None else ok & active
             new, extra = self.checks.accumulate(new, out, take, extra)
         if active is None:  # (one step per chunk: the loop stops after a bad one)
-            return (new, ~ok, extra, ((loss_ok, grads_ok), early, ran + 1)), out
+            return (new, ~ok, extra, (early, ran + 1)), out
         # The steps after a bad one run (the host redoes the call's good steps):
         # only a step past the chunk's cut is masked.
         ran_now = active & ~stopped
-        oks = jtu.tree_map(
-            lambda n, o: jnp.where(ran_now, n, o), (loss_ok, grads_ok), oks
-        )
         leaves = masked(active, new, leaves)
         stopped = stopped | (ran_now & ~ok)
-        lane = (oks, early, ran + ran_now.astype(ran.dtype))
-        return (leaves, stopped, extra, lane), out
+        return (leaves, stopped, extra, (early, ran + ran_now.astype(ran.dtype))), out
 
     def before(self, c, env, carry, t):
         if self.collector is None:
@@ -147,30 +159,34 @@ class Solo(Lanes):
     def after(self, c, env, carry, t1):
         if self.checks is None:
             return carry, {}
-        leaves, stopped, extra, (oks, early, ran) = carry
+        leaves, stopped, extra, (early, ran) = carry
         # (fit's key, or a placeholder: an eval_fn may take a key when
         # loss_fn does not)
         eval_key = jr.fold_in(jr.split(c.key)[0], t1 - 1)
         args = (leaves, c.aux["eval"], eval_key, c.hp, extra)
         due = self.checks.due(t1) & ~stopped  # (a bad step: the host redoes it)
         checked = when(due, lambda *a: self.checks.work(t1, *a), args)
-        carry = (checked.leaves, stopped, checked.carry, (oks, checked.stop, ran))
+        carry = (checked.leaves, stopped, checked.carry, (checked.stop, ran))
         return carry, {"val": checked.val, "evaluated": due}
 
     def running(self, c, i, stopped, extra, lane):
-        return (i < c.count) & ~stopped & ~lane[1]
+        return (i < c.count) & ~stopped & ~lane[0]
 
     def finish(self, c, i, carry, bufs):
-        leaves, stopped, extra, ((loss_ok, grads_ok), early, ran) = carry
+        leaves, stopped, extra, (early, ran) = carry
         applied = jnp.where(stopped & ~c.stopped, ran - 1, ran)
+        kept = intact(
+            [c.leaves[j] for j in self.trained], [leaves[j] for j in self.trained]
+        )
         if self.shardings is not None:  # the state keeps its placement
             leaves = [
                 jax.lax.with_sharding_constraint(x, s)
                 for x, s in zip(leaves, self.shardings)
             ]
-        report = Report(applied, ran, stopped, early, loss_ok, grads_ok).packed()
-        # A stop by the rule also stops the next call (already dispatched).
-        return Out(leaves, stopped | early, report, bufs, extra)
+        report = Report(applied, ran, stopped, early, kept).packed()
+        # A stop by the rule, or marked parameters, also stop the next call
+        # (already dispatched).
+        return Out(leaves, stopped | early | ~kept, report, bufs, extra)
 
 
 class Chunks:

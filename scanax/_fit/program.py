@@ -186,8 +186,10 @@ class Report(NamedTuple):
     ran: Any  # steps the loop ran
     stopped: Any  # stopped by a non-finite step (a population: or before)
     ended: Any  # stopped by the early-stop rule
-    loss_ok: Any = None  # one model: the last step run's loss was finite
-    grads_ok: Any = None  # and its gradients
+    # one model: no element of its parameters that was finite at the call's
+    # start is non-finite at its end (``intact``: a step's non-finite gradients
+    # were marked there, ``marked``)
+    intact: Any = None
 
     def packed(self) -> Any:
         """Inside the call: the report as one int32 array, ``[field, *members]``
@@ -238,6 +240,43 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
 
     replay.jaxpr = closed.jaxpr  # (what was traced: ``chunk_length`` reads it)
     return replay, shapes
+
+
+def marked(new: list, trained: list[int], grads: Any) -> tuple[list, list]:
+    """A step's new state with its non-finite gradients marked, and the
+    gradient leaves left to test each step (``finite``).
+
+    Where the gradients' leaves match the trained parameters (``trained``:
+    their positions in ``new``) one to one in shape, each parameter is NaN
+    wherever its gradient is not finite: an elementwise select that XLA fuses
+    into the update, where a finite test is a reduction per leaf every step
+    (on a TPU v5e that reduction cost 1.29-1.35x a step of a small MLP, the
+    marks 1.02-1.06x). ``intact`` then finds a bad step once per call, and
+    the host replays the call to find which (``_fit_solo``). Otherwise (a
+    feature that reports its own gradients, as float16's loss scale does)
+    ``new`` is unchanged and every gradient leaf is tested each step."""
+    gs = [g for g in jtu.tree_leaves(grads) if g.size]
+    at = [i for i in trained if new[i].size]
+    inexact = all(jnp.issubdtype(g.dtype, jnp.inexact) for g in gs)
+    if not inexact or [g.shape for g in gs] != [new[i].shape for i in at]:
+        return new, gs
+    out = list(new)
+    for g, i in zip(gs, at):
+        nan = jnp.asarray(jnp.nan, out[i].dtype)
+        out[i] = jnp.where(jnp.isfinite(g), out[i], nan)
+    return out, []
+
+
+def intact(before: list, after: list) -> Any:
+    """Whether no element of ``before`` (a call's parameters at its start)
+    that was finite is non-finite in ``after`` (at its end): a reduction per
+    leaf, once per call. An element non-finite from the start (a parameter
+    the loss does not use) is not a bad step's."""
+    ok = jnp.array(True)
+    for b, a in zip(before, after):
+        if a.size:
+            ok = ok & ~jnp.any(jnp.isfinite(b) & ~jnp.isfinite(a))
+    return ok
 
 
 def finite(loss: Any, grads: Any) -> tuple[Any, Any]:

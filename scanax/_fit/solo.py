@@ -133,6 +133,7 @@ def _model_program(
             takes_key,
             checks,
             setup.accumulate,
+            feats.base.trained(),
             None if feed is None else feed.collector,
         )
         periods = (
@@ -247,23 +248,22 @@ class Model:
     def collect(self, run, start, end, out, args, report, ys, dispatched) -> Read:
         count, early = int(report.applied), bool(report.ended)
         run.schedule.ran(end - start, dispatched)
-        recorded = run.history.add(start, ys, count, count)
         leaves, extra, redone = out.leaves, out.extra, None
         halted = run.halted or early  # (early: the rule said stop, a clean end)
-        if not halted and start + count < end:
+        bad = not bool(report.intact) or (not early and start + count < end)
+        if not run.halted and bad:
             halted = True
-            leaves, extra = self._redo(run, args, count)
-            redone = Carry(leaves, out.stopped, extra)
+            count, good, grads_bad = self._first_bad(run, args, report, ys["loss"])
+            leaves, extra = good.leaves, good.extra
+            redone = Carry(leaves, good.stopped, extra)
             done = run.done + count - run.start
+            loss = ys["loss"][count]
             run.warn(
                 errors.nonfinite_step(
-                    start + count,
-                    ys["loss"][count],
-                    bool(report.loss_ok),
-                    bool(report.grads_ok),
-                    done,
+                    start + count, loss, bool(np.isfinite(loss)), not grads_bad, done
                 )
             )
+        recorded = run.history.add(start, ys, count, count)
         postfix = {}  # (only what a bar shows)
         if count and run.spec is not None:
             postfix["loss"] = f"{float(ys['loss'][count - 1]):.4g}"
@@ -275,17 +275,58 @@ class Model:
         call = _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
         return Read(count, halted, leaves, redone, call)
 
-    def _redo(self, run: Any, args: Chunk, count: int) -> tuple:
-        """The state after the ``count`` good steps of a call that hit a bad one
-        (the same program on the same inputs: bit-identical)."""
+    def _first_bad(self, run: Any, args: Chunk, report: Report, losses: Any):
+        """``(b, out, grads_bad)`` of a call that hit a bad step: its first bad
+        step's place in the call, the call's output after the ``b`` good steps
+        before it (the same program on the same inputs, replayed for ``b``
+        steps: bit-identical), and whether the bad step's gradients were not
+        finite. A step whose loss stopped the loop (``report.applied``) is the
+        bad one when the parameters are intact at the call's end; else the
+        bad step marked them (``_fit_program.marked``): the last one whose
+        replay leaves them intact is found by bisection, trying the steps just
+        before the end first (a marked parameter makes the next step's loss
+        NaN, which stops the loop there)."""
+        applied, stopped = int(report.applied), bool(report.stopped)
+        intact_at: dict[int, bool] = {}  # steps replayed: parameters intact
+        outs: dict[int, Any] = {}  # steps replayed: the output, where good
+
+        def good(c: int) -> bool:
+            out = self._replay(run, args, c)
+            got = Report.read(jax.device_get(out.report))
+            expected = min(c, applied) if stopped else c
+            if int(got.applied) != expected:
+                raise errors.replay_mismatch(_CALL, expected, int(got.applied))
+            intact_at[c] = bool(got.intact)
+            if intact_at[c] and c == expected:
+                outs[c] = out
+            return c in outs
+
+        if bool(report.intact):  # (so they were after the bad step too)
+            lo, intact_at[applied + 1] = applied, True
+            if not good(lo):
+                raise errors.replay_mismatch(_CALL, applied, applied)
+        else:
+            lo, hi, tries = 0, applied + 1 if stopped else applied, 0
+            if not stopped:  # (the state after the call's steps)
+                intact_at[applied] = False
+            while hi - lo > 1:
+                c = hi - 1 if tries < 2 else (lo + hi) // 2
+                tries += 1
+                lo, hi = (c, hi) if good(c) else (lo, c)
+            if lo not in outs:  # (0: the call's input, never replayed)
+                good(lo)
+        if np.isfinite(losses[lo]):  # (the step broke the parameters)
+            return lo, outs[lo], True
+        if lo + 1 not in intact_at:
+            good(lo + 1)
+        return lo, outs[lo], not intact_at[lo + 1]
+
+    def _replay(self, run: Any, args: Chunk, count: int) -> Any:
+        """The call of ``args`` replayed for its first ``count`` steps."""
         again = args._replace(
             stopped=false(), count=np.int32(count), every=np.int32(count + 1)
         )  # count + 1: no reports
-        out = run.call(again)
-        applied = int(Report.read(jax.device_get(out.report)).applied)
-        if applied != count:
-            raise errors.replay_mismatch(_CALL, count, applied)
-        return out.leaves, out.extra
+        return run.call(again)
 
     def hand_over(self, run: Any) -> None:
         """Give the objects the state while the last call runs (an NNX update

@@ -1,0 +1,231 @@
+"""``scanax.fit``'s guard against non-finite steps, for one model: the loss is
+tested every step, the gradients are not; a non-finite gradient marks the
+parameter it trains (NaN there, fused into the update: ``_fit_program.marked``),
+the call's end tests whether the parameters are still intact, and the host
+replays a bad call to find its first bad step. Held against a plain Python
+loop of optax steps and against fits that stop before the bad step, with one
+step per iteration (CPU's plan) and in chunks (a GPU's)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import leaves_equal
+
+import scanax
+from scanax import _backend
+from scanax._fit import solo as _fit_solo
+
+N_STEPS = 40
+W0 = {"w": jnp.array([[0.5], [-0.25], [1.0]]), "u": jnp.array([0.25, -1.0])}
+TX = optax.adam(1e-2)
+
+
+@jax.custom_jvp
+def poison(u, bad):
+    """0 in value; a NaN gradient for ``u`` where ``bad``, else 0."""
+    return jnp.zeros((), u.dtype)
+
+
+@poison.defjvp
+def _poison_jvp(primals, tangents):
+    u, bad = primals
+    return poison(u, bad), jnp.where(bad, jnp.nan, 0.0) * jnp.sum(tangents[0])
+
+
+def loss_fn(p, batch):
+    """A linear model's error, plus ``poison``: the step whose batch is flagged
+    (``y[0, 0] == 0``) has a NaN gradient for ``u``, which no loss ever uses:
+    after it, every loss stays finite."""
+    x, y = batch
+    err = x @ p["w"] - y
+    return jnp.mean(err**2) + poison(p["u"], y[0, 0] == 0)
+
+
+def batches(bad=None, n=N_STEPS):
+    rng = np.random.default_rng(0)
+    out = []
+    for t in range(n):
+        x = rng.normal(size=(4, 3)).astype(np.float32)
+        y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+        if t == bad:
+            y[0, 0] = 0.0
+        out.append((jnp.asarray(x), jnp.asarray(y)))
+    return out
+
+
+def python_loop(data):
+    """The reference: optax steps in a Python loop; the parameters after them
+    and their losses."""
+    p, state, losses = W0, TX.init(W0), []
+    for batch in data:
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        updates, state = TX.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+        losses.append(float(loss))
+    return p, losses
+
+
+def fit(data, steps=N_STEPS, **kw):
+    kw = {"steps": steps, "progress": False, "steps_per_call": N_STEPS, **kw}
+    return scanax.fit(W0, TX, loss_fn, data, **kw)
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def plan(request, monkeypatch):
+    """fit's plan for a CPU (a step per iteration) or a GPU (chunks)."""
+    monkeypatch.setattr(_backend, "platform", lambda: request.param)
+    return request.param
+
+
+def counted_replays(monkeypatch):
+    calls = []
+    replay = _fit_solo.Model._replay
+
+    def counting(self, run, args, count):
+        calls.append(count)
+        return replay(self, run, args, count)
+
+    monkeypatch.setattr(_fit_solo.Model, "_replay", counting)
+    return calls
+
+
+@pytest.mark.parametrize("bad", [0, 13, 39])
+def test_a_bad_gradient_the_losses_never_show(plan, bad, monkeypatch):
+    """Every loss of the call is finite: the parameters marked at the end
+    find the call bad, and the replays find the step: the run ends with the
+    state after the steps before it, exactly a shorter fit's, and as a Python
+    loop's. The replays: about log2 of the call's steps."""
+    replays = counted_replays(monkeypatch)
+    data = batches(bad)
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"step {bad + 1} gave non-finite gradients.*state after step {bad} ",
+    ):
+        out = fit(data)
+    assert out.steps == bad and len(out.history["loss"]) == bad
+    assert 0 < len(replays) <= 3 + math.ceil(math.log2(N_STEPS))
+    p, losses = python_loop(data[:bad])
+    np.testing.assert_allclose(out.history["loss"], losses, rtol=2e-5, atol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+        out.model,
+        p,
+    )
+    if bad:
+        leaves_equal(out.model, fit(data[:bad], steps=bad).model)
+    else:
+        leaves_equal(out.model, W0)
+
+
+def test_a_parameter_not_finite_from_the_start_is_not_a_bad_step(plan):
+    """A parameter the loss does not use, NaN before training: its gradient is
+    0, nothing marks it, and training runs as a Python loop does."""
+    p0 = {**W0, "unused": jnp.array([jnp.nan, 1.0])}
+
+    def plain(p, batch):
+        x, y = batch
+        return jnp.mean((x @ p["w"] - y) ** 2)
+
+    data = batches()[:12]
+    out = scanax.fit(p0, TX, plain, data, steps=12, progress=False)
+    assert out.steps == 12
+    p, state = p0, TX.init(p0)
+    for batch in data:
+        updates, state = TX.update(jax.grad(plain)(p, batch), state, p)
+        p = optax.apply_updates(p, updates)
+    np.testing.assert_allclose(out.model["w"], p["w"], rtol=2e-5, atol=1e-6)
+    np.testing.assert_array_equal(out.model["unused"], p0["unused"])
+
+
+def test_an_update_that_overflows_stops_before_it(plan):
+    """Finite gradients whose update makes a parameter infinite (that the
+    loss then no longer sees: ``tanh`` saturates): before the guard marked
+    parameters, fit trained on with it silently; now it stops before that
+    step, the parameters finite."""
+    p0 = {"p": jnp.zeros((1,))}
+
+    def saturating(p, batch):
+        return jnp.sum(batch * jnp.tanh(p["p"]))
+
+    data = [jnp.zeros((1,)), jnp.zeros((1,)), jnp.full((1,), 1e10), jnp.ones((1,))]
+    with pytest.warns(RuntimeWarning, match="step 3 gave non-finite gradients or"):
+        out = scanax.fit(p0, optax.sgd(1e30), saturating, data, steps=4, progress=False)
+    assert out.steps == 2
+    np.testing.assert_array_equal(out.model["p"], p0["p"])
+
+
+def test_stepwise_equals_fused_through_a_bad_gradient(monkeypatch):
+    """Both executions find the same step and end with the same state, bit
+    for bit (chunks: the GPU's plan)."""
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
+    data = batches(21)
+    with pytest.warns(RuntimeWarning, match="step 22 gave non-finite gradients"):
+        fused = fit(data, steps_per_call=30)
+    with pytest.warns(RuntimeWarning, match="step 22 gave non-finite gradients"):
+        stepwise = fit(data, steps_per_call=30, execution="stepwise")
+    assert stepwise.execution == "stepwise"
+    assert fused.steps == stepwise.steps == 21
+    leaves_equal(fused.model, stepwise.model)
+    leaves_equal(fused.history, stepwise.history)
+
+
+def _inner(eqn):
+    """The jaxprs in an equation's parameters (a loop's body, a call's)."""
+    for v in eqn.params.values():
+        for s in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(s, "eqns"):
+                yield s
+            elif hasattr(s, "jaxpr") and hasattr(s.jaxpr, "eqns"):
+                yield s.jaxpr
+
+
+def _reductions(jaxpr):
+    """The reductions of arrays (not scalars) in ``jaxpr`` and its inner
+    jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("reduce_max", "reduce_min", "reduce_or", "argmax"):
+            if any(getattr(v.aval, "ndim", 0) for v in eqn.invars):
+                found.append(eqn.primitive.name)
+        for sub in _inner(eqn):
+            found += _reductions(sub)
+    return found
+
+
+def _step_scans(jaxpr, k):
+    """The ``lax.scan``s of ``k`` iterations in ``jaxpr`` (the chunks)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == k:
+            out += list(_inner(eqn))
+        for sub in _inner(eqn):
+            out += _step_scans(sub, k)
+    return out
+
+
+def test_no_reduction_of_the_gradients_per_step(monkeypatch):
+    """The structure the speed comes from: in the chunk's steps (a scan of
+    ``k`` steps, the GPU's plan) no array is reduced by a max, min or any (the
+    loss only sums); the call tests the parameters once, outside them."""
+    from scanax._fit import program as _fit_program
+
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
+    seen = []
+    executable = _fit_program.Program.executable
+
+    def record(program, args):
+        seen.append((program, jax.make_jaxpr(program.chunks.fused)(*args).jaxpr))
+        return executable(program, args)
+
+    monkeypatch.setattr(_fit_program.Program, "executable", record)
+    _fit_program.PROGRAMS.clear()
+    fit(batches(), steps=8, steps_per_call=8)
+    ((program, jaxpr),) = seen
+    k = program.chunks.plan.k
+    (scan,) = _step_scans(jaxpr, k)
+    assert _reductions(scan) == []
+    assert "reduce_or" in _reductions(jaxpr)
