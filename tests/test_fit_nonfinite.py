@@ -188,9 +188,9 @@ def _reductions(jaxpr):
     jaxprs."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("reduce_max", "reduce_min", "reduce_or", "argmax"):
-            if any(getattr(v.aval, "ndim", 0) for v in eqn.invars):
-                found.append(eqn.primitive.name)
+        reducing = eqn.primitive.name in ("reduce_max", "reduce_min", "reduce_or")
+        if reducing and any(getattr(v.aval, "ndim", 0) for v in eqn.invars):
+            found.append(eqn.primitive.name)
         for sub in _inner(eqn):
             found += _reductions(sub)
     return found
