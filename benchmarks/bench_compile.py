@@ -145,18 +145,8 @@ def _clear():
     _fit_program.EXECUTABLES.clear()
 
 
-def _loss_only(loss, grads):
-    """Ablation only (not a mode of fit): the finiteness test without the
-    gradients, to show what fit's per-gradient-leaf test costs to compile."""
-    del grads
-    return jnp.isfinite(loss), jnp.array(True)
-
-
-def _compile(name, sizes, batch, steps, repeats, ablate=False):
-    """First-call overhead (first call minus a compiled call), fit vs hand-fused.
-    ``ablate``: fit without its gradient finiteness test (the last-good-state
-    guarantee for a non-finite gradient with a finite loss), as a measurement
-    of that test's compile cost."""
+def _compile(name, sizes, batch, steps, repeats):
+    """First-call overhead (first call minus a compiled call), fit vs hand-fused."""
     classify = sizes[-1] != 1
     x, y, batches = _data(sizes, batch, steps)
     stacked = jax.tree.map(lambda *b: jnp.stack(b), *batches)
@@ -188,22 +178,16 @@ def _compile(name, sizes, batch, steps, repeats, ablate=False):
         float(losses[-1])
 
     overhead = {"fit": [], "fused": []}
-    real_finite = _fit_program.finite
     for _ in range(repeats):
         # fit: first call (everything cleared) and a second, compiled one.
         _clear()
-        if ablate:
-            _fit_program.finite = _loss_only
-        try:
-            m, o = fresh()
-            t0 = time.perf_counter()
-            fit_call(m, o)
-            first = time.perf_counter() - t0
-            m, o = fresh()
-            t0 = time.perf_counter()
-            fit_call(m, o)
-        finally:
-            _fit_program.finite = real_finite
+        m, o = fresh()
+        t0 = time.perf_counter()
+        fit_call(m, o)
+        first = time.perf_counter() - t0
+        m, o = fresh()
+        t0 = time.perf_counter()
+        fit_call(m, o)
         overhead["fit"].append(first - (time.perf_counter() - t0))
         # hand-fused
         _clear()
@@ -216,13 +200,9 @@ def _compile(name, sizes, batch, steps, repeats, ablate=False):
         t0 = time.perf_counter()
         fused_call(m, o, fused)
         overhead["fused"].append(first - (time.perf_counter() - t0))
-    if ablate:
-        _clear()  # (no ablated program may serve a later row)
     fit_s = statistics.median(overhead["fit"])
     fused_s = statistics.median(overhead["fused"])
     what = "first-call overhead (compile)"
-    if ablate:
-        what += ", ablation: fit without its gradient finiteness test"
     return [
         _timing.row(
             "compile",
@@ -316,7 +296,6 @@ def run(quick: bool = False) -> list[dict]:
     rows = _rebuilt(repeats)
     rows += _compile("tiny", (32, 32, 1), 8, 1000, 2 if quick else 5)
     rows += _compile("small", (784, 256, 10), 64, 1000, 2 if quick else 5)
-    rows += _compile("small", (784, 256, 10), 64, 1000, 2 if quick else 5, True)
     rows += _epoch_loop("tiny", (32, 32, 1), 8, repeats)
     rows += _epoch_loop("small", (784, 256, 10), 64, repeats)
     return rows

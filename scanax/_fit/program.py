@@ -261,9 +261,9 @@ def marked(new: list, trained: list[int], grads: Any) -> tuple[list, list]:
     if not inexact or [g.shape for g in gs] != [new[i].shape for i in at]:
         return new, gs
     out = list(new)
-    for g, i in zip(gs, at):
-        nan = jnp.asarray(jnp.nan, out[i].dtype)
-        out[i] = jnp.where(jnp.isfinite(g), out[i], nan)
+    for g, i in zip(gs, at):  # (lax's primitives: a first call traces less)
+        ok = jnp.isfinite(g) if jnp.iscomplexobj(g) else jax.lax.is_finite(g)
+        out[i] = jax.lax.select(ok, out[i], jax.lax.full_like(out[i], jnp.nan))
     return out, []
 
 
