@@ -229,3 +229,80 @@ def test_no_reduction_of_the_gradients_per_step(monkeypatch):
     (scan,) = _step_scans(jaxpr, k)
     assert _reductions(scan) == []
     assert "reduce_or" in _reductions(jaxpr)
+
+
+def test_a_gradient_not_finite_only_where_a_parameter_already_is_trains_on(plan):
+    """The documented limit of the marks: an element already NaN at a call's
+    start cannot be marked, so a non-finite gradient there alone (the loss
+    ignores that element: ``nansum``) does not stop training. It changes only
+    that element (NaN before and after) and its optimizer state; every other
+    parameter trains as in a Python loop."""
+    p0 = {"w": W0["w"], "m": jnp.array([jnp.nan, 1.0])}
+
+    def nan_ignoring(p, batch):
+        x, y = batch
+        return jnp.mean((x @ p["w"] - y) ** 2) + jnp.nansum(p["m"] ** 2)
+
+    data = batches()[:12]
+    assert np.isnan(jax.grad(nan_ignoring)(p0, data[0])["m"][0])
+    out = scanax.fit(p0, TX, nan_ignoring, data, steps=12, progress=False)
+    assert out.steps == 12
+    p, state = p0, TX.init(p0)
+    for batch in data:
+        updates, state = TX.update(jax.grad(nan_ignoring)(p, batch), state, p)
+        p = optax.apply_updates(p, updates)
+    np.testing.assert_allclose(out.model["w"], p["w"], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(out.model["m"], p["m"], rtol=2e-5)  # (NaN, then m[1])
+
+
+def test_a_failure_after_a_bad_step_leaves_nnx_objects_at_the_last_good_state(
+    monkeypatch, tmp_path
+):
+    """The call dispatched after the bad one runs nothing; when the run then
+    fails at its end (here its last checkpoint), the NNX objects hold the
+    state before the bad step, not that call's pass-through of the marked
+    one."""
+    from flax import nnx
+
+    from scanax._fit import hooks
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(W0["w"])
+            self.u = nnx.Param(W0["u"])
+
+    def nnx_loss(model, batch):
+        return loss_fn({"w": model.w[...], "u": model.u[...]}, batch)
+
+    def full_disk(self, run):
+        raise OSError("disk full")
+
+    def pair():
+        model = Net()
+        return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    data = batches(5)[:16]
+    monkeypatch.setattr(hooks.Saver, "end", full_disk)
+    model, opt = pair()
+    with pytest.raises(OSError, match="disk full"), pytest.warns(RuntimeWarning):
+        scanax.fit(
+            model, opt, nnx_loss, data, steps=16, steps_per_call=8, progress=False,
+            checkpoint_dir=tmp_path, checkpoint_every=4,
+        )  # fmt: skip
+    assert int(opt.step[...]) == 5
+    p, _ = python_loop(data[:5])
+    np.testing.assert_allclose(model.w[...], p["w"], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(model.u[...], p["u"], rtol=2e-5, atol=1e-6)
+
+
+def test_the_bar_ends_on_the_last_good_steps_loss(capsys, monkeypatch):
+    """In-loop reports may move the bar past the bad step (the call runs on):
+    it ends at the steps applied, showing the last good step's loss."""
+    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
+    data = batches(13)
+    with pytest.warns(RuntimeWarning, match="step 14 gave"):
+        out = fit(data, steps_per_call=20, progress=True)
+    assert out.steps == 13
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert " 13/40 " in last
+    assert f"loss={float(out.history['loss'][-1]):.4g}" in last

@@ -50,6 +50,7 @@ class Bar:
         self.stack = contextlib.ExitStack()
         self.bar: Any = None
         self.mode = "fused"  # the execution the description shows
+        self.postfix: dict = {}  # the last read call's (its last good step's)
 
     def start(self, run: Any) -> None:
         self.mode = run.execution.mode
@@ -73,6 +74,8 @@ class Bar:
             self.bar.set_description(self._desc(self.mode), refresh=False)
         # In-loop reports of the next call may have moved the bar ahead already:
         # it never moves back (``end`` sets the final count).
+        if call.postfix:
+            self.postfix = call.postfix
         if run.done > self.bar.n:
             self.bar.update(run.done - self.bar.n)
             if call.postfix:
@@ -80,7 +83,11 @@ class Bar:
 
     def end(self, run: Any) -> None:
         if self.bar.n != run.done:
-            self.bar.n = run.done  # e.g. a NaN stop: reported, not applied
+            # e.g. a NaN stop: steps reported by the call, not applied (and
+            # their losses): the last good step's
+            self.bar.n = run.done
+            if self.postfix:
+                self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.refresh()
 
     def close(self, run: Any) -> None:

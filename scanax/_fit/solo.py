@@ -251,7 +251,9 @@ class Model:
         leaves, extra, redone = out.leaves, out.extra, None
         halted = run.halted or early  # (early: the rule said stop, a clean end)
         bad = not bool(report.intact) or (not early and start + count < end)
-        if not run.halted and bad:
+        if run.halted:  # (dispatched before the run halted: it ran nothing)
+            leaves, extra = run.good, run.state.extra
+        elif bad:
             halted = True
             count, good, grads_bad = self._first_bad(run, args, report, ys["loss"])
             leaves, extra = good.leaves, good.extra
@@ -306,11 +308,14 @@ class Model:
             if not good(lo):
                 raise errors.replay_mismatch(_CALL, applied, applied)
         else:
+            # A loss stopped the loop too: the marked step is most often the
+            # one before it, tried first; else bisection (each replay runs
+            # from the call's start, about log2 of its steps in all).
             lo, hi, tries = 0, applied + 1 if stopped else applied, 0
             if not stopped:  # (the state after the call's steps)
                 intact_at[applied] = False
             while hi - lo > 1:
-                c = hi - 1 if tries < 2 else (lo + hi) // 2
+                c = hi - 1 if stopped and tries < 2 else (lo + hi) // 2
                 tries += 1
                 lo, hi = (c, hi) if good(c) else (lo, c)
             if lo not in outs:  # (0: the call's input, never replayed)
