@@ -141,11 +141,13 @@ def test_a_parameter_not_finite_from_the_start_is_not_a_bad_step(plan):
     np.testing.assert_array_equal(out.model["unused"], p0["unused"])
 
 
-def test_an_update_that_overflows_stops_before_it(plan):
-    """Finite gradients whose update makes a parameter infinite (that the
-    loss then no longer sees: ``tanh`` saturates): before the guard marked
-    parameters, fit trained on with it silently; now it stops before that
-    step, the parameters finite."""
+def test_an_update_that_overflows_stops_before_it(monkeypatch):
+    """Off CPU (the GPU's plan), finite gradients whose update makes a
+    parameter infinite (that the loss then no longer sees: ``tanh``
+    saturates): before the guard marked parameters, fit trained on with it
+    silently; now it stops before that step, the parameters finite. (On CPU
+    each step tests its gradients, and a loss must show it.)"""
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
     p0 = {"p": jnp.zeros((1,))}
 
     def saturating(p, batch):
@@ -231,12 +233,13 @@ def test_no_reduction_of_the_gradients_per_step(monkeypatch):
     assert "reduce_or" in _reductions(jaxpr)
 
 
-def test_a_gradient_not_finite_only_where_a_parameter_already_is_trains_on(plan):
-    """The documented limit of the marks: an element already NaN at a call's
-    start cannot be marked, so a non-finite gradient there alone (the loss
-    ignores that element: ``nansum``) does not stop training. It changes only
-    that element (NaN before and after) and its optimizer state; every other
-    parameter trains as in a Python loop."""
+def test_a_gradient_not_finite_only_where_a_parameter_already_is(plan):
+    """The documented limit of the marks (off CPU): an element already NaN at
+    a call's start cannot be marked, so a non-finite gradient there alone
+    (the loss ignores that element: ``nansum``) does not stop training. It
+    changes only that element (NaN before and after) and its optimizer state;
+    every other parameter trains as in a Python loop. On CPU each step tests
+    its gradients: the first step stops."""
     p0 = {"w": W0["w"], "m": jnp.array([jnp.nan, 1.0])}
 
     def nan_ignoring(p, batch):
@@ -245,6 +248,12 @@ def test_a_gradient_not_finite_only_where_a_parameter_already_is_trains_on(plan)
 
     data = batches()[:12]
     assert np.isnan(jax.grad(nan_ignoring)(p0, data[0])["m"][0])
+    if plan == "cpu":
+        with pytest.warns(RuntimeWarning, match="step 1 gave non-finite gradients"):
+            out = scanax.fit(p0, TX, nan_ignoring, data, steps=12, progress=False)
+        assert out.steps == 0
+        leaves_equal(out.model, p0)
+        return
     out = scanax.fit(p0, TX, nan_ignoring, data, steps=12, progress=False)
     assert out.steps == 12
     p, state = p0, TX.init(p0)
@@ -296,9 +305,10 @@ def test_a_failure_after_a_bad_step_leaves_nnx_objects_at_the_last_good_state(
 
 
 def test_the_bar_ends_on_the_last_good_steps_loss(capsys, monkeypatch):
-    """In-loop reports may move the bar past the bad step (the call runs on):
-    it ends at the steps applied, showing the last good step's loss."""
-    monkeypatch.setattr(_backend, "platform", lambda: "cpu")
+    """In-loop reports may move the bar past the bad step (in chunks the call
+    runs on): it ends at the steps applied, showing the last good step's
+    loss."""
+    monkeypatch.setattr(_backend, "platform", lambda: "gpu")
     data = batches(13)
     with pytest.warns(RuntimeWarning, match="step 14 gave"):
         out = fit(data, steps_per_call=20, progress=True)
