@@ -630,6 +630,7 @@ def test_stepwise_donates_on_a_tpu_only_large_leaves(monkeypatch, platform):
     )
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")
 def test_donated_counts_a_leafs_share_on_one_device(monkeypatch):
     """On a TPU the size that decides a donation is a leaf's share on one
     device (a split leaf's buffers are its shards); elsewhere every leaf is
