@@ -32,7 +32,7 @@ from fit_helpers import (  # noqa: E402
     ts_loss,
     ts_make,
 )
-from helpers import leaves_equal  # noqa: E402
+from helpers import leaves_equal, poison  # noqa: E402
 
 STEPS = 23  # 6 batches per epoch: 23 steps cross 3 epoch boundaries
 CHUNKED = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=7)  # array data
@@ -427,18 +427,6 @@ def test_interrupt_keeps_the_last_checked_state(monkeypatch):
     fit_quiet(ref_model, ref_opt, nnx_loss, batches[:7], steps=7, steps_per_call=7)
     leaves_equal(nnx.state(model), nnx.state(ref_model))
     leaves_equal(nnx.state(opt), nnx.state(ref_opt))
-
-
-@jax.custom_jvp
-def poison(b, bad):
-    """0 in value; a NaN gradient for ``b`` where ``bad``."""
-    return jnp.zeros((), b.dtype)
-
-
-@poison.defjvp
-def _poison_jvp(primals, tangents):
-    b, bad = primals
-    return poison(b, bad), jnp.where(bad, jnp.nan, 0.0) * jnp.sum(tangents[0])
 
 
 def test_nonfinite_gradients_stop():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import leaves_equal
+from helpers import leaves_equal, poison
 
 import scanax
 from scanax import _backend
@@ -22,18 +22,6 @@ from scanax._fit import solo as _fit_solo
 N_STEPS = 40
 W0 = {"w": jnp.array([[0.5], [-0.25], [1.0]]), "u": jnp.array([0.25, -1.0])}
 TX = optax.adam(1e-2)
-
-
-@jax.custom_jvp
-def poison(u, bad):
-    """0 in value; a NaN gradient for ``u`` where ``bad``, else 0."""
-    return jnp.zeros((), u.dtype)
-
-
-@poison.defjvp
-def _poison_jvp(primals, tangents):
-    u, bad = primals
-    return poison(u, bad), jnp.where(bad, jnp.nan, 0.0) * jnp.sum(tangents[0])
 
 
 def loss_fn(p, batch):
@@ -57,12 +45,12 @@ def batches(bad=None, n=N_STEPS):
     return out
 
 
-def python_loop(data):
+def python_loop(data, fn=loss_fn, p0=W0):
     """The reference: optax steps in a Python loop; the parameters after them
     and their losses."""
-    p, state, losses = W0, TX.init(W0), []
+    p, state, losses = p0, TX.init(p0), []
     for batch in data:
-        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        loss, g = jax.value_and_grad(fn)(p, batch)
         updates, state = TX.update(g, state, p)
         p = optax.apply_updates(p, updates)
         losses.append(float(loss))
@@ -133,10 +121,7 @@ def test_a_parameter_not_finite_from_the_start_is_not_a_bad_step(plan):
     data = batches()[:12]
     out = scanax.fit(p0, TX, plain, data, steps=12, progress=False)
     assert out.steps == 12
-    p, state = p0, TX.init(p0)
-    for batch in data:
-        updates, state = TX.update(jax.grad(plain)(p, batch), state, p)
-        p = optax.apply_updates(p, updates)
+    p, _ = python_loop(data, plain, p0)
     np.testing.assert_allclose(out.model["w"], p["w"], rtol=2e-5, atol=1e-6)
     np.testing.assert_array_equal(out.model["unused"], p0["unused"])
 
@@ -256,10 +241,7 @@ def test_a_gradient_not_finite_only_where_a_parameter_already_is(plan):
         return
     out = scanax.fit(p0, TX, nan_ignoring, data, steps=12, progress=False)
     assert out.steps == 12
-    p, state = p0, TX.init(p0)
-    for batch in data:
-        updates, state = TX.update(jax.grad(nan_ignoring)(p, batch), state, p)
-        p = optax.apply_updates(p, updates)
+    p, _ = python_loop(data, nan_ignoring, p0)
     np.testing.assert_allclose(out.model["w"], p["w"], rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(out.model["m"], p["m"], rtol=2e-5)  # (NaN, then m[1])
 
