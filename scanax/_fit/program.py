@@ -272,10 +272,14 @@ def intact(before: list, after: list) -> Any:
     that was finite is non-finite in ``after`` (at its end): a reduction per
     leaf, once per call. An element non-finite from the start (a parameter
     the loss does not use) is not a bad step's."""
-    ok = jnp.array(True)
+    lax = jax.lax  # (its primitives: a first call traces less than jnp's)
+    ok = lax.full((), True)
     for b, a in zip(before, after):
         if a.size:
-            ok = ok & ~jnp.any(jnp.isfinite(b) & ~jnp.isfinite(a))
+            isfinite = jnp.isfinite if jnp.iscomplexobj(a) else lax.is_finite
+            lost = lax.bitwise_and(isfinite(b), lax.bitwise_not(isfinite(a)))
+            any_lost = lax.reduce_or(lost, tuple(range(a.ndim)))
+            ok = lax.bitwise_and(ok, lax.bitwise_not(any_lost))
     return ok
 
 
