@@ -298,3 +298,27 @@ def test_the_bar_ends_on_the_last_good_steps_loss(capsys, monkeypatch):
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert " 13/40 " in last
     assert f"loss={float(out.history['loss'][-1]):.4g}" in last
+
+
+def test_a_nan_loss_with_nan_gradients_is_named_alike_on_both_plans(plan, monkeypatch):
+    """The warning names the loss when the bad step's loss is not finite (its
+    gradients then tell nothing more), in the same words on both plans, and
+    one replay finds it on both (off CPU: the replay of the steps before it
+    leaves the parameters intact)."""
+    replays = counted_replays(monkeypatch)
+
+    def both(p, batch):
+        x, y = batch
+        bad = jnp.where(y[0, 0] == 0, jnp.nan, 0.0)
+        return jnp.mean((x @ p["w"] - y) ** 2) + bad * jnp.sum(p["u"])
+
+    data = batches(6)[:16]
+    with pytest.warns(RuntimeWarning) as caught:
+        out = scanax.fit(W0, TX, both, data, steps=16, progress=False)
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        "scanax.fit: step 7 gave a non-finite loss (nan); training stopped before"
+    )
+    assert out.steps == 6
+    assert replays == [6]
+    leaves_equal(out.model, fit(data[:6], steps=6).model)

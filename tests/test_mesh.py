@@ -306,3 +306,25 @@ def test_array_data_already_on_the_mesh_keeps_its_sharding():
     split, _, _ = run(mesh, (rows, Y), batch_size=BS, key=KEY)
     whole, _, _ = run(mesh, (X, Y), batch_size=BS, key=KEY)
     np.testing.assert_allclose(split.history["loss"], whole.history["loss"], rtol=1e-6)
+
+
+def test_fsdp_leaves_a_size_0_parameter_replicated_across_calls():
+    """A size-0 leaf has nothing to split: replicated (its outputs are), so
+    that a second call's inputs have the placement the program was compiled
+    for (sharding it made that call fail: "input shardings that disagree")."""
+    mesh = jax.make_mesh((4,), ("data",))
+    params = {"w": jnp.ones((3, 8)) * 0.1, "z": jnp.zeros((0, 4))}
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean((x @ p["w"] - y[:, :1]) ** 2) + jnp.sum(p["z"])
+
+    kw = dict(batch_size=BS, progress=False, mesh=mesh, shard="fsdp")
+    result = scanax.fit(params, optax.adam(1e-2), loss, (X, Y), steps=8, **kw,
+                        steps_per_call=4)  # fmt: skip
+    alone = scanax.fit(params, optax.adam(1e-2), loss, (X, Y), steps=8, **kw)
+    assert result.steps == 8
+    assert result.model["z"].shape == (0, 4)
+    assert result.model["z"].sharding.is_fully_replicated
+    assert result.model["w"].sharding.spec == P(None, "data")
+    np.testing.assert_allclose(result.model["w"], alone.model["w"], rtol=1e-6)

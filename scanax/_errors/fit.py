@@ -4,6 +4,7 @@ and meshes, a step's warnings (the model kinds' messages are in ``models``)."""
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 import jax.tree_util as jtu
@@ -199,14 +200,16 @@ def batch_no_leading_axis(path: str, x: Any) -> ValueError:
 # ---------------------------------------------------------------------------- warnings
 
 
-def nonfinite_step(t: int, loss: Any, loss_ok: bool, grads_ok: bool, done: int) -> str:
-    what = []
-    if not loss_ok:
-        what.append(f"a non-finite loss ({float(loss)})")
-    if not grads_ok:  # (or an update that overflowed: the parameters tell)
-        what.append("non-finite gradients or parameters")
+def nonfinite_step(t: int, loss: Any, done: int) -> str:
+    """Step ``t`` (0-based) was bad: its loss ``loss`` was not finite, or, the
+    loss finite, its gradients (or the parameters its update made: the marks
+    cannot tell them apart)."""
+    if math.isfinite(float(loss)):
+        what = "non-finite gradients or parameters"
+    else:
+        what = f"a non-finite loss ({float(loss)})"
     return (
-        f"{CALL}: step {t + 1} gave {' and '.join(what)}; training stopped before "
+        f"{CALL}: step {t + 1} gave {what}; training stopped before "
         f"applying it. The result holds the state after step {t} ({done} good "
         "steps in this call)."
     )

@@ -255,16 +255,12 @@ class Model:
             leaves, extra = run.good, run.state.extra
         elif bad:
             halted = True
-            count, good, grads_bad = self._first_bad(run, args, report, ys["loss"])
+            count, good = self._first_bad(run, args, report)
             leaves, extra = good.leaves, good.extra
             redone = Carry(leaves, good.stopped, extra)
             done = run.done + count - run.start
             loss = ys["loss"][count]
-            run.warn(
-                errors.nonfinite_step(
-                    start + count, loss, bool(np.isfinite(loss)), not grads_bad, done
-                )
-            )
+            run.warn(errors.nonfinite_step(start + count, loss, done))
         recorded = run.history.add(start, ys, count, count)
         postfix = {}  # (only what a bar shows)
         if count and run.spec is not None:
@@ -277,19 +273,17 @@ class Model:
         call = _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
         return Read(count, halted, leaves, redone, call)
 
-    def _first_bad(self, run: Any, args: Chunk, report: Report, losses: Any):
-        """``(b, out, grads_bad)`` of a call that hit a bad step: its first bad
-        step's place in the call, the call's output after the ``b`` good steps
+    def _first_bad(self, run: Any, args: Chunk, report: Report) -> tuple:
+        """``(b, out)`` of a call that hit a bad step: its first bad step's
+        place in the call, and the call's output after the ``b`` good steps
         before it (the same program on the same inputs, replayed for ``b``
-        steps: bit-identical), and whether the bad step's gradients were not
-        finite. A step whose loss stopped the loop (``report.applied``) is the
-        bad one when the parameters are intact at the call's end; else the
-        bad step marked them (``_fit_program.marked``): the last one whose
-        replay leaves them intact is found by bisection, trying the steps just
-        before the end first (a marked parameter makes the next step's loss
-        NaN, which stops the loop there)."""
+        steps: bit-identical). A step whose own test stopped the loop
+        (``report.applied``) is the bad one when the parameters are intact at
+        the call's end; else a bad step marked them (``_fit_program.marked``):
+        the last replay that leaves them intact is found by bisection, trying
+        the steps just before a loss that stopped the loop first (a marked
+        parameter makes the next step's loss NaN)."""
         applied, stopped = int(report.applied), bool(report.stopped)
-        intact_at: dict[int, bool] = {}  # steps replayed: parameters intact
         outs: dict[int, Any] = {}  # steps replayed: the output, where good
 
         def good(c: int) -> bool:
@@ -298,33 +292,23 @@ class Model:
             expected = min(c, applied) if stopped else c
             if int(got.applied) != expected:
                 raise errors.replay_mismatch(_CALL, expected, int(got.applied))
-            intact_at[c] = bool(got.intact)
-            if intact_at[c] and c == expected:
+            if bool(got.intact) and c == expected:
                 outs[c] = out
             return c in outs
 
-        if bool(report.intact):  # (so they were after the bad step too)
-            lo, intact_at[applied + 1] = applied, True
-            if not good(lo):
+        if bool(report.intact):
+            if not good(applied):
                 raise errors.replay_mismatch(_CALL, applied, applied)
-        else:
-            # A loss stopped the loop too: the marked step is most often the
-            # one before it, tried first; else bisection (each replay runs
-            # from the call's start, about log2 of its steps in all).
-            lo, hi, tries = 0, applied + 1 if stopped else applied, 0
-            if not stopped:  # (the state after the call's steps)
-                intact_at[applied] = False
-            while hi - lo > 1:
-                c = hi - 1 if stopped and tries < 2 else (lo + hi) // 2
-                tries += 1
-                lo, hi = (c, hi) if good(c) else (lo, c)
-            if lo not in outs:  # (0: the call's input, never replayed)
-                good(lo)
-        if np.isfinite(losses[lo]):  # (the step broke the parameters)
-            return lo, outs[lo], True
-        if lo + 1 not in intact_at:
-            good(lo + 1)
-        return lo, outs[lo], not intact_at[lo + 1]
+            return applied, outs[applied]
+        # Each replay runs from the call's start: about log2 of its steps.
+        lo, hi, tries = 0, applied + 1 if stopped else applied, 0
+        while hi - lo > 1:
+            c = hi - 1 if stopped and tries < 2 else (lo + hi) // 2
+            tries += 1
+            lo, hi = (c, hi) if good(c) else (lo, c)
+        if lo not in outs:  # (0: the call's input, never replayed)
+            good(lo)
+        return lo, outs[lo]
 
     def _replay(self, run: Any, args: Chunk, count: int) -> Any:
         """The call of ``args`` replayed for its first ``count`` steps."""
