@@ -143,8 +143,7 @@ def state_shardings(
         if spec is not None and ndim:
             axes = [a if _known(mesh, a) else None for a in spec]
             axes += [None] * (ndim - len(axes))
-        # (a size-0 leaf has nothing to split: replicated, as its outputs are)
-        sized = getattr(leaf, "size", 1) > 0
+        sized = getattr(leaf, "size", 1) > 0  # (else replicated, as its outputs)
         if shard == "fsdp" and ndim and sized and n > 1 and AXIS not in _names(axes):
             axis = fsdp_axis(leaf.shape, axes, n)
             if axis is not None:
