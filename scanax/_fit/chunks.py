@@ -89,7 +89,7 @@ def masked(active: Any, new: list, old: list) -> list:
 class Solo(Lanes):
     """One model: a step stops the loop when its loss is not finite (it is
     applied, and the rest of its chunk runs on; the host recomputes the call's
-    good steps, see ``Chunks``). Off CPU (``chunked``) its gradients are not
+    good steps, see ``Chunks``). Off CPU (``marks``) its gradients are not
     tested each step: a non-finite one marks the parameter it trains
     (``_fit_program.marked``: NaN there), and the call's end reports whether
     its parameters are ``intact`` (a bad call stops the next one, already
@@ -117,7 +117,8 @@ class Solo(Lanes):
         collector=None,
     ):
         self.fn, self.sampler, self.place = step, sampler, place
-        self.trained = trained
+        # the guard: marks and one test per call off CPU, else a test per step
+        self.trained, self.marks = trained, chunked()
         self.shardings, self.takes_key = shardings, takes_key
         self.checks, self.accumulate = checks, accumulate
         self.collector = collector
@@ -133,7 +134,7 @@ class Solo(Lanes):
         batch = self.place.constrain_batch(batch, 1 if self.accumulate > 1 else 0)
         key_t = step_key(env, t, self.accumulate) if self.takes_key else None
         new, loss, metrics, grads = self.fn(leaves, batch, key_t, c.hp)
-        new, tested = marked(new, self.trained, grads) if chunked() else (new, grads)
+        new, tested = marked(new, self.trained, grads) if self.marks else (new, grads)
         loss_ok, grads_ok = finite(loss, tested)
         out = outputs(loss, metrics)
         ok = loss_ok & grads_ok
@@ -179,7 +180,7 @@ class Solo(Lanes):
         leaves, stopped, extra, (early, ran) = carry
         applied = jnp.where(stopped & ~c.stopped, ran - 1, ran)
         kept = jnp.array(True)  # (on CPU every step tests its gradients)
-        if chunked():
+        if self.marks:
             kept = intact(
                 [c.leaves[j] for j in self.trained], [leaves[j] for j in self.trained]
             )
