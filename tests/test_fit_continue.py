@@ -32,7 +32,7 @@ from fit_helpers import (  # noqa: E402
     ts_loss,
     ts_make,
 )
-from helpers import leaves_equal  # noqa: E402
+from helpers import count_compiles, leaves_equal  # noqa: E402
 
 TOTAL = 23  # 6 batches per epoch: crosses 3 epoch boundaries
 PIECES = (5, 5, 7, 6)  # calls that end inside epochs
@@ -299,6 +299,67 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     out = _fit(pop, None, loss, 2)
     [out.model[i] for i in range(3)]
     assert len(compiled) == n + 1
+
+
+def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch):
+    """A small state whose every leaf is a constant (Adam's zeros and count,
+    RMSprop's ones, a schedule's count) is filled on the host and moved where
+    the parameters are: no program compiled (each one is ~70 ms of a first
+    call on a TPU v5e). It equals the eager init, also for parameters on
+    another device (committed there). A state that reads the parameters, or
+    one past the size bound, is the compiled init's."""
+    from scanax._fit.models import optax as adapters
+
+    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16), "n": None}
+    places = [params]
+    if jax.device_count() >= 2:
+        places.append(jax.device_put(params, jax.devices()[1]))
+
+    def counted(tx):  # (fit keeps a count for a transform that keeps none)
+        return optax.chain(tx, optax.scale_by_schedule(lambda step: 1.0))
+
+    constant = [
+        (optax.adam(1e-3), False),
+        (optax.rmsprop(1e-3, initial_scale=1.0), True),
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), False),
+        (optax.sgd(0.1), True),  # (an empty state, and fit's count)
+    ]
+    for p in places:
+        for tx, uncounted in constant:
+            eager = (counted(tx) if uncounted else tx).init(p)
+            with count_compiles() as c:
+                adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
+            assert c.n == 0, tx
+            _same_state(adapter.state["opt_state"], eager)
+    assert all(i.fills is not None for i in adapters._INITS.values())
+    # Kept on the device for the next fit, until given back (a user may
+    # donate what fit gives back): then made anew.
+    state = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    again = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    kept = jax.tree.leaves(state.state["opt_state"])
+    same = zip(jax.tree.leaves(again.state["opt_state"]), kept)
+    assert all(a is b for a, b in same)
+    again.finish(again.state)
+    anew = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    same = zip(jax.tree.leaves(anew.state["opt_state"]), kept)
+    assert not any(a is b for a, b in same)
+    kept[1].delete()  # (donated by the user without a fit's hand-back)
+    made = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    _same_state(made.state["opt_state"], optax.adam(1e-3).init(params))
+    # Reads the parameters (it keeps a copy of them): compiled.
+    reads, p = optax.contrib.schedule_free_adamw(1e-3), {"w": jnp.ones((3, 2))}
+    with count_compiles() as c:
+        adapter = adapters.OptaxAdapter(p, reads, compiled_init=True)
+    assert c.n == 1
+    _same_state(adapter.state["opt_state"], reads.init(p))
+    # Past the bound: compiled, the same state.
+    monkeypatch.setattr(adapters, "_FILLED_BYTES", 8)
+    other = {"w": jnp.ones((5, 2))}
+    with count_compiles() as c:
+        adapter = adapters.OptaxAdapter(other, optax.adam(1e-3), compiled_init=True)
+    assert c.n == 1
+    _same_state(adapter.state["opt_state"], optax.adam(1e-3).init(other))
 
 
 def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypatch):
