@@ -190,6 +190,24 @@ def test_chunk_length_rule(gpu):
     assert _fit_plan.chunk_length(small, (97,)) == 64  # prime: cut chunks
 
 
+def test_the_chunk_length_reads_the_steps_inputs_not_the_data(gpu):
+    """A step's cost is estimated from its own inputs (the state, the order),
+    not from the arrays it closes over: a step traced by ``jax.jit``
+    (``trace_once`` off CPU) takes those as inputs of its program, and an
+    MNIST-sized dataset counted there made a tiny step's chunk 4, not 64."""
+    ks = []
+
+    def call(data, x):
+        step, _ = _fit_program.trace_once(lambda x: jnp.tanh(x @ x) + data[0, 0], x)
+        assert [(i.shape, i.dtype) for i in step.inputs] == [(x.shape, x.dtype)]
+        ks.append(_fit_plan.chunk_length(step.jaxpr, (), step.inputs))
+        return step(x)
+
+    data = jax.ShapeDtypeStruct((60_000, 784), jnp.float32)  # (abstract: no memory)
+    jax.make_jaxpr(call)(data, jnp.ones((8, 8)))
+    assert ks == [64]
+
+
 def test_one_step_per_iteration_on_cpu(monkeypatch):
     monkeypatch.setattr(_backend, "platform", lambda: "cpu")
     fresh()

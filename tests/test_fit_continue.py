@@ -311,6 +311,7 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     from scanax._fit.models import optax as adapters
 
     monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(adapters, "_KEPT", type(adapters._KEPT)())
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16), "n": None}
     places = [params]
     if jax.device_count() >= 2:
@@ -347,6 +348,14 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     kept[1].delete()  # (donated by the user without a fit's hand-back)
     made = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(params))
+    # The most recently used kept, up to ``_KEPT_BYTES`` in all (Adam's: 60
+    # bytes for ``params``, 132 for a 4x4 matrix).
+    monkeypatch.setattr(adapters, "_KEPT_BYTES", 140)
+    square = {"w": jnp.ones((4, 4))}
+    adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    adapters.OptaxAdapter(square, optax.adam(1e-3), compiled_init=True)
+    kept = [i for i in adapters._INITS.values() if i.made is not None]
+    assert [{s for s, _, _ in i.fills} for i in kept] == [{(), (4, 4)}]
     # Reads the parameters (it keeps a copy of them): compiled.
     reads, p = optax.contrib.schedule_free_adamw(1e-3), {"w": jnp.ones((3, 2))}
     with count_compiles() as c:

@@ -236,7 +236,14 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
     are kept as the replay's constants. Elsewhere ``fn`` is ``jax.jit``'s:
     traced once, and called as one equation that its trace cache answers
     (replaying the equations one by one took about a tenth of a small MLP's
-    trace). XLA inlines the call: the same program."""
+    trace). XLA inlines the call: the same program. Both carry ``jaxpr``
+    (what was traced) and ``inputs`` (the shapes and dtypes of ``args``' leaves:
+    a jit's jaxpr also takes the values ``fn`` closes over, as the data, which
+    are no input of the step's; ``chunk_length`` reads both)."""
+    inputs = [
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        for x in jtu.tree_leaves(args)
+    ]
     if _conv_layout.may_rewrite():
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
         out_tree = jtu.tree_structure(shapes)
@@ -245,7 +252,7 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
             flat = _conv_layout.replay(closed, *jtu.tree_leaves(args))
             return jtu.tree_unflatten(out_tree, flat)
 
-        replay.jaxpr = closed.jaxpr  # (what was traced: ``chunk_length`` reads it)
+        replay.jaxpr, replay.inputs = closed.jaxpr, inputs
         return replay, shapes
     jitted = jax.jit(fn)
     traced = jitted.trace(*args)
@@ -253,7 +260,7 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
     def call(*args: Any) -> Any:
         return jitted(*args)
 
-    call.jaxpr = traced.jaxpr.jaxpr
+    call.jaxpr, call.inputs = traced.jaxpr.jaxpr, inputs
     return call, traced.out_info
 
 

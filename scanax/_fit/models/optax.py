@@ -337,7 +337,13 @@ class _Init:
         made = self.made
         if made is None or made[0] != where or any(x.is_deleted() for x in made[1]):
             values = [np.full(s, value, dtype) for s, value, dtype in self.fills]
-            made = self.made = (where, jax.device_put(values, where))
+            made = (where, jax.device_put(values, where))
+        with _INITS_LOCK:  # (the newest kept, up to ``_KEPT_BYTES`` in all)
+            self.made = made
+            _KEPT[id(self)] = self
+            _KEPT.move_to_end(id(self))
+            while sum(_nbytes(i.fills) for i in _KEPT.values()) > _KEPT_BYTES:
+                _KEPT.popitem(last=False)[1].made = None
         out_tree = jtu.tree_structure(self.traced.out_info)
         return jtu.tree_unflatten(out_tree, made[1])
 
@@ -350,12 +356,20 @@ def given_back(opt_state: Any) -> None:
         for init in _INITS.values():
             if init.made is not None and any(id(x) in ids for x in init.made[1]):
                 init.made = None
+                _KEPT.pop(id(init), None)
 
 
-# The largest state ``_Init`` makes on the host (bytes), and keeps on the
-# device (each of the ``_INITS_KEPT``): beyond it, the host's fill and the
-# transfer cost more than the compile they save.
+# The largest state ``_Init`` makes on the host (bytes): beyond it, the host's
+# fill and the transfer cost more than the compile they save. The states kept
+# on the device for the next fit, the most recently used first, up to
+# ``_KEPT_BYTES`` in all (device memory held after the fits that made them).
 _FILLED_BYTES = 1 << 22
+_KEPT_BYTES = 1 << 24
+_KEPT: collections.OrderedDict = collections.OrderedDict()
+
+
+def _nbytes(fills: list) -> int:
+    return sum(math.prod(s) * np.dtype(d).itemsize for s, _, d in fills)
 
 
 def _fills(traced: Any) -> list | None:
@@ -379,8 +393,7 @@ def _fills(traced: Any) -> list | None:
         if not isinstance(var.aval.dtype, np.dtype):  # (a key's: no NumPy fill)
             return None
         fills.append((var.aval.shape, value, var.aval.dtype))
-    size = sum(math.prod(s) * np.dtype(d).itemsize for s, _, d in fills)
-    return fills if size <= _FILLED_BYTES else None
+    return fills if _nbytes(fills) <= _FILLED_BYTES else None
 
 
 def _scalar_literal(var: Any) -> bool:
@@ -412,7 +425,7 @@ def _init_of(tx: Any, tx_key: Any, params: Any) -> _Init | None:
     with _INITS_LOCK:
         _INITS[key] = found
         while len(_INITS) > _INITS_KEPT:
-            _INITS.popitem(last=False)
+            _KEPT.pop(id(_INITS.popitem(last=False)[1]), None)
     return found
 
 
