@@ -240,10 +240,7 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
     (what was traced) and ``inputs`` (the shapes and dtypes of ``args``' leaves:
     a jit's jaxpr also takes the values ``fn`` closes over, as the data, which
     are no input of the step's; ``chunk_length`` reads both)."""
-    inputs = [
-        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-        for x in jtu.tree_leaves(args)
-    ]
+    inputs = [jax.typeof(x) for x in jtu.tree_leaves(args)]
     if _conv_layout.may_rewrite():
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
         out_tree = jtu.tree_structure(shapes)

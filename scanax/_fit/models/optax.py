@@ -307,6 +307,8 @@ class _Init:
             traced = None
         self.traced = None if held else traced
         self.fills = None if self.traced is None else _fills(self.traced)
+        if self.fills is not None:
+            self.out_tree = jtu.tree_structure(self.traced.out_info)
         self.made: tuple | None = None  # (where, the filled arrays), kept
         self._run = None
 
@@ -339,13 +341,14 @@ class _Init:
             values = [np.full(s, value, dtype) for s, value, dtype in self.fills]
             made = (where, jax.device_put(values, where))
         with _INITS_LOCK:  # (the newest kept, up to ``_KEPT_BYTES`` in all)
+            if not any(i is self for i in _INITS.values()):  # (dropped meanwhile)
+                return jtu.tree_unflatten(self.out_tree, made[1])
             self.made = made
             _KEPT[id(self)] = self
             _KEPT.move_to_end(id(self))
             while sum(_nbytes(i.fills) for i in _KEPT.values()) > _KEPT_BYTES:
                 _KEPT.popitem(last=False)[1].made = None
-        out_tree = jtu.tree_structure(self.traced.out_info)
-        return jtu.tree_unflatten(out_tree, made[1])
+        return jtu.tree_unflatten(self.out_tree, made[1])
 
 
 def given_back(opt_state: Any) -> None:
@@ -421,9 +424,11 @@ def _init_of(tx: Any, tx_key: Any, params: Any) -> _Init | None:
         if found is not None:
             _INITS.move_to_end(key)
             return found
-    found = _Init(tx, params)
-    with _INITS_LOCK:
-        _INITS[key] = found
+    made = _Init(tx, params)
+    with _INITS_LOCK:  # (another thread's, made meanwhile, is the one kept)
+        found = _INITS.setdefault(key, made)
+        if found is not made:
+            return found
         while len(_INITS) > _INITS_KEPT:
             _KEPT.pop(id(_INITS.popitem(last=False)[1]), None)
     return found
