@@ -362,6 +362,16 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
         adapter = adapters.OptaxAdapter(p, reads, compiled_init=True)
     assert c.n == 1
     _same_state(adapter.state["opt_state"], reads.init(p))
+    # A jaxpr this reading does not know (another JAX): compiled.
+    other = {"v": jnp.ones(3)}
+    monkeypatch.setattr(adapters, "_fills", lambda traced: {}["unknown"])
+    with count_compiles() as c:
+        made = adapters.OptaxAdapter(other, optax.adam(1e-3), compiled_init=True)
+    assert c.n == 1
+    _same_state(made.state["opt_state"], optax.adam(1e-3).init(other))
+    monkeypatch.undo()
+    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(adapters, "_KEPT", type(adapters._KEPT)())
     # Past the bound: compiled, the same state.
     monkeypatch.setattr(adapters, "_FILLED_BYTES", 8)
     other = {"w": jnp.ones((5, 2))}

@@ -306,7 +306,10 @@ class _Init:
         except Exception:  # noqa: BLE001 - the eager init is the reference
             traced = None
         self.traced = None if held else traced
-        self.fills = None if self.traced is None else _fills(self.traced)
+        try:  # (the compiled init is the reference: on any doubt, it is used)
+            self.fills = None if self.traced is None else _fills(self.traced)
+        except Exception:  # noqa: BLE001
+            self.fills = None
         if self.fills is not None:
             self.out_tree = jtu.tree_structure(self.traced.out_info)
         self.made: tuple | None = None  # (where, the filled arrays), kept
