@@ -109,6 +109,30 @@ def test_a_bad_gradient_the_losses_never_show(plan, bad, monkeypatch):
         leaves_equal(out.model, W0)
 
 
+def test_a_replay_that_differs_from_its_run_stops_at_the_calls_start(plan, monkeypatch):
+    """Replays that do not reproduce their run (steps that are not
+    deterministic; here each replay of some steps reports one step more than
+    it applied) cannot say which step was bad: the run ends at the bad call's
+    start, the last state known good, with a warning that says why, and no
+    internal error."""
+    replay = _fit_solo.Model._replay
+
+    def differing(self, run, args, count):
+        out = replay(self, run, args, count)
+        if count:  # (a replay of no step runs none: it cannot differ)
+            out = out._replace(report=out.report.at[0].add(1))
+        return out
+
+    monkeypatch.setattr(_fit_solo.Model, "_replay", differing)
+    data = batches(N_STEPS + 10, n=2 * N_STEPS)  # (the second call: its 11th)
+    with pytest.warns(
+        RuntimeWarning, match=rf"not deterministic.*after step {N_STEPS} "
+    ):
+        out = fit(data, steps=2 * N_STEPS)
+    assert out.steps == N_STEPS and len(out.history["loss"]) == N_STEPS
+    leaves_equal(out.model, fit(data[:N_STEPS], steps=N_STEPS).model)
+
+
 def test_a_parameter_not_finite_from_the_start_is_not_a_bad_step(plan):
     """A parameter the loss does not use, NaN before training: its gradient is
     0, nothing marks it, and training runs as a Python loop does."""

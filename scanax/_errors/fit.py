@@ -600,11 +600,16 @@ def callback_twice(kind: str) -> ValueError:
     )
 
 
-def replay_mismatch(call: str, count: int, applied: int) -> RuntimeError:
-    """An internal invariant: replaying a call's good steps applied another count."""
-    return RuntimeError(
-        f"{call}: internal error: replaying {count} good steps applied {applied}. "
-        "Please report this with your model and data."
+def replay_differs(t: int, done: int) -> str:
+    """A call from step ``t`` (0-based) hit a non-finite step, and replaying
+    its steps to find which did not reproduce its run."""
+    return (
+        f"{CALL}: a step of the call from step {t + 1} gave a non-finite loss, "
+        "gradients or parameters, and replaying that call's steps to find which "
+        "did not reproduce its run: its steps are not deterministic (a host "
+        "callback, randomness not drawn from fit's key, or a nondeterministic "
+        f"reduction on a GPU). Training stopped at that call's start: the result "
+        f"holds the state after step {t} ({done} good steps in this call)."
     )
 
 

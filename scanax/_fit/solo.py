@@ -166,6 +166,10 @@ def _with_eval(checks: Any, feats: Any) -> Any:
     return checks.bound(feats, evaluate)
 
 
+class _Differs(Exception):
+    """A replay of a bad call did not reproduce its run."""
+
+
 class Model:
     """What ``Run`` trains for one model: its state as flat leaves (the
     model's, ``base``: a ``_models.Flat``, then its features', ``feats``). A
@@ -255,12 +259,14 @@ class Model:
             leaves, extra = run.good, run.state.extra
         elif bad:
             halted = True
-            count, good = self._first_bad(run, args, report)
+            count, good, found = self._first_bad(run, args, report)
             leaves, extra = good.leaves, good.extra
             redone = Carry(leaves, good.stopped, extra)
             done = run.done + count - run.start
-            loss = ys["loss"][count]
-            run.warn(errors.nonfinite_step(start + count, loss, done))
+            if found:
+                run.warn(errors.nonfinite_step(start + count, ys["loss"][count], done))
+            else:
+                run.warn(errors.replay_differs(start, done))
         recorded = run.history.add(start, ys, count, count)
         postfix = {}  # (only what a bar shows)
         if count and run.spec is not None:
@@ -274,15 +280,17 @@ class Model:
         return Read(count, halted, leaves, redone, call)
 
     def _first_bad(self, run: Any, args: Chunk, report: Report) -> tuple:
-        """``(b, out)`` of a call that hit a bad step: its first bad step's
-        place in the call, and the call's output after the ``b`` good steps
-        before it (the same program on the same inputs, replayed for ``b``
-        steps: bit-identical). A step whose own test stopped the loop
+        """``(b, out, found)`` of a call that hit a bad step: its first bad
+        step's place in the call, and the call's output after the ``b`` good
+        steps before it (the same program on the same inputs, replayed for
+        ``b`` steps: bit-identical). A step whose own test stopped the loop
         (``report.applied``) is the bad one when the parameters are intact at
         the call's end; else a bad step marked them (``_fit_program.marked``):
         the last replay that leaves them intact is found by bisection, trying
         the steps just before a loss that stopped the loop first (a marked
-        parameter makes the next step's loss NaN)."""
+        parameter makes the next step's loss NaN). A replay that does not
+        reproduce the run (steps that are not deterministic) ends the search
+        at the call's start, the last state known good (``found`` False)."""
         applied, stopped = int(report.applied), bool(report.stopped)
         outs: dict[int, Any] = {}  # steps replayed: the output, where good
 
@@ -291,24 +299,29 @@ class Model:
             got = Report.read(jax.device_get(out.report))
             expected = min(c, applied) if stopped else c
             if int(got.applied) != expected:
-                raise errors.replay_mismatch(_CALL, expected, int(got.applied))
+                raise _Differs
             if bool(got.intact) and c == expected:
                 outs[c] = out
             return c in outs
 
-        if bool(report.intact):
-            if not good(applied):
-                raise errors.replay_mismatch(_CALL, applied, applied)
-            return applied, outs[applied]
-        # Each replay runs from the call's start: about log2 of its steps.
-        lo, hi, tries = 0, applied + 1 if stopped else applied, 0
-        while hi - lo > 1:
-            c = hi - 1 if stopped and tries < 2 else (lo + hi) // 2
-            tries += 1
-            lo, hi = (c, hi) if good(c) else (lo, c)
-        if lo not in outs:  # (0: the call's input, never replayed)
-            good(lo)
-        return lo, outs[lo]
+        try:
+            if bool(report.intact):
+                if not good(applied):
+                    raise _Differs
+                return applied, outs[applied], True
+            # Each replay runs from the call's start: about log2 of its steps.
+            lo, hi, tries = 0, applied + 1 if stopped else applied, 0
+            while hi - lo > 1:
+                c = hi - 1 if stopped and tries < 2 else (lo + hi) // 2
+                tries += 1
+                lo, hi = (c, hi) if good(c) else (lo, c)
+            if lo not in outs:  # (0: the call's input, never replayed)
+                good(lo)
+            return lo, outs[lo], True
+        except _Differs:
+            applied = 0  # (no step: the call's input, as it came in)
+            good(0)
+            return 0, outs[0], False
 
     def _replay(self, run: Any, args: Chunk, count: int) -> Any:
         """The call of ``args`` replayed for its first ``count`` steps."""
