@@ -311,7 +311,6 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     from scanax._fit.models import optax as adapters
 
     monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
-    monkeypatch.setattr(adapters, "_KEPT", type(adapters._KEPT)())
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16), "n": None}
     places = [params]
     if jax.device_count() >= 2:
@@ -371,7 +370,6 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(other))
     monkeypatch.undo()
     monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
-    monkeypatch.setattr(adapters, "_KEPT", type(adapters._KEPT)())
     # Past the bound: compiled, the same state.
     monkeypatch.setattr(adapters, "_FILLED_BYTES", 8)
     other = {"w": jnp.ones((5, 2))}

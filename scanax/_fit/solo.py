@@ -318,8 +318,7 @@ class Model:
             if lo not in outs:  # (0: the call's input, never replayed)
                 good(lo)
             return lo, outs[lo], True
-        except _Differs:
-            applied = 0  # (no step: the call's input, as it came in)
+        except _Differs:  # (no step: the call's input, as it came in)
             good(0)
             return 0, outs[0], False
 

@@ -312,6 +312,7 @@ class _Init:
             self.fills = None
         if self.fills is not None:
             self.out_tree = jtu.tree_structure(self.traced.out_info)
+            self.nbytes = _nbytes(self.fills)
         self.made: tuple | None = None  # (where, the filled arrays), kept
         self._run = None
 
@@ -343,14 +344,13 @@ class _Init:
         if made is None or made[0] != where or any(x.is_deleted() for x in made[1]):
             values = [np.full(s, value, dtype) for s, value, dtype in self.fills]
             made = (where, jax.device_put(values, where))
-        with _INITS_LOCK:  # (the newest kept, up to ``_KEPT_BYTES`` in all)
-            if not any(i is self for i in _INITS.values()):  # (dropped meanwhile)
-                return jtu.tree_unflatten(self.out_tree, made[1])
-            self.made = made
-            _KEPT[id(self)] = self
-            _KEPT.move_to_end(id(self))
-            while sum(_nbytes(i.fills) for i in _KEPT.values()) > _KEPT_BYTES:
-                _KEPT.popitem(last=False)[1].made = None
+        with _INITS_LOCK:  # (``_INITS``' most recently used, up to ``_KEPT_BYTES``)
+            self.made, held = made, self.nbytes
+            for init in reversed(_INITS.values()):
+                if init is not self and init.made is not None:
+                    held += init.nbytes
+                    if held > _KEPT_BYTES:
+                        init.made = None
         return jtu.tree_unflatten(self.out_tree, made[1])
 
 
@@ -362,16 +362,15 @@ def given_back(opt_state: Any) -> None:
         for init in _INITS.values():
             if init.made is not None and any(id(x) in ids for x in init.made[1]):
                 init.made = None
-                _KEPT.pop(id(init), None)
 
 
 # The largest state ``_Init`` makes on the host (bytes): beyond it, the host's
 # fill and the transfer cost more than the compile they save. The states kept
-# on the device for the next fit, the most recently used first, up to
-# ``_KEPT_BYTES`` in all (device memory held after the fits that made them).
+# on the device for the next fit (by the inits ``_INITS`` holds, the most
+# recently used first), up to ``_KEPT_BYTES`` in all: device memory held after
+# the fits that made them. (An init ``_INITS`` dropped goes with its state.)
 _FILLED_BYTES = 1 << 22
 _KEPT_BYTES = 1 << 24
-_KEPT: collections.OrderedDict = collections.OrderedDict()
 
 
 def _nbytes(fills: list) -> int:
@@ -433,7 +432,7 @@ def _init_of(tx: Any, tx_key: Any, params: Any) -> _Init | None:
         if found is not made:
             return found
         while len(_INITS) > _INITS_KEPT:
-            _KEPT.pop(id(_INITS.popitem(last=False)[1]), None)
+            _INITS.popitem(last=False)
     return found
 
 
