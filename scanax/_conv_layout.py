@@ -302,14 +302,6 @@ def rewrite(closed_jaxpr: Any) -> Any:
 # --------------------------------------------------------------- entry points
 
 
-def may_rewrite() -> bool:
-    """Whether a program traced now may have its convolutions rewritten
-    (:func:`applies` to the backend, jit on, JAX's internals found): callers
-    that would otherwise run it as traced keep its equations for
-    :func:`replay`."""
-    return _needed()
-
-
 def _needed() -> bool:
     if not applies(_backend.platform()) or jax.config.jax_disable_jit:
         return False

@@ -192,9 +192,9 @@ def test_chunk_length_rule(gpu):
 
 def test_the_chunk_length_reads_the_steps_inputs_not_the_data(gpu):
     """A step's cost is estimated from its own inputs (the state, the order),
-    not from the arrays it closes over: a step traced by ``jax.jit``
-    (``trace_once`` off CPU) takes those as inputs of its program, and an
-    MNIST-sized dataset counted there made a tiny step's chunk 4, not 64."""
+    not from the arrays it closes over: an MNIST-sized dataset counted there
+    (as a step traced by ``jax.jit`` takes it, as an input of its program)
+    made a tiny step's chunk 4, not 64."""
     ks = []
 
     def call(data, x):

@@ -223,42 +223,32 @@ def outputs(loss: Any, metrics: dict) -> dict:
 
 
 def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
-    """``fn`` traced once, for arguments like ``args``: a function that gives
-    its outputs again inside the program being traced, and the shapes of its
-    output. The loop needs the shapes of a step's outputs before the loop (its
-    buffers) and the step inside it; tracing the step twice (``eval_shape``,
-    then the loop body) made a model's trace, the Python part of the first
-    call, about a third longer.
+    """``fn`` traced once, for arguments like ``args``: a function that replays
+    its equations, and the shapes of its output. The loop needs the shapes of a
+    step's outputs before the loop (its buffers) and the step inside it; tracing
+    the step twice (``eval_shape``, then the loop body) made a model's trace, the
+    Python part of the first call, about a third longer. Values ``fn`` closes
+    over (the call's tracers) are kept as the replay's constants. On CPU, its
+    convolutions are replayed in the layout XLA runs fast inside a loop body
+    (``_conv_layout``); a step without convolutions replays as traced.
 
-    Where convolutions may be rewritten (CPU: ``_conv_layout``), ``fn`` is
-    traced to a jaxpr whose equations are replayed (those of a step without
-    convolutions as traced); values ``fn`` closes over (the call's tracers)
-    are kept as the replay's constants. Elsewhere ``fn`` is ``jax.jit``'s:
-    traced once, and called as one equation that its trace cache answers
-    (replaying the equations one by one took about a tenth of a small MLP's
-    trace). XLA inlines the call: the same program. Both carry ``jaxpr``
-    (what was traced) and ``inputs`` (the shapes and dtypes of ``args``' leaves:
-    a jit's jaxpr also takes the values ``fn`` closes over, as the data, which
-    are no input of the step's; ``chunk_length`` reads both)."""
-    inputs = [jax.typeof(x) for x in jtu.tree_leaves(args)]
-    if _conv_layout.may_rewrite():
-        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-        out_tree = jtu.tree_structure(shapes)
+    The replay carries ``jaxpr`` (what was traced) and ``inputs`` (the shapes
+    and dtypes of ``args``' leaves: what ``chunk_length`` estimates a step's
+    cost from, never the data it closes over). A step traced by ``jax.jit`` and
+    called as one equation its trace cache answers traced the loop 6 ms faster
+    on CPU, but made the first call no faster on a TPU v5e (fresh processes:
+    883-967 ms against 817-945 replayed, docs/compile.md): one path for every
+    backend."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jtu.tree_structure(shapes)
 
-        def replay(*args: Any) -> Any:
-            flat = _conv_layout.replay(closed, *jtu.tree_leaves(args))
-            return jtu.tree_unflatten(out_tree, flat)
+    def replay(*args: Any) -> Any:
+        flat = _conv_layout.replay(closed, *jtu.tree_leaves(args))
+        return jtu.tree_unflatten(out_tree, flat)
 
-        replay.jaxpr, replay.inputs = closed.jaxpr, inputs
-        return replay, shapes
-    jitted = jax.jit(fn)
-    traced = jitted.trace(*args)
-
-    def call(*args: Any) -> Any:
-        return jitted(*args)
-
-    call.jaxpr, call.inputs = traced.jaxpr.jaxpr, inputs
-    return call, traced.out_info
+    replay.jaxpr = closed.jaxpr
+    replay.inputs = [jax.typeof(x) for x in jtu.tree_leaves(args)]
+    return replay, shapes
 
 
 def marked(new: list, trained: list[int], grads: Any) -> tuple[list, list]:
