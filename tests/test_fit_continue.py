@@ -301,6 +301,33 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     assert len(compiled) == n + 1
 
 
+def test_a_state_fit_gives_back_unchanged_is_the_users_to_donate():
+    """A fit that runs no step (an empty iterable) gives back the state it
+    made. Were that the kept state of constants, a fit that had already taken
+    it (here: one whose batches run the empty fit, then donate what it gave
+    back) would read deleted arrays; it gets a copy."""
+    p = {"w": jnp.ones(3)}
+
+    def loss(p, b):
+        return jnp.sum((p["w"] - b) ** 2)
+
+    def batches():
+        given = scanax.fit(p, optax.adam(0.1), loss, iter([]), steps=5, progress=False)
+        assert given.steps == 0
+        _same_state(given.optimizer, optax.adam(0.1).init(p))
+        for x in jax.tree.leaves(given.optimizer):
+            x.delete()  # (donated by the user)
+        yield from (jnp.full(3, float(i)) for i in range(5))
+
+    run = scanax.fit(p, optax.adam(0.1), loss, batches(), steps=5, progress=False)
+    want, opt = p, optax.adam(0.1).init(p)
+    for i in range(5):
+        g = jax.grad(loss)(want, jnp.full(3, float(i)))
+        u, opt = optax.adam(0.1).update(g, opt, want)
+        want = optax.apply_updates(want, u)
+    np.testing.assert_allclose(run.model["w"], want["w"], rtol=1e-6)
+
+
 def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch):
     """A small state whose every leaf is a constant (Adam's zeros and count,
     RMSprop's ones, a schedule's count) is filled on the host and moved where
@@ -333,18 +360,23 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
             assert c.n == 0, tx
             _same_state(adapter.state["opt_state"], eager)
     assert all(i.fills is not None for i in adapters._INITS.values())
-    # Kept on the device for the next fit, until given back (a user may
-    # donate what fit gives back): then made anew.
+    # Kept on the device for the next fit, never given back (a user may
+    # donate what fit gives back, while another fit starts from the kept
+    # state): a fit that runs no step gives back a copy.
     state = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
     again = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
     kept = jax.tree.leaves(state.state["opt_state"])
     same = zip(jax.tree.leaves(again.state["opt_state"]), kept)
     assert all(a is b for a, b in same)
-    again.finish(again.state)
+    _, given = again.finish(again.state)
+    assert not any(a is b for a, b in zip(jax.tree.leaves(given), kept))
+    _same_state(given, optax.adam(1e-3).init(params))
+    for x in jax.tree.leaves(given):
+        x.delete()  # (donated by the user)
     anew = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
     same = zip(jax.tree.leaves(anew.state["opt_state"]), kept)
-    assert not any(a is b for a, b in same)
-    kept[1].delete()  # (donated by the user without a fit's hand-back)
+    assert all(a is b for a, b in same)
+    kept[1].delete()  # (deleted by a sweep of `jax.live_arrays()`)
     made = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(params))
     # The most recently used kept, up to ``_KEPT_BYTES`` in all (Adam's: 60

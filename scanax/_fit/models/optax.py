@@ -88,6 +88,9 @@ class OptaxAdapter:
         else:
             self.tx = tx
         self.made = made
+        # (the arrays of a state fit made: a kept state of constants may be
+        # among them, which no user gets: ``_owned``)
+        self.started = {id(x) for x in jtu.tree_leaves(fresh)} if made else set()
         if opt_state is not None:
             _check_opt_state(opt_state, fresh)
             fresh = opt_state
@@ -186,9 +189,10 @@ class OptaxAdapter:
 
     def finish(self, state: Any) -> tuple[Any, Any]:
         model = self.layout.model(state["params"], state["other"])
-        if self.made:  # (the state fit made, if no step changed it)
-            given_back(state["opt_state"])
-        return model, state["opt_state"]
+        opt_state = state["opt_state"]
+        if self.made:  # (the state fit made, given back if no step changed it)
+            opt_state = _owned(opt_state, self.started)
+        return model, opt_state
 
 
 class _Layout:
@@ -336,8 +340,8 @@ class _Init:
     def _filled(self, params: Any) -> Any:
         """The state of constants (``fills``), where the compiled init would
         make it: on the parameters' device, committed if one of them is. Fit
-        never donates the state it starts from; one it gives back is the
-        user's (``given_back``: no longer kept)."""
+        never donates the state it starts from, nor gives it back
+        (``_owned``)."""
         leaves = [x for x in jtu.tree_leaves(params) if isinstance(x, jax.Array)]
         where = next((x.sharding for x in leaves if x.committed), None)
         made = self.made
@@ -354,14 +358,17 @@ class _Init:
         return jtu.tree_unflatten(self.out_tree, made[1])
 
 
-def given_back(opt_state: Any) -> None:
-    """``opt_state`` is the user's (fit gives it back): a kept state of
-    constants among its arrays is kept no longer (the user may donate it)."""
-    ids = {id(x) for x in jtu.tree_leaves(opt_state)}
-    with _INITS_LOCK:
-        for init in _INITS.values():
-            if init.made is not None and any(id(x) in ids for x in init.made[1]):
-                init.made = None
+def _owned(opt_state: Any, started: set) -> Any:
+    """``opt_state`` as fit gives it back: the arrays it started from (a run
+    that ran no step: an empty iterable) copied, as a kept state of constants
+    may be among them, which the next fit starts from, on this thread or
+    another, while the user may donate or delete what fit gave back."""
+    if not started:
+        return opt_state
+    return jtu.tree_map(
+        lambda x: jax.device_put(x, may_alias=False) if id(x) in started else x,
+        opt_state,
+    )
 
 
 # The largest state ``_Init`` makes on the host (bytes): beyond it, the host's
