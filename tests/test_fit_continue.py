@@ -301,25 +301,32 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     assert len(compiled) == n + 1
 
 
-def test_a_state_fit_gives_back_unchanged_is_the_users_to_donate():
+@pytest.mark.parametrize("on_mesh", [False, True], ids=["no_mesh", "mesh"])
+def test_a_state_fit_gives_back_unchanged_is_the_users_to_donate(on_mesh):
     """A fit that runs no step (an empty iterable) gives back the state it
     made. Were that the kept state of constants, a fit that had already taken
     it (here: one whose batches run the empty fit, then donate what it gave
-    back) would read deleted arrays; it gets a copy."""
+    back) would read deleted arrays; it gets a copy. On a mesh, where placing
+    the state may alias its arrays, no state is kept."""
     p = {"w": jnp.ones(3)}
+    mesh = {"mesh": jax.make_mesh((1,), ("data",))} if on_mesh else {}
 
     def loss(p, b):
         return jnp.sum((p["w"] - b) ** 2)
 
     def batches():
-        given = scanax.fit(p, optax.adam(0.1), loss, iter([]), steps=5, progress=False)
+        given = scanax.fit(
+            p, optax.adam(0.1), loss, iter([]), steps=5, progress=False, **mesh
+        )
         assert given.steps == 0
         _same_state(given.optimizer, optax.adam(0.1).init(p))
         for x in jax.tree.leaves(given.optimizer):
             x.delete()  # (donated by the user)
         yield from (jnp.full(3, float(i)) for i in range(5))
 
-    run = scanax.fit(p, optax.adam(0.1), loss, batches(), steps=5, progress=False)
+    run = scanax.fit(
+        p, optax.adam(0.1), loss, batches(), steps=5, progress=False, **mesh
+    )
     want, opt = p, optax.adam(0.1).init(p)
     for i in range(5):
         g = jax.grad(loss)(want, jnp.full(3, float(i)))
@@ -356,15 +363,19 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
         for tx, uncounted in constant:
             eager = (counted(tx) if uncounted else tx).init(p)
             with count_compiles() as c:
-                adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
+                adapter = adapters.OptaxAdapter(p, tx, compiled_init=True, keep=True)
             assert c.n == 0, tx
             _same_state(adapter.state["opt_state"], eager)
     assert all(i.fills is not None for i in adapters._INITS.values())
     # Kept on the device for the next fit, never given back (a user may
     # donate what fit gives back, while another fit starts from the kept
     # state): a fit that runs no step gives back a copy.
-    state = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
-    again = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    state = adapters.OptaxAdapter(
+        params, optax.adam(1e-3), compiled_init=True, keep=True
+    )
+    again = adapters.OptaxAdapter(
+        params, optax.adam(1e-3), compiled_init=True, keep=True
+    )
     kept = jax.tree.leaves(state.state["opt_state"])
     same = zip(jax.tree.leaves(again.state["opt_state"]), kept)
     assert all(a is b for a, b in same)
@@ -373,31 +384,37 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     _same_state(given, optax.adam(1e-3).init(params))
     for x in jax.tree.leaves(given):
         x.delete()  # (donated by the user)
-    anew = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    anew = adapters.OptaxAdapter(
+        params, optax.adam(1e-3), compiled_init=True, keep=True
+    )
     same = zip(jax.tree.leaves(anew.state["opt_state"]), kept)
     assert all(a is b for a, b in same)
     kept[1].delete()  # (deleted by a sweep of `jax.live_arrays()`)
-    made = adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
+    made = adapters.OptaxAdapter(
+        params, optax.adam(1e-3), compiled_init=True, keep=True
+    )
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(params))
     # The most recently used kept, up to ``_KEPT_BYTES`` in all (Adam's: 60
     # bytes for ``params``, 132 for a 4x4 matrix).
     monkeypatch.setattr(adapters, "_KEPT_BYTES", 140)
     square = {"w": jnp.ones((4, 4))}
-    adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True)
-    adapters.OptaxAdapter(square, optax.adam(1e-3), compiled_init=True)
+    adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True, keep=True)
+    adapters.OptaxAdapter(square, optax.adam(1e-3), compiled_init=True, keep=True)
     kept = [i for i in adapters._INITS.values() if i.made is not None]
     assert [{s for s, _, _ in i.fills} for i in kept] == [{(), (4, 4)}]
     # Reads the parameters (it keeps a copy of them): compiled.
     reads, p = optax.contrib.schedule_free_adamw(1e-3), {"w": jnp.ones((3, 2))}
     with count_compiles() as c:
-        adapter = adapters.OptaxAdapter(p, reads, compiled_init=True)
+        adapter = adapters.OptaxAdapter(p, reads, compiled_init=True, keep=True)
     assert c.n == 1
     _same_state(adapter.state["opt_state"], reads.init(p))
     # A jaxpr this reading does not know (another JAX): compiled.
     other = {"v": jnp.ones(3)}
     monkeypatch.setattr(adapters, "_fills", lambda traced: {}["unknown"])
     with count_compiles() as c:
-        made = adapters.OptaxAdapter(other, optax.adam(1e-3), compiled_init=True)
+        made = adapters.OptaxAdapter(
+            other, optax.adam(1e-3), compiled_init=True, keep=True
+        )
     assert c.n == 1
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(other))
     monkeypatch.undo()
@@ -406,7 +423,9 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     monkeypatch.setattr(adapters, "_FILLED_BYTES", 8)
     other = {"w": jnp.ones((5, 2))}
     with count_compiles() as c:
-        adapter = adapters.OptaxAdapter(other, optax.adam(1e-3), compiled_init=True)
+        adapter = adapters.OptaxAdapter(
+            other, optax.adam(1e-3), compiled_init=True, keep=True
+        )
     assert c.n == 1
     _same_state(adapter.state["opt_state"], optax.adam(1e-3).init(other))
 

@@ -88,7 +88,11 @@ def configure(
     adapter = None
     if pop is None:
         _no_population_options(shared_batches, members_per_call)
-        adapter = _models.adapt(model, optimizer, opt_state, compiled_init=True)
+        # (the state of constants fit makes is kept for the next fit, but not
+        # on a mesh: placed there, it may alias the kept arrays, which a fit
+        # that runs no step would give back to the user)
+        keep = mesh is None
+        adapter = _models.adapt(model, optimizer, opt_state, True, keep)
     else:
         members_per_call = _population_options(
             pop, optimizer, opt_state, members_per_call

@@ -38,7 +38,11 @@ def _is_gradient_transformation(x: Any) -> bool:
 
 
 def adapt(
-    model: Any, optimizer: Any, opt_state: Any = None, compiled_init: bool = False
+    model: Any,
+    optimizer: Any,
+    opt_state: Any = None,
+    compiled_init: bool = False,
+    keep: bool = False,
 ) -> (
     _models_nnx.NNXAdapter
     | _models_optax.OptaxAdapter
@@ -47,7 +51,9 @@ def adapt(
     """The adapter for a ``(model, optimizer)`` pair, or a TypeError naming the fix.
     ``opt_state`` (optax pairs only) continues from an earlier optax state;
     ``compiled_init``: an optax state made with one compiled call where it can
-    (``OptaxAdapter``: for fit's own run, not for a structure looked at)."""
+    (``OptaxAdapter``: for fit's own run, not for a structure looked at), or
+    filled on the host where it is constants, and then, with ``keep``, kept
+    on the device for the next fit."""
     to_tx = getattr(optimizer, "gradient_transformation", None)
     if not _is_gradient_transformation(optimizer) and callable(to_tx):
         # optax.MultiSteps and other wrappers (MultiSteps passes extra
@@ -77,7 +83,9 @@ def adapt(
             raise errors.nnx_objects_in_optax_model(bad)
         if not any(is_inexact(x) for x in jtu.tree_leaves(model)):
             raise errors.nothing_to_train(model)
-        return _models_optax.OptaxAdapter(model, optimizer, opt_state, compiled_init)
+        return _models_optax.OptaxAdapter(
+            model, optimizer, opt_state, compiled_init, keep
+        )
     why = "optimizer_without_nnx" if _models_nnx.is_optimizer(optimizer) else "other"
     raise errors.bad_pair(model, optimizer, why)
 

@@ -8,6 +8,7 @@ schedules...) or, for a transform that keeps none, fit's own (``_counter``).
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import sys
 import threading
@@ -40,7 +41,12 @@ class OptaxAdapter:
     kind = "optax"
 
     def __init__(
-        self, model: Any, tx: Any, opt_state: Any = None, compiled_init: bool = False
+        self,
+        model: Any,
+        tx: Any,
+        opt_state: Any = None,
+        compiled_init: bool = False,
+        keep: bool = False,
     ):
         flat, treedef = jtu.tree_flatten_with_path(model)
         leaves = [x for _, x in flat]
@@ -69,7 +75,7 @@ class OptaxAdapter:
         if not made:
             fresh = _init_shapes(tx, self.tx_key, filtered)
         elif compiled_init:
-            fresh = _made_state(tx, self.tx_key, filtered)
+            fresh = _made_state(tx, self.tx_key, filtered, keep)
         else:
             fresh = tx.init(filtered)
         # A state that keeps no step count of its own (plain SGD, MultiSteps)
@@ -320,16 +326,18 @@ class _Init:
         self.made: tuple | None = None  # (where, the filled arrays), kept
         self._run = None
 
-    def run(self) -> Any:
+    def run(self, keep: bool) -> Any:
         """The init: its state made on the host and moved where the
         parameters are, then kept there for the next fit (``fills``: a small
         state of constants, as Adam's zeros), else compiled; None where it
         does not compile. A compiled init is a program of its own, compiled
         at a first call: 67-75 ms on a TPU v5e and 25-40 ms on CPU for Adam
         on a tiny MLP; a kept state costs a later fit neither a transfer nor
-        a dispatch."""
+        a dispatch (``keep``: not for a fit on a mesh, whose placement may
+        alias the kept arrays, so that a fit that runs no step would give them
+        back)."""
         if self.fills is not None:
-            return self._filled
+            return functools.partial(self._filled, keep=keep)
         if self._run is None and self.traced is not None:
             try:
                 self._run = self.traced.lower().compile()
@@ -337,17 +345,20 @@ class _Init:
                 self.traced = None
         return self._run
 
-    def _filled(self, params: Any) -> Any:
+    def _filled(self, params: Any, keep: bool) -> Any:
         """The state of constants (``fills``), where the compiled init would
         make it: on the parameters' device, committed if one of them is. Fit
         never donates the state it starts from, nor gives it back
-        (``_owned``)."""
+        (``_owned``). Kept for the next fit, and taken from the one kept, only
+        where ``keep``."""
         leaves = [x for x in jtu.tree_leaves(params) if isinstance(x, jax.Array)]
         where = next((x.sharding for x in leaves if x.committed), None)
-        made = self.made
+        made = self.made if keep else None
         if made is None or made[0] != where or any(x.is_deleted() for x in made[1]):
             values = [np.full(s, value, dtype) for s, value, dtype in self.fills]
             made = (where, jax.device_put(values, where))
+        if not keep:
+            return jtu.tree_unflatten(self.out_tree, made[1])
         with _INITS_LOCK:  # (``_INITS``' most recently used, up to ``_KEPT_BYTES``)
             self.made, held = made, self.nbytes
             for init in reversed(_INITS.values()):
@@ -443,12 +454,12 @@ def _init_of(tx: Any, tx_key: Any, params: Any) -> _Init | None:
     return found
 
 
-def _made_state(tx: Any, tx_key: Any, params: Any) -> Any:
+def _made_state(tx: Any, tx_key: Any, params: Any, keep: bool) -> Any:
     """``tx.init(params)``: one compiled call, not one dispatch per array it
     makes (17 for Adam on four arrays: 3.9 ms a call on a TPU v5e, against 0.6
     ms for one compiled call); eager where no ``_Init`` is kept or it says so."""
     init = _init_of(tx, tx_key, params)
-    run = None if init is None else init.run()
+    run = None if init is None else init.run(keep)
     return tx.init(params) if run is None else run(params)
 
 
