@@ -957,6 +957,36 @@ def test_error_bad_call(loss_fn, data, kwargs, err, msg):
         fit_quiet(model, opt, loss_fn, data, **kwargs)
 
 
+def test_error_fit_under_disable_jit():
+    """fit compiles its loop ahead of time, which JAX refuses under
+    ``jax.disable_jit()``: named before anything runs, the model untouched, and
+    the fit that follows outside the block equal to one that never saw it."""
+    model, opt = nnx_pair()
+    before = jax.tree.map(np.asarray, (nnx.state(model), nnx.state(opt)))
+    calls = []
+
+    def loss(m, b):
+        calls.append(1)
+        return nnx_loss(m, b)
+
+    with (
+        jax.disable_jit(),
+        pytest.raises(
+            ValueError,
+            match=r"(?s)cannot run under jax.disable_jit\(\).*Fix: call fit outside",
+        ),
+    ):
+        fit_quiet(model, opt, loss, (X, Y), steps=STEPS, batch_size=BS, key=KEY)
+    assert not calls
+    leaves_equal((nnx.state(model), nnx.state(opt)), before)
+    fit_quiet(model, opt, nnx_loss, (X, Y), steps=STEPS, batch_size=BS, key=KEY)
+    again, opt2 = nnx_pair()
+    fit_quiet(again, opt2, nnx_loss, (X, Y), steps=STEPS, batch_size=BS, key=KEY)
+    leaves_equal(
+        (nnx.state(model), nnx.state(opt)), (nnx.state(again), nnx.state(opt2))
+    )
+
+
 def test_cache_does_not_keep_data_alive():
     import gc
     import weakref

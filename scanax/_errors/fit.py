@@ -430,6 +430,17 @@ def epochs_accumulate(epochs: int, per_epoch: int, k: int) -> ValueError:
     )
 
 
+def under_disable_jit() -> ValueError:
+    return ValueError(
+        f"{CALL}: cannot run under jax.disable_jit(): fit compiles its training "
+        "loop before it runs (and JAX's ahead-of-time path refuses that "
+        "setting).\nFix: call fit outside the disable_jit() block. To step "
+        "through your loss in Python, call loss_fn(model, batch), or "
+        "jax.grad of it, under disable_jit(); to see values while fit trains, "
+        "print them inside loss_fn with jax.debug.print."
+    )
+
+
 def steps_missing() -> TypeError:
     return TypeError(
         f"{CALL}: how long to train is missing.\nFix: pass steps=N (optimizer "

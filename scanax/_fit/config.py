@@ -71,6 +71,8 @@ def configure(
     shared_batches, members_per_call,
 ) -> Config:  # fmt: skip
     """``fit``'s arguments checked (``callbacks``: the feature objects)."""
+    if jax.config.jax_disable_jit:
+        raise errors.under_disable_jit()
     if epochs is None:
         if steps is None:
             raise errors.steps_missing()
