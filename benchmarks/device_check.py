@@ -51,7 +51,8 @@ would start past ``BUDGET`` seconds is skipped with a line):
 Time on an H200 (estimated, not measured): GPT-2 about 2-3 minutes (six compiles
 of 5-30 s, 30 timed steps of each variant at 60-90 ms), the rest about 3 minutes
 (the earlier rows took 51 s; the fresh processes about 30 s). On a TPU v5e:
-GPT-2 141 s, fit_rows 30 s, fit_slope_rows 25 s. Parts past ``BUDGET`` are
+GPT-2 141 s, fit_rows 30 s, fit_slope_rows 25 s, first_call_rows 264 s (12
+fresh processes, each paying the TPU runtime's ~12 s start). Parts past ``BUDGET`` are
 skipped with a line; name them to run them (``python benchmarks/device_check.py
 fit_slope_rows fit_piece_rows``).
 """

@@ -987,6 +987,52 @@ def test_error_fit_under_disable_jit():
     )
 
 
+def test_error_disable_jit_turned_on_by_the_data_while_fit_runs():
+    """A generator that yields inside ``jax.disable_jit()`` turns it on in
+    fit's thread while fit runs: the same error, at the call it would break."""
+    p = {"w": jnp.ones(3)}
+
+    def batches():
+        for i in range(4):
+            with jax.disable_jit():
+                yield jnp.full(3, float(i))
+
+    def loss(p, b):
+        return jnp.sum((p["w"] - b) ** 2)
+
+    with pytest.raises(ValueError, match=r"cannot run under jax.disable_jit\(\)"):
+        fit_quiet(p, optax.adam(0.1), loss, batches(), steps=4)
+
+
+def test_error_parameters_on_an_explicit_mesh_without_mesh():
+    """Parameters on a mesh of Explicit axes (``jax.make_mesh``'s default) and
+    no ``mesh=``: named before anything runs (it was JAX's ShardingTypeError
+    from inside fit's loop); with ``mesh=`` the fit equals one on one device."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    here = {"w": jnp.ones(3), "b": jnp.zeros(())}
+    placed = jax.device_put(
+        here, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+
+    def loss(p, b):
+        return jnp.mean((b @ p["w"] + p["b"] - 1.0) ** 2)
+
+    data = jr.normal(KEY, (8, 3))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)model\['b'\] is placed on a mesh with Explicit axes "
+        r"\('data',\).*but fit got no mesh=.*Fix: pass mesh=",
+    ):
+        fit_quiet(placed, optax.adam(0.1), loss, data, steps=3, batch_size=4)
+    run = fit_quiet(
+        placed, optax.adam(0.1), loss, data, steps=3, batch_size=4, mesh=mesh
+    )
+    ref = fit_quiet(here, optax.adam(0.1), loss, data, steps=3, batch_size=4)
+    np.testing.assert_allclose(run.history["loss"], ref.history["loss"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(run.model), jax.tree.leaves(ref.model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 def test_cache_does_not_keep_data_alive():
     import gc
     import weakref

@@ -434,10 +434,21 @@ def under_disable_jit() -> ValueError:
     return ValueError(
         f"{CALL}: cannot run under jax.disable_jit(): fit compiles its training "
         "loop before it runs (and JAX's ahead-of-time path refuses that "
-        "setting).\nFix: call fit outside the disable_jit() block. To step "
-        "through your loss in Python, call loss_fn(model, batch), or "
+        "setting; a data iterator that yields inside a disable_jit() block "
+        "turns it on while fit runs).\nFix: call fit outside the disable_jit() "
+        "block. To step through your loss in Python, call loss_fn(model, batch), or "
         "jax.grad of it, under disable_jit(); to see values while fit trains, "
         "print them inside loss_fn with jax.debug.print."
+    )
+
+
+def on_explicit_mesh(name: str, axes: tuple) -> ValueError:
+    return ValueError(
+        f"{CALL}: {name} is placed on a mesh with Explicit axes {axes} "
+        "(jax.make_mesh's default), but fit got no mesh=.\nFix: pass "
+        "mesh=<that mesh> (fit then places the training state and splits the "
+        "batches over it), or put its arrays on one device first (e.g. "
+        "jax.device_put(params, jax.devices()[0]))."
     )
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .. import _caller
-from .._errors import checkpoint as ckpt_errors
+from .._errors import checkpoint as ckpt_errors, fit as errors
 from . import (
     checkpoint as _checkpoint,
     hooks as _fit_hooks,
@@ -335,6 +335,8 @@ class Run:
                 pending = None
                 if self.halted:  # (a stop in the call before: nothing to time)
                     break
+            if jax.config.jax_disable_jit:  # (turned on by a data iterator)
+                raise errors.under_disable_jit()
             with self.context():
                 fn = self.compiled(args, mode)
                 began = time.perf_counter()
