@@ -93,7 +93,7 @@ def configure(
         # (the state of constants fit makes is kept for the next fit, but not
         # on a mesh: placed there, it may alias the kept arrays, which a fit
         # that runs no step would give back to the user)
-        keep = mesh is None
+        keep = _mesh.Placement(mesh).local
         adapter = _models.adapt(model, optimizer, opt_state, True, keep)
     else:
         members_per_call = _population_options(

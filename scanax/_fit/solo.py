@@ -65,7 +65,7 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         features.append(feed)
     feats = _feature.Features(base, features, start)
     leaves = _checkpoint.strong(feats.state)
-    if place.mesh is None:
+    if place.local:
         _not_on_an_explicit_mesh(feats.names(), leaves)
     leaves, shardings = place.state(feats, leaves, setup.shard)
     # In-loop bar reports only where calls are not sized to a quarter second:
