@@ -987,6 +987,26 @@ def test_error_fit_under_disable_jit():
     )
 
 
+def test_error_loss_fn_failing_on_the_training_batches():
+    """A loss that fails while it is traced on the training batches (data of
+    another width than the model's: JAX's own shape error from inside it) is
+    named as evaluate names it: the function, the batch's structure, the
+    original chained; the model untouched."""
+    model, opt = nnx_pair()
+    before = jax.tree.map(np.asarray, (nnx.state(model), nnx.state(opt)))
+    wide = jnp.concatenate([X, X], axis=1)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.fit: `loss_fn` raised TypeError while it was traced on a "
+        r"batch of `data`.*dot_general.*A batch of `data` is tuple: \[0\] "
+        r"float32\[8, 6\], \[1\] float32\[8, 1\]\.\nFix:",
+    ) as caught:
+        fit_quiet(model, opt, nnx_loss, (wide, Y), steps=STEPS, batch_size=BS, key=KEY)
+    assert isinstance(caught.value.__cause__, TypeError)
+    assert "default eval_fn" not in str(caught.value)
+    leaves_equal((nnx.state(model), nnx.state(opt)), before)
+
+
 def test_error_disable_jit_turned_on_by_the_data_while_fit_runs():
     """A generator that yields inside ``jax.disable_jit()`` turns it on in
     fit's thread while fit runs: the same error, at the call it would break."""

@@ -195,7 +195,7 @@ def fn_failed(call: str, name: str, data: str, batch: str, err: Exception) -> Ex
     default = (
         " (the default eval_fn is loss_fn: its batches are built like the training "
         "batches)"
-        if call == "scanax.fit"
+        if call == "scanax.fit" and data == "eval_data" and name == "loss_fn"
         else ""
     )
     message = (

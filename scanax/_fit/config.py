@@ -167,7 +167,8 @@ def configure(
     _compile_cache.enable_from_env()
     setup = _fit_loop.Setup(
         steps,
-        loss_fn,
+        # (an error while the loss is traced names it and the batch it got)
+        _evaluate.guarded(loss_fn, _CALL, "loss_fn"),
         takes_hp,
         takes_key,
         key,
