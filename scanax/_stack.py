@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _backend, _caller, _eager, _remat
+from . import _backend, _caller, _eager, _nnx, _remat
 from ._errors import stack as errors
 from ._scan import scan
 from ._stack_plan import (
@@ -328,11 +328,28 @@ def apply(
         per = per_layer_slice(per_layer, piece)
         if piece[2] == 1:
             kw = layer_kwargs(kwargs, per)
-            x = adapter.call(data, x, kw, single_remat(remat), piece[0], looped=False)
+            x = _called(adapter, data, x, kw, single_remat(remat), piece[0], False)
         else:
             run = adapter.open(data, piece[0])
             x = _run(adapter, piece, run, x, kwargs, per, remat, unroll)
     return x
+
+
+def _called(
+    adapter: Layers, layer: Any, x: Any, kwargs: dict, remat: Any, i: int, looped: bool
+) -> Any:
+    """``adapter.call``; an error a layer raises while traced on ``x`` (data of
+    another width than it takes, a keyword it does not take) named with the
+    layer's index and its input, the original chained."""
+    try:
+        return adapter.call(layer, x, kwargs, remat, i, looped=looped)
+    except (TypeError, ValueError) as err:
+        text = str(err.args[0]) if err.args else ""
+        if isinstance(err, jax.errors.JAXTypeError) or text.startswith("scanax"):
+            raise
+        if _nnx.is_trace_level_error(err):
+            raise
+        raise errors.layer_failed(i, layer, x, sorted(kwargs), err) from err
 
 
 def _run(
@@ -353,7 +370,7 @@ def _run(
         layers = run.block(arrays)
         for k, layer in enumerate(layers):
             kw_k = layer_kwargs(kw, per_j, k)
-            x = adapter.call(layer, x, kw_k, in_run, start + k, looped=looped)
+            x = _called(adapter, layer, x, kw_k, in_run, start + k, looped)
         return x, run.changes(layers, arrays)
 
     looped = _remat.in_loop(unroll, repeats)

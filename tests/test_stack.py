@@ -890,3 +890,65 @@ def test_errors():
         r"jax\.checkpoint_policies policy, got str 'half'\.\nFix: leave it out",
     ):
         scanax.Stack([jnp.sin, jnp.cos], remat="half")
+
+
+@pytest.mark.parametrize(
+    "make, x, kwargs, at, before",
+    [
+        (  # a run of three, then a layer of another width
+            lambda ks: (
+                [eqx.nn.Linear(3, 3, key=k) for k in ks[:3]]
+                + [eqx.nn.Linear(4, 4, key=ks[5])]
+            ),
+            jnp.ones(3),
+            {},
+            3,
+            "the output of layers\\[2\\]",
+        ),
+        (  # the input of another width than the scanned run's first layer
+            lambda ks: [eqx.nn.Linear(3, 3, key=k) for k in ks[:4]],
+            jnp.ones(4),
+            {},
+            0,
+            "the Stack's input",
+        ),
+        (  # a keyword the layers do not take
+            lambda ks: [eqx.nn.Linear(3, 3, key=k) for k in ks[:4]],
+            jnp.ones(3),
+            {"train": True},
+            0,
+            "the Stack's input and the keyword arguments \\['train'\\] .*per_layer=",
+        ),
+        (
+            lambda ks: [
+                nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+                nnx.Linear(5, 4, rngs=nnx.Rngs(1)),
+            ],
+            jnp.ones((2, 3)),
+            {},
+            1,
+            "the output of layers\\[0\\]",
+        ),
+    ],
+    ids=["mismatched_layer", "input_width", "keyword", "nnx"],
+)
+def test_a_layer_failing_on_its_input_is_named(make, x, kwargs, at, before):
+    """A layer that fails while traced on its input (JAX's own shape error,
+    or a keyword it does not take) is named by its index, with its input and
+    what it must take, the original chained; the Stack still works after."""
+    layers = make(jr.split(jr.key(0), 8))
+    stack = scanax.Stack(layers)
+    with pytest.raises(
+        TypeError,
+        match=f"(?s)scanax.Stack: layers\\[{at}\\] \\(Linear\\) raised TypeError on "
+        f"its input x float32.*The layers run in order.*Fix: layers\\[{at}\\] must "
+        f"take {before}",
+    ) as caught:
+        stack(x, **kwargs)
+    assert isinstance(caught.value.__cause__, TypeError)
+    if at == 0 and not kwargs:  # (the right input: the Python loop's answer)
+        y = jnp.ones(3)
+        want = y
+        for layer in layers:
+            want = layer(want)
+        np.testing.assert_allclose(stack(y), want, rtol=1e-6)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.tree_util as jtu
+
 from . import added_removed, short_type
 
 CALL = "scanax.Stack"
@@ -25,6 +27,26 @@ def not_callable(i: int, layer: Any) -> TypeError:
         f"{CALL}: layers[{i}] is not callable: got {short_type(layer)}.\n"
         "Fix: every layer must be callable as layer(x, **kwargs) -> x."
     )
+
+
+def layer_failed(i: int, layer: Any, x: Any, kwargs: list[str], err: Exception):
+    """A ``TypeError`` (a ``ValueError`` for one): layer ``i`` failed on ``x``."""
+    leaves = jtu.tree_flatten_with_path(x)[0]
+    x = ", ".join(f"{jtu.keystr(p) or 'x'} {short_type(v)}" for p, v in leaves)
+    before = f"the output of layers[{i - 1}]" if i else "the Stack's input"
+    given = (
+        f" and the keyword arguments {kwargs} (a keyword for some layers only: "
+        "per_layer=)"
+        if kwargs
+        else ""
+    )
+    message = (
+        f"{CALL}: layers[{i}] ({short_type(layer)}) raised {type(err).__name__} "
+        f"on its input {x}:\n  {err}\nThe layers run in order, each on the output "
+        f"of the one before.\nFix: layers[{i}] must take {before}{given}; else "
+        "the error is in the layer itself (see the traceback above)."
+    )
+    return ValueError(message) if isinstance(err, ValueError) else TypeError(message)
 
 
 def bad_index(i: int, n: int) -> IndexError:
