@@ -402,6 +402,15 @@ def test_plot_returns_the_figure(tmp_path):
     "kwargs, exc, match",
     [
         (dict(eval_every=5), TypeError, "eval_every is given without eval_data"),
+        *[  # (the callbacks' form: named as written, not as an EarlyStop's)
+            (
+                dict(callbacks=[evaluation]),
+                TypeError,
+                r"(?s)scanax.Eval is given without data, and no scanax.EarlyStop.*"
+                r"Fix: pass the validation data, scanax.Eval\(\(x_val, y_val\)",
+            )
+            for evaluation in (scanax.Eval(), scanax.Eval(None, every=5))
+        ],
         (
             dict(eval_data=(XV, YV)),
             TypeError,

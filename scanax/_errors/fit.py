@@ -301,6 +301,15 @@ def eval_every_missing(has_data: bool) -> TypeError:
     )
 
 
+def eval_without_data() -> TypeError:
+    return TypeError(
+        f"{CALL}: scanax.Eval is given without data, and no scanax.EarlyStop or "
+        "scanax.Plateau checks training metrics at its steps: it has nothing to "
+        "do.\nFix: pass the validation data, scanax.Eval((x_val, y_val), "
+        "every=N); or drop it."
+    )
+
+
 def eval_every_without_data() -> TypeError:
     return TypeError(
         f"{CALL}: eval_every is given without eval_data (and without stop=).\nFix: "

@@ -289,13 +289,13 @@ def _checks(
     eval_data = None if evaluation is None else evaluation.data
     if evaluation is None and stop is None and plateau is None:
         return None, None, None
+    if eval_data is None and stop is None and plateau is None:
+        raise errors.eval_without_data()
     if every is None:
         if plateau is not None and stop is None and eval_data is None:
             raise plateau_errors.eval_every_missing()
         raise errors.eval_every_missing(eval_data is not None)
     if eval_data is None:
-        if stop is None and plateau is None:
-            raise errors.eval_every_without_data()
         if stop is not None and stop.monitor.startswith("val_"):
             raise errors.val_monitor_without_data(stop.monitor)
         if plateau is not None and plateau.monitor.startswith("val_"):
