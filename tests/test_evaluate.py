@@ -483,6 +483,22 @@ def test_errors(call, kwargs, exc, match):
         (evaluate if call == "evaluate" else predict)(*args, **kwargs)
 
 
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_an_nnx_optimizer_given_as_the_model_is_named(call):
+    """The optimizer instead of its model (both are NNX objects): named before
+    anything runs (it was flax's AttributeError from ``.eval()``)."""
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    fn = (lambda m, b: jnp.mean(m(b[0]))) if call == "evaluate" else (lambda m, b: m(b))
+    data = (X, Y) if call == "evaluate" else X
+    with pytest.raises(
+        TypeError,
+        match=rf"(?s)scanax.{call}: `model` is an nnx.Optimizer.*Fix: pass the model "
+        r"itself",
+    ):
+        (evaluate if call == "evaluate" else predict)(opt, fn, data, batch_size=8)
+
+
 @FOUR_DEVICES
 def test_mesh_errors(pop):
     mesh = jax.make_mesh((4,), ("data",))

@@ -108,6 +108,14 @@ def model_type(call: str, model: Any) -> TypeError:
     )
 
 
+def optimizer_as_model(call: str) -> TypeError:
+    return TypeError(
+        f"{call}: `model` is an nnx.Optimizer, which holds the model it trains "
+        "and its optimizer state; what is evaluated is the model.\nFix: pass "
+        "the model itself, the one given to nnx.Optimizer(model, tx, wrt=...)."
+    )
+
+
 def mesh_type(call: str, mesh: Any) -> TypeError:
     return TypeError(
         f"{call}: `mesh` must be a jax.sharding.Mesh or None, got "

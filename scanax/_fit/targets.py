@@ -41,6 +41,9 @@ def of(call: str, model: Any) -> Target:
     if _population.is_population(model):
         return _population_target(model)
     if _nnx.is_node(model):
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(model, nnx.Optimizer):
+            raise errors.optimizer_as_model(call)
         return _nnx_target(model)
     return _tree_target(call, model)
 
