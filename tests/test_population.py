@@ -866,3 +866,32 @@ def test_members_with_orthogonal_initialisers_build_without_a_deadlock():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("built")
+
+
+@pytest.mark.parametrize(
+    "hp, match",
+    [
+        ({}, r"cannot be called as make\(key\) .*missing a required argument: 'lr'"),
+        (
+            {"lr": np.ones(2), "wd": np.ones(2)},
+            r"cannot be called as make\(key, lr=\.\.\., wd=\.\.\.\) .*unexpected "
+            r"keyword argument 'wd'",
+        ),
+    ],
+    ids=["missing", "extra"],
+)
+def test_hyperparameters_that_make_does_not_take_are_named(hp, match):
+    """Hyperparameter names that do not match ``make``'s parameters: named
+    with make's signature before anything is traced (it was Python's bare
+    TypeError from inside the build)."""
+    calls = []
+
+    def make(key, lr):
+        calls.append(1)
+        return {"w": jax.random.normal(key, ())}, optax.sgd(lr)
+
+    with pytest.raises(
+        TypeError, match=rf"(?s)scanax.population: `make\(key, lr\)` {match}.*Fix:"
+    ):
+        scanax.population(make, 2, key=jr.key(0), **hp)
+    assert not calls

@@ -74,6 +74,18 @@ def structure_depends_on_hp(kind: str, names: list[str]) -> ValueError:
     )
 
 
+def make_arguments(names: list[str], signature: str, err: Exception) -> TypeError:
+    given = ", ".join(f"{k}=..." for k in names)
+    called = f"make(key, {given})" if names else "make(key)"
+    return TypeError(
+        f"{CALL}: `make{signature}` cannot be called as {called} (one keyword "
+        f"per hyperparameter given to population): {err}.\nFix: name make's "
+        "parameters after the hyperparameters, as in def make(key, lr) with "
+        "scanax.population(make, n, key=key, lr=...), or pass the "
+        "hyperparameters it takes."
+    )
+
+
 def make_result(out: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `make` must return a (model, optimizer) pair that scanax.fit "

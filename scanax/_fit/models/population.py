@@ -10,6 +10,7 @@ receives a traced array, so one program serves every value.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -274,6 +275,15 @@ def population(make: Callable, n: int, *, key: Any, **hyperparameters: Any):
         if a.ndim != 1 or a.shape[0] != n:
             raise errors.hp_length(name, a.shape, n)
         values[name] = a
+    try:
+        signature = inspect.signature(make)
+    except (TypeError, ValueError):  # (a builtin: called as it is)
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(key, **values)
+        except TypeError as err:
+            raise errors.make_arguments(list(values), str(signature), err) from None
     return Population(make, n, key, values)
 
 
