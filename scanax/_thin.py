@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _remat
+from . import _caller, _remat
 from ._errors import long as errors
 from ._loop import Loop
 
@@ -37,6 +37,10 @@ def resolve(call: str, keep_every: Any, keep: Any) -> tuple[int, Any]:
         raise errors.keep_every_value(call, keep_every)
     if not (keep in _REDUCERS or callable(keep)):
         raise errors.bad_keep(call, keep)
+    if keep not in _REDUCERS:
+        signature = _caller.signature_if_not_taking(keep, 2)
+        if signature is not None:
+            raise errors.keep_arity(call, signature)
     return keep_every, keep
 
 

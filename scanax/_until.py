@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params
 
-from . import _eager, _long, _progress, _remat, _thin, _until_grad
+from . import _caller, _eager, _long, _progress, _remat, _thin, _until_grad
 from ._errors import long as errors
 from ._loop import call_lowering, move_out_axes, prepare
 
@@ -166,6 +166,9 @@ def scan_until(
     )
     if not callable(until):
         raise errors.until_not_callable(until)
+    signature = _caller.signature_if_not_taking(until, 1)
+    if signature is not None:
+        raise errors.until_arity(signature)
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
     spec, remat, keep_every, keep = (
         (options.progress, options.remat, options.keep_every, options.keep)

@@ -257,3 +257,23 @@ def test_remat_sqrt_with_a_reduction_cuts_memory():
         return helpers.working_bytes(compiled)
 
     assert temp("sqrt") <= 0.3 * temp(False)
+
+
+def test_a_keep_function_taking_other_arguments_is_named():
+    """``keep`` is called as fn(acc, y): one taking another number of
+    arguments is named with its signature before anything is traced (it was
+    Python's bare TypeError from inside the scan); builtins pass as they are."""
+    xs = jnp.arange(5.0)
+
+    def step(c, x):
+        return c + x, c * x
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.scan: the `keep` function is called as fn\(acc, y\).*"
+        r"but it is fn\(a\)\.\nFix: take two arguments",
+    ):
+        scanax.scan(step, 0.0, xs, keep=lambda a: a)
+    _, kept = scanax.scan(step, 0.0, xs, keep=jnp.maximum)
+    _, ys = jax.lax.scan(step, 0.0, xs)
+    np.testing.assert_allclose(kept, jnp.max(ys))

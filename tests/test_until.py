@@ -958,3 +958,17 @@ def test_inside_shard_map_a_collective_over_the_loop_axes_is_refused(where):
         match=r"uses a collective over the loop's manual axes \('b',\) \(psum",
     ):
         shard_value(ours_, P("b"))(*shard_inputs(P("b")))
+
+
+def test_an_until_taking_other_arguments_is_named():
+    """``until`` is called with the carry alone: one taking the step's input
+    too is named with its signature before anything is traced (it was
+    Python's bare TypeError)."""
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.scan_until: `until` is called with the carry alone, "
+        r"until\(carry\), but it is until\(c, x\)\.\nFix: take the carry only",
+    ):
+        scanax.scan_until(
+            lambda c, x: (c + 1, c), 0.0, None, length=5, until=lambda c, x: c > 2
+        )

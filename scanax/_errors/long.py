@@ -78,6 +78,23 @@ def until_not_callable(until: Any) -> TypeError:
     )
 
 
+def until_arity(signature: str) -> TypeError:
+    return TypeError(
+        f"{UNTIL}: `until` is called with the carry alone, until(carry), but it "
+        f"is until{signature}.\nFix: take the carry only, e.g. until=lambda "
+        "carry: carry[0] < 1e-6 (what it needs of a step's input, the body puts "
+        "in the carry)."
+    )
+
+
+def keep_arity(call: str, signature: str) -> TypeError:
+    return TypeError(
+        f"{call}: the `keep` function is called as fn(acc, y), the accumulator "
+        f"and a step's output, but it is fn{signature}.\nFix: take two "
+        "arguments, e.g. keep=jnp.maximum or keep=lambda acc, y: acc + y**2."
+    )
+
+
 def until_not_bool(out: Any) -> TypeError:
     got = short_type(out) if out is not None else "a non-array value"
     return TypeError(
