@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 from .. import _fingerprint, _nnx
 from .._errors import evaluate as errors
 from .._tree import is_array
-from .models import population as _population
+from .models import nnx as _models_nnx, population as _population
 
 
 class Target(NamedTuple):
@@ -41,8 +41,7 @@ def of(call: str, model: Any) -> Target:
     if _population.is_population(model):
         return _population_target(model)
     if _nnx.is_node(model):
-        nnx = sys.modules.get("flax.nnx")
-        if nnx is not None and isinstance(model, nnx.Optimizer):
+        if _models_nnx.is_optimizer(model):
             raise errors.optimizer_as_model(call)
         return _nnx_target(model)
     return _tree_target(call, model)
