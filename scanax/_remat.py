@@ -35,7 +35,28 @@ def resolve(call: str, remat: Any) -> Any:
         raise errors.remat_string(call, remat)
     if not callable(remat):
         raise errors.remat_type(call, remat)
+    check_not_a_factory(call, remat)
     return remat
+
+
+# ``jax.checkpoint_policies``' functions that make a policy (called with names
+# or policies), not policies themselves: passed uncalled, JAX fails inside.
+_FACTORIES = (
+    "save_only_these_names",
+    "save_any_names_but_these",
+    "save_and_offload_only_these_names",
+    "save_from_both_policies",
+    "offload_dot_with_no_batch_dims",
+)
+
+
+def check_not_a_factory(call: str, remat: Any) -> None:
+    """Refuses ``remat`` that is one of ``jax.checkpoint_policies``' policy
+    factories, not called."""
+    policies = jax.checkpoint_policies
+    for name in _FACTORIES:
+        if getattr(policies, name, None) is remat:
+            raise errors.remat_factory(call, name)
 
 
 def checkpoint(fn: Callable, remat: Any, prevent_cse: bool = False) -> Callable:

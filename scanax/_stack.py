@@ -111,6 +111,8 @@ def pytree_view(stacked: Any, j: int) -> Any:
 
 
 def check_remat(remat: Any) -> Any:
+    if callable(remat):
+        _remat.check_not_a_factory(errors.CALL, remat)
     if remat is None or isinstance(remat, bool) or callable(remat):
         return remat
     if remat == "sqrt":

@@ -226,3 +226,31 @@ def test_sqrt_cuts_gradient_memory():
 def test_bad_remat(bad, err, match):
     with pytest.raises(err, match=match):
         scanax.scan(lambda c, x: (c, None), 0.0, length=3, remat=bad)
+
+
+@pytest.mark.parametrize(
+    "factory", ["save_only_these_names", "save_any_names_but_these"]
+)
+def test_an_uncalled_policy_factory_is_named(factory):
+    """``jax.checkpoint_policies.save_only_these_names`` makes a policy; passed
+    uncalled it was JAX's "unexpected keyword argument 'out_dtype'" from
+    inside the gradient. Named before anything is traced, for scan and Stack;
+    called, it is a policy like any other (the gradient equals the plain
+    scan's)."""
+    make = getattr(jax.checkpoint_policies, factory)
+    xs = jnp.linspace(0.1, 1.0, 5)
+
+    def step(c, x):
+        return jnp.tanh(c * x), c
+
+    def loss(h, remat):
+        return scanax.scan(step, h, xs, remat=remat)[1].sum()
+
+    with pytest.raises(
+        TypeError, match=rf"(?s)scanax.scan: `remat` is .*{factory}.*Fix: call it"
+    ):
+        jax.grad(loss)(1.0, make)
+    with pytest.raises(TypeError, match=rf"scanax.Stack: `remat` is .*{factory}"):
+        scanax.Stack([lambda x: x, lambda x: x], remat=make)
+    want = jax.grad(lambda h: jax.lax.scan(step, h, xs)[1].sum())(1.0)
+    np.testing.assert_allclose(jax.grad(loss)(1.0, make("a")), want, rtol=1e-6)

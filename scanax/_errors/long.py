@@ -70,6 +70,16 @@ def remat_type(call: str, remat: Any) -> TypeError:
     )
 
 
+def remat_factory(call: str, name: str) -> TypeError:
+    return TypeError(
+        f"{call}: `remat` is jax.checkpoint_policies.{name}, which makes a "
+        "policy from its arguments, not a policy.\nFix: call it, e.g. "
+        f"remat=jax.checkpoint_policies.{name}(...) (save_only_these_names("
+        '"attn_out") keeps the values named with jax.ad_checkpoint.'
+        "checkpoint_name)."
+    )
+
+
 def until_not_callable(until: Any) -> TypeError:
     return TypeError(
         f"{UNTIL}: `until` must be a function until(carry) -> bool, got "
