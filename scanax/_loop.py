@@ -330,6 +330,19 @@ class Loop:
     length: int
 
 
+def check_unroll(call: str, unroll: Any) -> None:
+    """``unroll`` as ``jax.lax.scan`` takes it (a bool or an int >= 0), else
+    scanax's error before anything is traced (JAX's has no call's name)."""
+    if isinstance(unroll, bool):
+        return
+    try:
+        value = operator.index(unroll)
+    except TypeError:
+        raise _errors.bad_unroll(call, unroll) from None
+    if value < 0:
+        raise _errors.bad_unroll(call, unroll)
+
+
 def prepare(
     call: str, f: Callable, init: Any, xs: Any, length: Any, in_axes: Any
 ) -> tuple[Loop, CarryCodec]:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import _eager, _long
-from ._loop import call_lowering, move_out_axes, prepare, run_lax
+from ._loop import call_lowering, check_unroll, move_out_axes, prepare, run_lax
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -113,6 +113,7 @@ def scan(
         >>> float(total), partial.tolist()
         (9.0, [0.0, 3.0, 6.0])
     """
+    check_unroll(_CALL, unroll)
     # Un-jitted: compile once per distinct program. Not with a progress bar: each
     # call has its own bar for the program to report to (so its own program).
     if progress is False and _eager.active():

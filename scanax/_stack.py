@@ -32,6 +32,7 @@ import jax.tree_util as jtu
 
 from . import _backend, _caller, _eager, _nnx, _remat
 from ._errors import stack as errors
+from ._loop import check_unroll
 from ._scan import scan
 from ._stack_plan import (
     Piece,
@@ -447,6 +448,7 @@ class Body:
     ):
         layers = check_layers(layers)
         remat = check_remat(remat)
+        check_unroll(errors.CALL, unroll)
         adapter = self._adapter
         adapter.check(layers)
         self.plan = plan(signature_ids([adapter.signature(x) for x in layers]))

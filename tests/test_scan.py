@@ -813,3 +813,20 @@ def test_error_messages_are_built_in_the_errors_package():
                 if node.exc.args:
                     found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
     assert not found, found
+
+
+@pytest.mark.parametrize(
+    "unroll, exc", [(-1, ValueError), (1.5, TypeError), ("2", TypeError)]
+)
+def test_a_bad_unroll_is_named(unroll, exc):
+    """``unroll`` as jax.lax.scan takes it, else scanax's error naming the call
+    (it was JAX's own message, for scan and for Stack)."""
+    with pytest.raises(
+        exc, match=r"scanax.scan: `unroll` must be a bool or a non-negative int"
+    ):
+        scanax.scan(lambda c, x: (c + x, c), 0.0, jnp.ones(3), unroll=unroll)
+    with pytest.raises(exc, match=r"scanax.Stack: `unroll` must be"):
+        scanax.Stack([lambda x: x, lambda x: x], unroll=unroll)
+    got = scanax.scan(lambda c, x: (c + x, c), 0.0, jnp.ones(3), unroll=np.int32(2))
+    want = jax.lax.scan(lambda c, x: (c + x, c), 0.0, jnp.ones(3))
+    np.testing.assert_allclose(got[1], want[1])

@@ -92,6 +92,15 @@ def bad_length(call: str, length: Any) -> Exception:
     )
 
 
+def bad_unroll(call: str, unroll: Any) -> Exception:
+    message = (
+        f"{call}: `unroll` must be a bool or a non-negative int (as in "
+        f"jax.lax.scan), got {type(unroll).__name__} {unroll!r}.\nFix: pass e.g. "
+        "unroll=2 (two steps per loop iteration), or unroll=True (the whole loop)."
+    )
+    return ValueError(message) if isinstance(unroll, int) else TypeError(message)
+
+
 def no_length(call: str) -> ValueError:
     return ValueError(
         f"{call}: cannot tell how many iterations to run: `xs` is None and `length` "
