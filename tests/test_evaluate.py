@@ -741,3 +741,17 @@ def test_the_key_rule(signature, population, takes):
     ns: dict = {}
     exec(f"def fn({signature}): pass", ns)
     assert _keys.arguments(ns["fn"], "scanax.fit", "loss_fn", population)[:2] == takes
+
+
+def test_a_batch_that_is_one_array_is_described_as_one():
+    """A function failing on a batch that is one array: the batch is named by
+    its shape and dtype, not by its tracer's class."""
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.predict: `fn` raised TypeError.*A batch of `data` is an "
+        r"array: float32\[5, 4\]\.\nFix:",
+    ) as caught:
+        predict(
+            {"w": jnp.ones(3)}, lambda p, x: x @ p["w"], jnp.ones((10, 4)), batch_size=5
+        )
+    assert "Tracer" not in str(caught.value)

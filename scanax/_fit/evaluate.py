@@ -291,7 +291,10 @@ def batches(data: Any, b: int) -> Any:
 
 
 def describe(batch: Any) -> str:
-    """``tuple: [0] float32[4, 3], [1] int32[4]`` for a batch's leaves."""
+    """``tuple: [0] float32[4, 3], [1] int32[4]`` for a batch's leaves; ``an
+    array: float32[4, 3]`` for a batch that is one."""
+    if isinstance(batch, jax.Array):  # (a tracer while traced: not its type's name)
+        return f"an array: {short_type(batch)}"
     leaves = jtu.tree_flatten_with_path(batch)[0]
     parts = ", ".join(
         f"{jtu.keystr(p) or '(the batch)'} {short_type(x)}" for p, x in leaves
