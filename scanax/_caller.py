@@ -1,13 +1,18 @@
-"""Where a warning points: the user's line, the first frame outside scanax and
-the libraries it calls while it runs (JAX tracing, Flax, Equinox, Optax, Orbax),
-found when the warning is raised instead of counted by hand; and whether a
-user's function takes the arguments scanax will call it with."""
+"""Where scanax meets its user's code: where a warning points (the user's
+line, the first frame outside scanax and the libraries it calls while it runs:
+JAX tracing, Flax, Equinox, Optax, Orbax, found when the warning is raised
+instead of counted by hand), whether a user's function takes the arguments
+scanax will call it with, and whether its error may be about its input."""
 
 from __future__ import annotations
 
 import inspect
 import sys
 from typing import Any
+
+import jax
+
+from . import _nnx
 
 # Modules (by their __name__'s first part) whose frames a warning passes over.
 _LIBRARIES = frozenset(
@@ -32,15 +37,27 @@ def _library(frame) -> bool:
     )
 
 
-def signature_if_not_taking(fn: Any, n: int) -> str | None:
-    """``fn``'s signature if it cannot be called with ``n`` positional
-    arguments, else None (also where its signature cannot be read)."""
+def cannot_bind(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str] | None:
+    """``(fn's signature, why)`` where ``fn`` cannot be called with these
+    arguments; None where it can, or where its signature cannot be read (a
+    builtin: called as it is)."""
     try:
         signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # (a builtin or a C function: not read)
+    except (TypeError, ValueError):
         return None
     try:
-        signature.bind(*range(n))
-    except TypeError:
-        return str(signature)
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        return str(signature), str(err)
     return None
+
+
+def about_the_input(err: Exception) -> bool:
+    """Whether an error a user's function raised while it was traced may come
+    from the input scanax gave it (so the call raises it again naming that
+    input, the original chained): not JAX's own about tracing, not scanax's,
+    not NNX's refusal of a Variable from another trace."""
+    text = str(err.args[0]) if err.args else ""
+    if isinstance(err, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
+        return False
+    return not text.startswith("scanax") and not _nnx.is_trace_level_error(err)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _backend, _caller, _eager, _nnx, _remat
+from . import _backend, _caller, _eager, _remat
 from ._errors import stack as errors
 from ._loop import check_unroll
 from ._scan import scan
@@ -347,10 +347,7 @@ def _called(
     try:
         return adapter.call(layer, x, kwargs, remat, i, looped=looped)
     except (TypeError, ValueError) as err:
-        text = str(err.args[0]) if err.args else ""
-        if isinstance(err, jax.errors.JAXTypeError) or text.startswith("scanax"):
-            raise
-        if _nnx.is_trace_level_error(err):
+        if not _caller.about_the_input(err):
             raise
         raise errors.layer_failed(i, layer, x, sorted(kwargs), err) from err
 

@@ -38,9 +38,9 @@ def resolve(call: str, keep_every: Any, keep: Any) -> tuple[int, Any]:
     if not (keep in _REDUCERS or callable(keep)):
         raise errors.bad_keep(call, keep)
     if keep not in _REDUCERS:
-        signature = _caller.signature_if_not_taking(keep, 2)
-        if signature is not None:
-            raise errors.keep_arity(call, signature)
+        refused = _caller.cannot_bind(keep, None, None)
+        if refused is not None:
+            raise errors.keep_arity(call, refused[0])
     return keep_every, keep
 
 

@@ -166,9 +166,9 @@ def scan_until(
     )
     if not callable(until):
         raise errors.until_not_callable(until)
-    signature = _caller.signature_if_not_taking(until, 1)
-    if signature is not None:
-        raise errors.until_arity(signature)
+    refused = _caller.cannot_bind(until, None)
+    if refused is not None:
+        raise errors.until_arity(refused[0])
     loop, codec = prepare(_CALL, f, init, xs, length, in_axes)
     spec, remat, keep_every, keep = (
         (options.progress, options.remat, options.keep_every, options.keep)

@@ -74,7 +74,7 @@ def structure_depends_on_hp(kind: str, names: list[str]) -> ValueError:
     )
 
 
-def make_arguments(names: list[str], signature: str, err: Exception) -> TypeError:
+def make_arguments(names: list[str], signature: str, err: str) -> TypeError:
     given = ", ".join(f"{k}=..." for k in names)
     called = f"make(key, {given})" if names else "make(key)"
     return TypeError(

@@ -23,7 +23,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _fingerprint, _nnx
+from .. import _caller, _fingerprint
 from .._errors import evaluate as errors, keys as key_errors, short_type
 from .._tree import is_array
 from . import (
@@ -302,11 +302,6 @@ def describe(batch: Any) -> str:
     return f"{type(batch).__name__}: {parts}"
 
 
-# Errors raised while a user's function is traced that say nothing about the
-# data (JAX's tracer errors, NNX's trace levels): raised as they are.
-_ABOUT_THE_FUNCTION = (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
-
-
 @dataclasses.dataclass(frozen=True)
 class Guarded:
     """``fn`` (a user's evaluation or prediction function, called as
@@ -330,13 +325,7 @@ class Guarded:
         try:
             return self.fn(*args)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
-            text = str(err.args[0]) if err.args else ""
-            if (
-                isinstance(err, _ABOUT_THE_FUNCTION)
-                or text.startswith("scanax")
-                or _nnx.is_trace_level_error(err)
-                or len(args) < 2
-            ):
+            if len(args) < 2 or not _caller.about_the_input(err):
                 raise
             raise errors.fn_failed(
                 self.call, self.name, self.data, describe(args[1]), err

@@ -20,7 +20,6 @@ epochs`` of the batch.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
@@ -96,7 +95,7 @@ class Rollout:
         for name, fn, arity in (("collect", collect, 3), ("init", init, 1)):
             if not callable(fn):
                 raise errors.not_callable(name, fn)
-            if not _takes(fn, arity):
+            if _caller.cannot_bind(fn, *range(arity)) is not None:
                 raise errors.arity(name, fn, arity)
         self.collect, self.init = collect, init
         self.epochs = _positive("epochs", epochs)
@@ -120,18 +119,6 @@ class Rollout:
             f"scanax.Rollout({name}, epochs={self.epochs}, "
             f"minibatches={self.minibatches})"
         )
-
-
-def _takes(fn: Callable, n: int) -> bool:
-    """Whether ``fn`` can be called with ``n`` positional arguments (True when
-    its signature cannot be read)."""
-    try:
-        inspect.signature(fn).bind(*range(n))
-    except TypeError:
-        return False
-    except ValueError:  # (no signature: a builtin)
-        return True
-    return True
 
 
 def _positive(name: str, value: Any) -> int:

@@ -10,7 +10,6 @@ receives a traced array, so one program serves every value.
 
 from __future__ import annotations
 
-import inspect
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from ... import _fingerprint, _tree
+from ... import _caller, _fingerprint, _tree
 from ..._errors import population as errors, short_type
 from . import (
     adapt as _models,
@@ -275,15 +274,9 @@ def population(make: Callable, n: int, *, key: Any, **hyperparameters: Any):
         if a.ndim != 1 or a.shape[0] != n:
             raise errors.hp_length(name, a.shape, n)
         values[name] = a
-    try:
-        signature = inspect.signature(make)
-    except (TypeError, ValueError):  # (a builtin: called as it is)
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(key, **values)
-        except TypeError as err:
-            raise errors.make_arguments(list(values), str(signature), err) from None
+    refused = _caller.cannot_bind(make, key, **values)
+    if refused is not None:
+        raise errors.make_arguments(list(values), *refused)
     return Population(make, n, key, values)
 
 
