@@ -312,8 +312,7 @@ class Chunks:
 
         step, shapes = trace_once(one, carry, perm, c.start, jnp.int32(0), True)
         if self.plan is None:
-            periods = self.periods + self.cuts
-            k = chunk_length(step.jaxpr, periods, step.inputs) if masks else 1
+            k = chunk_length(step.jaxpr, self.periods + self.cuts) if masks else 1
             self.plan = Plan(k, self.periods)
         with self._boundaries():
             before = trace_once(

@@ -95,9 +95,8 @@ _BYTES_PER_SECOND = 2e12
 _MIN_STEP_SECONDS = 2e-5
 
 
-def chunk_length(step: Any, periods: tuple[int, ...] = (), inputs: Any = None) -> int:
-    """The steps per chunk of a call whose step is the jaxpr ``step`` (its
-    own inputs: ``inputs``, shapes and dtypes, else its ``invars``), off
+def chunk_length(step: Any, periods: tuple[int, ...] = ()) -> int:
+    """The steps per chunk of a call whose step is the jaxpr ``step``, off
     CPU (on CPU it is 1: an iteration of XLA:CPU's dynamic loop costs no
     round trip, and the masks of cut chunks measured 6-13% of a small MLP's
     step there).
@@ -112,9 +111,7 @@ def chunk_length(step: Any, periods: tuple[int, ...] = (), inputs: Any = None) -
     step per chunk: a masked step would call it too."""
     if _has_callback(step):
         return 1
-    if inputs is None:
-        inputs = [v.aval for v in step.invars]
-    seconds = _step_seconds(step, inputs)
+    seconds = _step_seconds(step)
     k = 1
     while k * 2 <= _MAX_CHUNK and k * 2 * seconds <= _CHUNK_SECONDS:
         k *= 2
@@ -161,11 +158,11 @@ def _subjaxprs(params: dict) -> Any:
                 yield v
 
 
-def _step_seconds(jaxpr: Any, inputs: list) -> float:
+def _step_seconds(jaxpr: Any) -> float:
     """A step's time on an accelerator, roughly: its matmuls' and
-    convolutions' flops, or the bytes of its ``inputs`` (shapes and dtypes)
-    read and written three times (the state, its update, the gradients), or a
-    floor."""
+    convolutions' flops, or the bytes of its inputs (not the constants it
+    closes over, as the data) read and written three times (the state, its
+    update, the gradients), or a floor."""
     flops = 0.0
     for eqn, times in _counted(jaxpr, 1):
         name = eqn.primitive.name
@@ -180,9 +177,9 @@ def _step_seconds(jaxpr: Any, inputs: list) -> float:
             window = math.prod(rhs[d] for d in spec[2:]) * rhs[spec[1]]
             flops += times * 2.0 * window * math.prod(eqn.outvars[0].aval.shape)
     size = sum(
-        math.prod(v.shape) * v.dtype.itemsize
-        for v in inputs
-        if hasattr(v, "shape") and hasattr(v.dtype, "itemsize")
+        math.prod(v.aval.shape) * v.aval.dtype.itemsize
+        for v in jaxpr.invars
+        if hasattr(v.aval, "shape") and hasattr(v.aval.dtype, "itemsize")
     )
     return max(
         flops / _FLOPS_PER_SECOND, 3 * size / _BYTES_PER_SECOND, _MIN_STEP_SECONDS

@@ -232,13 +232,12 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
     convolutions are replayed in the layout XLA runs fast inside a loop body
     (``_conv_layout``); a step without convolutions replays as traced.
 
-    The replay carries ``jaxpr`` (what was traced) and ``inputs`` (the shapes
-    and dtypes of ``args``' leaves: what ``chunk_length`` estimates a step's
-    cost from, never the data it closes over). A step traced by ``jax.jit`` and
-    called as one equation its trace cache answers traced the loop 6 ms faster
-    on CPU, but made the first call no faster on a TPU v5e (fresh processes:
-    883-967 ms against 817-945 replayed, docs/compile.md): one path for every
-    backend."""
+    The replay carries ``jaxpr`` (what was traced: its inputs are ``args``'
+    leaves, the data it closes over are its constants, so that ``chunk_length``
+    reads a step's own inputs). A step traced by ``jax.jit`` and called as one
+    equation its trace cache answers traced the loop 6 ms faster on CPU, but
+    made the first call no faster on a TPU v5e (fresh processes: 883-967 ms
+    against 817-945 replayed, docs/compile.md): one path for every backend."""
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_tree = jtu.tree_structure(shapes)
 
@@ -247,7 +246,6 @@ def trace_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
         return jtu.tree_unflatten(out_tree, flat)
 
     replay.jaxpr = closed.jaxpr
-    replay.inputs = [jax.typeof(x) for x in jtu.tree_leaves(args)]
     return replay, shapes
 
 
