@@ -27,7 +27,7 @@ def _describe(x: Any) -> str:
 
 
 def _first_mismatch(
-    prefix: Any, tree: Any, path: KeyPath
+    prefix: Any, tree: Any, path: KeyPath, tree_name: str
 ) -> tuple[KeyPath, str] | None:
     if _is_axis_leaf(prefix):
         return None
@@ -36,23 +36,29 @@ def _first_mismatch(
             isinstance(prefix, tuple) and isinstance(tree, tuple)
         )
         if not same_kind:
-            return path, f"{_describe(prefix)} where xs has {_describe(tree)}"
+            return path, f"{_describe(prefix)} where {tree_name} has {_describe(tree)}"
         if isinstance(prefix, dict):
             if set(prefix) != set(tree):
-                return path, f"{_describe(prefix)} where xs has {_describe(tree)}"
+                return (
+                    path,
+                    f"{_describe(prefix)} where {tree_name} has {_describe(tree)}",
+                )
             items = [(jtu.DictKey(k), prefix[k], tree[k]) for k in prefix]
         else:
             if len(prefix) != len(tree):
-                return path, f"{_describe(prefix)} where xs has {_describe(tree)}"
+                return (
+                    path,
+                    f"{_describe(prefix)} where {tree_name} has {_describe(tree)}",
+                )
             items = [
                 (jtu.SequenceKey(i), p, t) for i, (p, t) in enumerate(zip(prefix, tree))
             ]
         for key, p, t in items:
-            found = _first_mismatch(p, t, (*path, key))
+            found = _first_mismatch(p, t, (*path, key), tree_name)
             if found:
                 return found
         return None
-    return path, f"{_describe(prefix)} where xs has {_describe(tree)}"
+    return path, f"{_describe(prefix)} where {tree_name} has {_describe(tree)}"
 
 
 def first_difference(
@@ -112,7 +118,7 @@ def match_prefix(
         try:
             subtrees = axis_def.flatten_up_to(tree)
         except (ValueError, TypeError) as err:
-            found = _first_mismatch(prefix, tree, ())
+            found = _first_mismatch(prefix, tree, (), tree_name)
             if found is None:
                 detail = (
                     f"{what} is {_describe(prefix)} and {tree_name} is "

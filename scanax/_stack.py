@@ -498,6 +498,9 @@ class Body:
         return f"Stack({describe_plan(self.plan, list(self.pieces))})"
 
 
+_KEYWORDS = ("remat", "unroll")  # Body.__init__'s, after the layers
+
+
 class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
     """A sequence of layers applied in order; runs of identical layers are scanned.
 
@@ -571,6 +574,9 @@ class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.regis
 
     def __new__(cls, layers: Sequence[Any] = (), **kwargs: Any) -> Any:
         if cls is Stack:
+            for name in kwargs:
+                if name not in _KEYWORDS:
+                    raise errors.unexpected_keyword(name, list(_KEYWORDS))
             layers = check_layers(layers)
             for claims, build in _ADAPTERS:
                 if claims(layers):

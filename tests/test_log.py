@@ -305,6 +305,19 @@ def test_bad_log_argument(log, match):
         Sinks(log)
 
 
+def test_bad_sink_in_log_object_names_log():
+    """scanax.Log(sink) names itself and its one sink, not fit's log=."""
+    with pytest.raises(TypeError) as err:
+        scanax.Log(3)
+    assert str(err.value) == (
+        "scanax.Log: `sink` is int 3, which is not a sink (a callable sink(step, "
+        "metrics)).\nFix: pass one sink: scanax.TensorBoard(logdir), "
+        "scanax.CSV(path), or a function sink(step, metrics) -> None."
+    )
+    with pytest.raises(TypeError, match=r"^scanax\.Log: `sink` is str.*scanax.CSV"):
+        scanax.Log("a.csv")
+
+
 def test_bad_paths():
     with pytest.raises(TypeError, match=r"scanax.CSV: `path` must be a path"):
         scanax.CSV(3)

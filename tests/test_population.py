@@ -535,8 +535,18 @@ def test_fit_errors():
         result.best("acc")
     with pytest.raises(ValueError, match="not a scalar metric"):
         result.best("step")
-    with pytest.raises(IndexError, match="member 5 of a population of 2"):
+    with pytest.raises(IndexError) as err:
         result.model[5]
+    assert str(err.value) == (
+        "scanax.population: member 5 of a population of 2 is out of range (valid: "
+        "-2..1).\nFix: index with 0 <= i < 2 (negative counts from the end); "
+        "result.best() gives the best member's index."
+    )
+    with pytest.raises(IndexError, match="member -3 of a population of 2 is out"):
+        result.model[np.int64(-3)]
+    with pytest.raises(TypeError, match=r"indexed by an int, got bool True\.\nFix"):
+        result.model[True]
+    assert result.model[np.int64(-1)] is result.model[1]
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")

@@ -138,6 +138,19 @@ def test_trainstate_and_a_population_member():
     np.testing.assert_allclose(both.history["loss"][1], losses, rtol=8e-3)
 
 
+def test_error_precision_object_names_itself():
+    """scanax.Precision's own dtype error names Precision and its argument, not
+    fit's precision= keyword."""
+    for bad in ["half", "float32", jnp.bfloat16, 16]:
+        with pytest.raises(ValueError) as err:
+            scanax.Precision(bad)
+        msg = str(err.value)
+        assert msg.startswith(f"scanax.Precision: dtype={bad!r} is not one it knows: "
+                              "expected 'bfloat16' or 'float16'.\nFix: pass "
+                              "scanax.Precision('bfloat16')"), msg  # fmt: skip
+        assert "scanax.fit" not in msg and "precision=None" not in msg
+
+
 def test_errors():
     with pytest.raises(ValueError, match="precision='half' is not one fit knows"):
         scanax.fit(P0, TX, loss_fn, (X, Y, LABELS), steps=1, batch_size=16,

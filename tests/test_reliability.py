@@ -925,6 +925,23 @@ def test_object_form_messages_name_the_objects():
         scanax.Eval(([1.0, 2.0], [3.0, 4.0]), every=2)
 
 
+def test_eval_arguments_are_named_by_eval():
+    """scanax.Eval's own checks name scanax.Eval (they said scanax.fit)."""
+    data = (jnp.ones((4, 2)), jnp.ones(4))
+    with pytest.raises(
+        ValueError,
+        match=r"^scanax\.Eval: `every` must be a "
+        r"positive int, got 0\.\nFix: pass every=1 or more\.$",
+    ):
+        scanax.Eval(data, every=0)
+    with pytest.raises(
+        TypeError,
+        match=r"^scanax\.Eval: `batch_size` must be a "
+        r"positive int, got float 1\.5",
+    ):
+        scanax.Eval(data, every=2, batch_size=1.5)
+
+
 @pytest.mark.parametrize("sink", [scanax.CSV, scanax.TensorBoard])
 def test_a_sink_window_is_checked_by_kind(tmp_path, sink):
     with pytest.raises(ValueError, match=r"`every` must be a positive int"):

@@ -784,6 +784,16 @@ def test_error_out_axes_out_of_range():
         scanax.scan(lambda c, x: (c, x), 0.0, jnp.ones((2, 3)), out_axes=3)
 
 
+def test_error_out_axes_structure_names_ys():
+    """out_axes is matched against the outputs, so its error speaks of ys."""
+    with pytest.raises(ValueError) as err:
+        scanax.scan(lambda c, x: (c, (x, x)), 0.0, jnp.ones((2, 3)), out_axes=(0,))
+    msg = str(err.value)
+    assert "out_axes is a tuple of length 1 where ys has a tuple of length 2" in msg
+    assert "Fix: give out_axes the same container structure as `ys`" in msg
+    assert "xs" not in msg and "in_axes" not in msg
+
+
 def test_errors_mention_no_private_jax_names():
     with pytest.raises(ValueError) as err:
         scanax.scan(lambda c, x: (c, None), 0.0, {"a": jnp.ones(2), "b": jnp.ones(3)})

@@ -893,6 +893,38 @@ def test_errors():
 
 
 @pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [jnp.sin, jnp.cos],
+        lambda: [eqx.nn.Linear(2, 2, key=jr.key(0)) for _ in range(2)],
+        lambda: [nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(2)],
+    ],
+    ids=["pytree", "equinox", "nnx"],
+)
+def test_error_misspelled_keyword_names_stack(make):
+    """A misspelled keyword is named against Stack's own keywords (it reached an
+    internal class's __init__ before), for every framework's Stack."""
+    with pytest.raises(TypeError) as err:
+        scanax.Stack(make(), unrol=2)
+    msg = str(err.value)
+    assert msg.startswith(
+        "scanax.Stack() got an unexpected keyword argument 'unrol'. "
+        "Did you mean `unroll`?\nFix: Stack takes the layers and the keywords "
+        "remat, unroll;"
+    ), msg
+    assert "Body" not in msg and "__init__" not in msg
+
+
+def test_stack_keywords_are_the_constructors():
+    """The keywords Stack checks are exactly its constructor's."""
+    import inspect
+
+    params = inspect.signature(stack_module.Body.__init__).parameters
+    kw = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    assert tuple(kw) == stack_module._KEYWORDS
+
+
+@pytest.mark.parametrize(
     "make, x, kwargs, at, before",
     [
         (  # a run of three, then a layer of another width

@@ -171,11 +171,15 @@ def bad_axis_value(call: str, what: str, path: str, value: Any) -> TypeError:
 
 
 def prefix_mismatch(call: str, what: str, tree_name: str, detail: str) -> ValueError:
+    example = (
+        "in_axes=(0, None) for xs=(inputs, state)"
+        if what == "in_axes"
+        else f"{what}=(0, 1) for {tree_name}=(a, b)"
+    )
     return ValueError(
         f"{call}: {what} must be an int, None, or a pytree prefix of `{tree_name}`, "
         f"but {detail}.\nFix: give {what} the same container structure as "
-        f"`{tree_name}` (or a prefix of it), e.g. in_axes=(0, None) for "
-        "xs=(inputs, state)."
+        f"`{tree_name}` (or a prefix of it), e.g. {example}."
     )
 
 

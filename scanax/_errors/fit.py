@@ -516,7 +516,15 @@ def iterator_state_type(state: Any) -> TypeError:
     )
 
 
-def precision_value(precision: Any) -> ValueError:
+def precision_value(precision: Any, call: str = CALL) -> ValueError:
+    if call != CALL:  # scanax.Precision(dtype)
+        return ValueError(
+            f"{call}: dtype={precision!r} is not one it knows: expected 'bfloat16' "
+            "or 'float16'.\nFix: pass scanax.Precision('bfloat16') (compute in "
+            "bfloat16, float32 parameters and optimizer state) or "
+            "scanax.Precision('float16') (the same in float16, with dynamic loss "
+            "scaling); for float32 leave scanax.Precision out."
+        )
     return ValueError(
         f"{CALL}: precision={precision!r} is not one fit knows: expected "
         "'bfloat16', 'float16' (scanax.Precision's dtype) or None (no "

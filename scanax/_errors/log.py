@@ -11,9 +11,9 @@ from typing import Any
 from . import short_type
 from .fit import CALL
 
-_SINK_FIX = (
-    "Fix: pass a sink or a list of sinks: scanax.TensorBoard(logdir), "
-    "scanax.CSV(path), or a function sink(step, metrics) -> None."
+_SINKS = (
+    "scanax.TensorBoard(logdir), scanax.CSV(path), or a function "
+    "sink(step, metrics) -> None."
 )
 
 
@@ -38,18 +38,22 @@ def missing_extra(call: str, what: str, package: str, extra: str) -> ImportError
     )
 
 
-def bad_sink(index: int | None, entry: Any) -> TypeError:
-    where = "`log`" if index is None else f"`log[{index}]`"
+def bad_sink(
+    index: int | None, entry: Any, call: str = CALL, name: str = "log"
+) -> TypeError:
+    where = f"`{name}`" if index is None else f"`{name}[{index}]`"
     hint = ""
     if isinstance(entry, (str, os.PathLike)):
         path = os.fspath(entry)
         maker = "CSV" if str(path).endswith(".csv") else "TensorBoard"
         hint = f" A path alone does not say the format: use scanax.{maker}({path!r})."
-    elif isinstance(entry, dict):
+    elif isinstance(entry, dict) and name == "log":
         hint = " A dict is not a sink; to log to several places pass a list."
+    # fit's log= takes a list; scanax.Log(sink) takes one (one Log per sink)
+    takes = "a sink or a list of sinks" if name == "log" else "one sink"
     return TypeError(
-        f"{CALL}: {where} is {short_type(entry)}, which is not a sink (a callable "
-        f"sink(step, metrics)).{hint}\n{_SINK_FIX}"
+        f"{call}: {where} is {short_type(entry)}, which is not a sink (a callable "
+        f"sink(step, metrics)).{hint}\nFix: pass {takes}: {_SINKS}"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax.tree_util as jtu
@@ -89,6 +90,17 @@ def bad_remat(remat: Any) -> TypeError:
         "leave it out (stacked runs then keep only matmul results for the backward "
         'pass), or pass remat=True to recompute every layer, remat="sqrt" for a '
         "long stack, or e.g. remat=jax.checkpoint_policies.dots_saveable."
+    )
+
+
+def unexpected_keyword(name: str, known: list[str]) -> TypeError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    return TypeError(
+        f"{CALL}() got an unexpected keyword argument {name!r}.{hint}\nFix: "
+        f"Stack takes the layers and the keywords {', '.join(known)}; a layer's "
+        "own arguments go to its constructor, and keyword arguments for every "
+        "call go to stack(x, **kwargs)."
     )
 
 

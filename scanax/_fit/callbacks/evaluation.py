@@ -11,6 +11,8 @@ from ..._errors import fit as errors
 from .. import feature as _feature
 from ..data import arrays as _data
 
+_CALL = "scanax.Eval"
+
 
 @dataclasses.dataclass(frozen=True)
 class Eval(_feature.Feature):
@@ -56,9 +58,10 @@ class Eval(_feature.Feature):
 
     def __post_init__(self) -> None:
         if self.every is not None:
-            object.__setattr__(self, "every", _data.positive_int("every", self.every))
+            every = _data.positive_int("every", self.every, _CALL)
+            object.__setattr__(self, "every", every)
         if self.batch_size is not None:
-            size = _data.positive_int("batch_size", self.batch_size)
+            size = _data.positive_int("batch_size", self.batch_size, _CALL)
             object.__setattr__(self, "batch_size", size)
         if self.fn is not None and not callable(self.fn):
             raise errors.eval_fn_not_callable(self.fn)

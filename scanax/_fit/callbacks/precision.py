@@ -33,6 +33,7 @@ from .. import feature as _feature
 from . import loss_scale as _loss_scale
 
 _KNOWN = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_KNOWN_DTYPES = ("bfloat16", "float16")  # scanax.Precision's
 
 
 def check(precision: Any) -> Any:
@@ -86,8 +87,8 @@ class Precision(_feature.Feature):
     field: ClassVar[str] = "loss_scale"
 
     def __post_init__(self) -> None:
-        if check(self.dtype) is None:
-            raise errors.precision_value(self.dtype)
+        if not isinstance(self.dtype, str) or self.dtype not in _KNOWN_DTYPES:
+            raise errors.precision_value(self.dtype, "scanax.Precision")
         if self.state is not None:
             if not self.scaling:
                 raise errors.loss_scale_state_without_float16(self.dtype)

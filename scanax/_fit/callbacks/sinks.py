@@ -176,7 +176,7 @@ class Log(_feature.Feature):
     def __init__(self, sink: Callable, *, every: int = DEFAULT_EVERY):
         if isinstance(sink, (list, tuple)):
             raise errors.log_one_sink(sink)
-        (self.sink,) = resolve(sink)
+        (self.sink,) = resolve(sink, "scanax.Log", "sink")
         self.every = _every("scanax.Log", every)
 
     def __repr__(self) -> str:
@@ -368,15 +368,15 @@ def _line(cells: list[str]) -> str:
 Sink = Callable[[int, Mapping[str, Any]], Any]
 
 
-def resolve(log: Any) -> tuple[Sink, ...]:
+def resolve(log: Any, call: str = errors.CALL, name: str = "log") -> tuple[Sink, ...]:
     """The sinks of a ``log=`` value (a sink, a list or tuple of sinks, or
-    None), validated."""
+    None), validated; errors name ``call``'s argument ``name``."""
     if log is None:
         return ()
     entries, listed = (log, True) if isinstance(log, (list, tuple)) else ([log], False)
     for i, entry in enumerate(entries):
         if not callable(entry) or isinstance(entry, type):
-            raise errors.bad_sink(i if listed else None, entry)
+            raise errors.bad_sink(i if listed else None, entry, call, name)
     return tuple(entries)
 
 

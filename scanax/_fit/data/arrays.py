@@ -287,7 +287,7 @@ def _raw_key_shape() -> tuple[int, ...]:
     return jax.eval_shape(lambda: jr.key_data(jr.key(0))).shape
 
 
-def positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any, call: str = errors.CALL) -> int:
     if not isinstance(value, bool):
         try:
             value = operator.index(value)
@@ -296,8 +296,8 @@ def positive_int(name: str, value: Any) -> int:
         else:
             if value > 0:
                 return value
-            raise errors.not_positive(name, value)
-    raise errors.not_int(name, value)
+            raise errors.not_positive(name, value, call)
+    raise errors.not_int(name, value, call)
 
 
 def make_source(data: Any, batch_size: Any, key: Any) -> Any:
