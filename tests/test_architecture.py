@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fit.keys",
             "_fit.feature",
             "_fit.mesh",
+            "_fit.processes",
             "_fit.checkpoint",
             "_fit.compile_cache",
             "_fit.scalars",

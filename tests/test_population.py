@@ -549,6 +549,55 @@ def test_fit_errors():
     assert result.model[np.int64(-1)] is result.model[1]
 
 
+@pytest.mark.parametrize("how", ["set_mesh", "device_put"])
+def test_error_population_on_an_explicit_mesh_without_mesh(how):
+    """A population whose members were made on a mesh of Explicit axes
+    (``jax.make_mesh``'s default) and no ``mesh=``: named before anything runs
+    (it was JAX's ShardingTypeError from inside fit's loop), the population
+    untouched; made on one device, the same fit runs as its members alone."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def make(key, lr):
+        params = {"w": jr.normal(key, (4, 1)), "b": jnp.zeros((1,))}
+        if how == "device_put":
+            params = jax.device_put(params, on_mesh)
+        return params, optax.sgd(lr)
+
+    def loss(p, batch):
+        x, y = batch
+        return mse(x @ p["w"] + p["b"], y)
+
+    if how == "set_mesh":
+        with jax.set_mesh(mesh):
+            pop = scanax.population(make, 2, key=KEY, lr=LRS)
+    else:
+        pop = scanax.population(make, 2, key=KEY, lr=LRS)
+    before = jax.tree.map(np.asarray, pop.state)
+    with pytest.raises(ValueError) as err:
+        scanax.fit(pop, None, loss, (X, Y), steps=3, batch_size=BATCH, progress=False)
+    msg = str(err.value)
+    assert msg.startswith(
+        "scanax.fit: model['b'] is placed on a mesh with Explicit axes ('data',)"
+    ), msg
+    assert "Fix: make the members on one device: call scanax.population outside " \
+        "jax.set_mesh" in msg  # fmt: skip
+    assert pop.step == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, pop.state),
+                 before)  # fmt: skip
+    here = scanax.population(
+        lambda key, lr: ({"w": jr.normal(key, (4, 1)), "b": jnp.zeros((1,))},
+                         optax.sgd(lr)), 2, key=KEY, lr=LRS)  # fmt: skip
+    got = scanax.fit(here, None, loss, (X, Y), steps=3, batch_size=BATCH,
+                     progress=False, key=FIT_KEY)  # fmt: skip
+    for i in range(2):
+        params = {"w": jr.normal(jr.split(KEY, 2)[i], (4, 1)), "b": jnp.zeros((1,))}
+        ref = scanax.fit(params, optax.sgd(float(LRS[i])), loss, (X, Y), steps=3,
+                         batch_size=BATCH, progress=False,
+                         key=jr.split(FIT_KEY, 2)[i])  # fmt: skip
+        allclose(got.history["loss"][i], ref.history["loss"])
+
+
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)")
 @pytest.mark.parametrize(
     "shape, axes", [((4,), ("members",)), ((2, 2), ("members", "data"))]

@@ -451,13 +451,22 @@ def under_disable_jit() -> ValueError:
     )
 
 
-def on_explicit_mesh(name: str, axes: tuple) -> ValueError:
+def on_explicit_mesh(name: str, axes: tuple, population: bool) -> ValueError:
+    if population:
+        fix = (
+            "make the members on one device: call scanax.population outside "
+            "jax.set_mesh, and put nothing on that mesh in `make` (to split the "
+            "members over devices, pass fit a mesh= with a 'members' axis)."
+        )
+    else:
+        fix = (
+            "pass mesh=<that mesh> (fit then places the training state and splits "
+            "the batches over it), or put its arrays on one device first (e.g. "
+            "jax.device_put(params, jax.devices()[0]))."
+        )
     return ValueError(
         f"{CALL}: {name} is placed on a mesh with Explicit axes {axes} "
-        "(jax.make_mesh's default), but fit got no mesh=.\nFix: pass "
-        "mesh=<that mesh> (fit then places the training state and splits the "
-        "batches over it), or put its arrays on one device first (e.g. "
-        "jax.device_put(params, jax.devices()[0]))."
+        f"(jax.make_mesh's default), but fit got no mesh=.\nFix: {fix}"
     )
 
 

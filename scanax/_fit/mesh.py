@@ -7,17 +7,13 @@ the leaves' own shardings say, or sharded by ``shard="fsdp"``'s rule), and XLA's
 SPMD partitioner inserts the gradient all-reduce and parameter all-gathers.
 
 Across processes every process runs the same ``fit``; what each decides on its
-own host (how many steps the next call runs: timed calls, the bar's stops, an
-iterable that runs out) is agreed through the coordination service's key-value
-store (``agree``), so that every process runs the same compiled calls.
+own host is agreed through ``processes.py`` (the coordination service's
+key-value store), so that every process runs the same compiled calls.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
-import json
 import warnings
 from typing import Any
 
@@ -29,13 +25,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _caller
 from .._errors import fit as errors, population as pop_errors, short_type
+from .processes import bar_here, check_processes, fewest
 
 AXIS = "data"
 MEMBERS = "members"  # a population's member axis (population parallelism)
 SHARD = ("fsdp",)  # the values of fit's ``shard=``
-# How long a process waits for the others to reach the same point of a ``fit``
-# (a dead process ends the job earlier: jax.distributed's heartbeats).
-AGREE_TIMEOUT_MS = 10 * 60 * 1000
 
 
 def check(mesh: Any) -> None:
@@ -199,6 +193,19 @@ def _known(mesh: Any, axis: Any) -> bool:
     return all(a in mesh.axis_names for a in names)
 
 
+def not_on_an_explicit_mesh(names: list[str], leaves: list, pop: bool) -> None:
+    """No leaf on a mesh of Explicit axes, else the error naming the first (the
+    model's leaves before the optimizer's)."""
+    explicit = jax.sharding.AxisType.Explicit
+    named = sorted(zip(names, leaves), key=lambda pair: pair[0].startswith("opt"))
+    for name, x in named:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            if explicit in tuple(getattr(mesh, "axis_types", ())):
+                raise errors.on_explicit_mesh(name, tuple(mesh.axis_names), pop)
+
+
 def place(leaves: list, shardings: list) -> list:
     return [_put(x, s) for x, s in zip(leaves, shardings)]
 
@@ -351,10 +358,12 @@ class Placement:
             check_processes(self.mesh, data, **arguments)
 
     def bar(self, spec: Any) -> Any:
-        return bar_here(self.mesh, spec)
+        """The progress bar's spec where this process shows it, else None."""
+        return spec if self.mesh is None else bar_here(self.mesh, spec)
 
     def fewest(self, count: int) -> int:
-        return fewest(self.mesh, count)
+        """The smallest ``count`` of every process of the mesh."""
+        return int(count) if self.mesh is None else fewest(self.mesh, count)
 
     # ------------------------------------------------------------ placing
 
@@ -379,6 +388,13 @@ class Placement:
         if self.mesh is None:
             return jax.device_put(chunk)
         return put_chunk(self.mesh, chunk, axis)
+
+    def check_unplaced(self, names: list[str], leaves: list, pop: bool) -> None:
+        """Without a mesh, no state leaf (of a population if ``pop``) may be on
+        a mesh of Explicit axes: its sharding is part of its type there, and a
+        loop built for one device would fail in JAX's sharding checks."""
+        if self.mesh is None:
+            not_on_an_explicit_mesh(names, leaves, pop)
 
     def state(self, adapter: Any, leaves: list, shard: str | None) -> tuple:
         """The training state's leaves placed, and their shardings (None
@@ -440,111 +456,3 @@ class Placement:
         if self.mesh is None:
             return report, kept
         return everywhere(self.mesh, report), keep_by_member(self.mesh, kept)
-
-
-# ---------------------------------------------------------------- several processes
-
-
-def processes(mesh: Any) -> tuple[int, ...]:
-    """The processes whose devices make up ``mesh`` (one in a single process)."""
-    if mesh is None:
-        return (jax.process_index(),)
-    return tuple(sorted({d.process_index for d in mesh.devices.flat}))
-
-
-def bar_here(mesh: Any, spec: Any) -> Any:
-    """The progress bar's spec where this process shows it: on a mesh that spans
-    processes only the first of them does; None elsewhere."""
-    procs = processes(mesh)
-    if spec is None or len(procs) == 1 or jax.process_index() == procs[0]:
-        return spec
-    return None
-
-
-_ROUNDS: collections.defaultdict = collections.defaultdict(itertools.count)
-
-
-def agree(mesh: Any, value: str) -> list[str]:
-    """Every process's ``value`` (in process order), where ``mesh`` spans
-    processes; ``[value]`` otherwise. Host-side only (the coordination service of
-    ``jax.distributed``): nothing is dispatched to the devices, so it cannot
-    interleave with a running compiled call's collectives. Every process of the
-    mesh must make the same sequence of calls (``fit`` does)."""
-    procs = processes(mesh)
-    if len(procs) == 1:
-        return [value]
-    from jax._src import distributed  # the client orbax uses too
-
-    client = distributed.global_state.client
-    me = jax.process_index()
-    tag = "-".join(map(str, procs))
-    r = next(_ROUNDS[procs])
-    client.key_value_set(f"scanax/{tag}/{r}/{me}", value)
-    out = []
-    for p in procs:
-        if p == me:
-            out.append(value)
-            continue
-        try:
-            got = client.blocking_key_value_get(
-                f"scanax/{tag}/{r}/{p}", AGREE_TIMEOUT_MS
-            )
-        except Exception as err:  # noqa: BLE001 - a dead or stuck process
-            raise errors.process_unreachable(p, AGREE_TIMEOUT_MS // 1000) from err
-        out.append(got)
-    if r >= 2:  # every process has read round r - 2 once any reaches round r
-        client.key_value_delete(f"scanax/{tag}/{r - 2}/{me}")
-    return out
-
-
-def fewest(mesh: Any, count: int) -> int:
-    """The smallest ``count`` of all processes of ``mesh`` (steps of the next
-    call: every process must run the same compiled calls)."""
-    return min(int(v) for v in agree(mesh, str(int(count))))
-
-
-def check_processes(mesh: Any, data: Any, **arguments: Any) -> None:
-    """Every process of ``mesh`` called ``fit`` with the same ``arguments``
-    (hyperparameters, the key) and array ``data`` of the same shapes, or an error
-    naming the differences, in every process."""
-    if len(processes(mesh)) == 1:
-        return
-    arguments = {**arguments, "data": describe_data(data)}
-    mine = json.dumps({k: _plain(v) for k, v in arguments.items()}, sort_keys=True)
-    everyone = [json.loads(v) for v in agree(mesh, mine)]
-    first = everyone[0]
-    rows = [
-        (name, [seen.get(name) for seen in everyone])
-        for name in first
-        if any(seen.get(name) != first[name] for seen in everyone)
-    ]
-    if rows:
-        raise errors.processes_differ(processes(mesh), rows)
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-able description of an argument: arrays by type and shape."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)) and len(value) <= 64:
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # a key: its words
-            value = jax.random.key_data(value)
-            if value.is_fully_addressable:
-                return np.asarray(value).ravel().tolist()
-        return short_type(value)
-    return type(value).__name__
-
-
-def describe_data(data: Any) -> Any:
-    """Array data by leaf path and type (compared across processes); an iterable
-    by its type only (each process yields its own batches)."""
-    if isinstance(data, list):
-        return "list"
-    leaves = jtu.tree_flatten_with_path(data)[0]
-    if not all(hasattr(x, "shape") for _, x in leaves):
-        return type(data).__name__
-    return {jtu.keystr(p): short_type(x) for p, x in leaves}

@@ -89,6 +89,7 @@ class Sweep:
             self.feed = _rollout.Feeder(source, self.keys)
             features.append(self.feed)
         self.feats = feats = _feature.Features(pop, features, pop.step)
+        setup.place.check_unplaced(feats.names(), list(feats.state), pop=True)
         self.call_for = _call_for(
             setup.loss_fn, setup.takes_hp, setup.takes_key, feats, pop.kind
         )

@@ -32,20 +32,6 @@ from .result import FitResult, best_state
 _CALL = errors.CALL
 
 
-def _not_on_an_explicit_mesh(names: list[str], leaves: list) -> None:
-    """Without ``mesh=``, no leaf may be placed on a mesh of Explicit axes:
-    its sharding is part of its type there, and fit's loop, built for one
-    device, would fail in JAX's sharding checks."""
-    explicit = jax.sharding.AxisType.Explicit
-    named = sorted(zip(names, leaves), key=lambda pair: pair[0].startswith("opt"))
-    for name, x in named:  # (the model's leaves named first)
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            mesh = sharding.mesh
-            if explicit in tuple(getattr(mesh, "axis_types", ())):
-                raise errors.on_explicit_mesh(name, tuple(mesh.axis_names))
-
-
 def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     """One model's run: its state laid out (the model's, then its features'),
     placed, its program built (or found), then trained from its optimizer's
@@ -65,8 +51,7 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         features.append(feed)
     feats = _feature.Features(base, features, start)
     leaves = _checkpoint.strong(feats.state)
-    if place.local:
-        _not_on_an_explicit_mesh(feats.names(), leaves)
+    place.check_unplaced(feats.names(), leaves, pop=False)
     leaves, shardings = place.state(feats, leaves, setup.shard)
     # In-loop bar reports only where calls are not sized to a quarter second:
     # host batches, or a steps_per_call of the user's.
