@@ -395,7 +395,7 @@ def move_out_axes(call: str, ys: Any, out_axes: Any) -> Any:
     moved = []
     for path, axis, leaf in triples:
         if axis is None:
-            raise _errors.bad_axis_value(call, "out_axes", jtu.keystr(path), axis)
+            raise _errors.out_axis_none(call, jtu.keystr(path))
         ax = normalize_axis(call, "out_axes", "ys" + jtu.keystr(path), leaf, axis)
         with jax.named_scope("scanax.out_axes"):
             moved.append(jnp.moveaxis(leaf, 0, ax) if ax else leaf)

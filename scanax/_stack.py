@@ -441,7 +441,7 @@ class Body:
     _adapter: Layers = Layers()
 
     def __init__(
-        self, layers: Sequence[Any], *, remat: Any = None, unroll: int | bool = 1
+        self, layers: Sequence[Any] = (), *, remat: Any = None, unroll: int | bool = 1
     ):
         layers = check_layers(layers)
         remat = check_remat(remat)
@@ -499,6 +499,7 @@ class Body:
 
 
 _KEYWORDS = ("remat", "unroll")  # Body.__init__'s, after the layers
+_NO_LAYERS: tuple = ()
 
 
 class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.register)
@@ -572,8 +573,10 @@ class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.regis
         24.0
     """
 
-    def __new__(cls, layers: Sequence[Any] = (), **kwargs: Any) -> Any:
-        if cls is Stack:
+    def __new__(cls, layers: Sequence[Any] = _NO_LAYERS, **kwargs: Any) -> Any:
+        # No arguments: copy.copy, copy.deepcopy and pickle making the object
+        # before they fill it (a user's Stack() is refused by __init__).
+        if cls is Stack and (layers is not _NO_LAYERS or kwargs):
             for name in kwargs:
                 if name not in _KEYWORDS:
                     raise errors.unexpected_keyword(name, list(_KEYWORDS))

@@ -316,6 +316,8 @@ def test_bad_sink_in_log_object_names_log():
     )
     with pytest.raises(TypeError, match=r"^scanax\.Log: `sink` is str.*scanax.CSV"):
         scanax.Log("a.csv")
+    with pytest.raises(TypeError, match=r"^scanax\.Log: `sink` is NoneType, which"):
+        scanax.Log(None)
 
 
 def test_bad_paths():

@@ -580,7 +580,8 @@ def test_error_population_on_an_explicit_mesh_without_mesh(how):
     assert msg.startswith(
         "scanax.fit: model['b'] is placed on a mesh with Explicit axes ('data',)"
     ), msg
-    assert "Fix: make the members on one device: call scanax.population outside " \
+    assert "Fix: pass fit a mesh= with a 'members' axis" in msg
+    assert "or make the members on one device (call scanax.population outside " \
         "jax.set_mesh" in msg  # fmt: skip
     assert pop.step == 0
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, pop.state),
@@ -590,6 +591,21 @@ def test_error_population_on_an_explicit_mesh_without_mesh(how):
                          optax.sgd(lr)), 2, key=KEY, lr=LRS)  # fmt: skip
     got = scanax.fit(here, None, loss, (X, Y), steps=3, batch_size=BATCH,
                      progress=False, key=FIT_KEY)  # fmt: skip
+    # made on a mesh of a 'members' axis, with it as mesh=: the same fit (the
+    # members' keys made under set_mesh raised JAX's mesh mismatch here)
+    members = jax.make_mesh(
+        (1,), ("members",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    if how == "set_mesh":
+        with jax.set_mesh(members):
+            on = scanax.population(make, 2, key=KEY, lr=LRS)
+    else:
+        # (make places its parameters on this mesh now)
+        on_mesh = jax.sharding.NamedSharding(members, jax.sharding.PartitionSpec())
+        on = scanax.population(make, 2, key=KEY, lr=LRS)
+    split = scanax.fit(on, None, loss, (X, Y), steps=3, batch_size=BATCH,
+                       progress=False, key=FIT_KEY, mesh=members)  # fmt: skip
+    allclose(split.history["loss"], got.history["loss"])
     for i in range(2):
         params = {"w": jr.normal(jr.split(KEY, 2)[i], (4, 1)), "b": jnp.zeros((1,))}
         ref = scanax.fit(params, optax.sgd(float(LRS[i])), loss, (X, Y), steps=3,

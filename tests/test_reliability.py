@@ -942,6 +942,33 @@ def test_eval_arguments_are_named_by_eval():
         scanax.Eval(data, every=2, batch_size=1.5)
 
 
+@pytest.mark.parametrize(
+    "keywords, named",
+    [
+        ({"eval_data": (X, Y), "eval_every": 0}, "eval_every"),
+        (
+            {"eval_data": (X, Y), "eval_every": 2, "eval_batch_size": 0},
+            "eval_batch_size",
+        ),
+        ({"checkpoint_dir": "ckpt", "checkpoint_every": 0}, "checkpoint_every"),
+        ({"log": print, "log_every": 0}, "log_every"),
+    ],
+)
+def test_fit_counts_are_named_as_fit_keywords(tmp_path, keywords, named):
+    """A bad count given to one of fit's keywords is named as that keyword (it
+    was the `every` of the object fit makes from it), before anything runs."""
+    if "checkpoint_dir" in keywords:
+        keywords = {**keywords, "checkpoint_dir": str(tmp_path / "ckpt")}
+    model, tx = eqx_model(), TX
+    with pytest.raises(ValueError) as err:
+        fit_quiet(model, tx, eqx_loss, (X, Y), steps=2, batch_size=BS, **keywords)
+    assert str(err.value) == (
+        f"scanax.fit: `{named}` must be a positive int, got 0.\nFix: pass "
+        f"{named}=1 or more."
+    )
+    assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("sink", [scanax.CSV, scanax.TensorBoard])
 def test_a_sink_window_is_checked_by_kind(tmp_path, sink):
     with pytest.raises(ValueError, match=r"`every` must be a positive int"):

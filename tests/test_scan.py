@@ -792,6 +792,26 @@ def test_error_out_axes_structure_names_ys():
     assert "out_axes is a tuple of length 1 where ys has a tuple of length 2" in msg
     assert "Fix: give out_axes the same container structure as `ys`" in msg
     assert "xs" not in msg and "in_axes" not in msg
+    assert "out_axes must be an int or a pytree prefix of `ys`" in msg
+
+
+@pytest.mark.parametrize(
+    "out_axes, msg",
+    [
+        (None, r"^scanax\.scan: out_axes gives ys\[0\] None, but every output"),
+        ((0, None), r"^scanax\.scan: out_axes gives ys\[1\] None, but every output"),
+        (
+            (0, 1.5),
+            r"^scanax\.scan: out_axes may hold only ints, but out_axes\[1\] "
+            r"is float 1\.5\.\nFix: use an int",
+        ),  # fmt: skip
+    ],
+)
+def test_error_out_axes_values(out_axes, msg):
+    """out_axes takes ints only (every output has a step axis): None is named
+    at the output it reaches, with the fix."""
+    with pytest.raises(TypeError, match=msg):
+        scanax.scan(lambda c, x: (c, (x, x)), 0.0, jnp.ones((2, 3)), out_axes=out_axes)
 
 
 def test_errors_mention_no_private_jax_names():

@@ -909,10 +909,29 @@ def test_error_misspelled_keyword_names_stack(make):
     msg = str(err.value)
     assert msg.startswith(
         "scanax.Stack() got an unexpected keyword argument 'unrol'. "
-        "Did you mean `unroll`?\nFix: Stack takes the layers and the keywords "
+        "Did you mean `unroll`?\nFix: Stack takes `layers` and the keywords "
         "remat, unroll;"
     ), msg
     assert "Body" not in msg and "__init__" not in msg
+
+
+def test_error_layers_misspelled():
+    with pytest.raises(TypeError, match=r"argument 'layer'\. Did you mean `layers`\?"):
+        scanax.Stack(layer=[jnp.sin])
+
+
+def test_plain_stack_copies():
+    """copy.copy and copy.deepcopy make the object without arguments: a plain
+    Stack copies (it raised `layers` is empty); Stack() is still refused."""
+    import copy
+
+    stack = scanax.Stack([jnp.abs] + [lambda x: 2.0 * x] * 4)
+    x = jnp.float32(-1.5)
+    for made in (copy.copy(stack), copy.deepcopy(stack)):
+        assert isinstance(made, scanax.Stack) and made.plan == stack.plan
+        assert float(made(x)) == float(stack(x)) == 24.0
+    with pytest.raises(ValueError, match=r"`layers` is empty"):
+        scanax.Stack()
 
 
 def test_stack_keywords_are_the_constructors():

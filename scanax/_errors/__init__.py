@@ -163,10 +163,25 @@ def axis_out_of_range(
 
 
 def bad_axis_value(call: str, what: str, path: str, value: Any) -> TypeError:
+    if what == "out_axes":
+        return TypeError(
+            f"{call}: out_axes may hold only ints, but out_axes{path} is "
+            f"{short_type(value)}.\nFix: use an int (where the step axis goes in "
+            "that output; 0, the default, keeps it first)."
+        )
     return TypeError(
         f"{call}: {what} may hold only ints and None, but {what}{path} is "
         f"{short_type(value)}.\nFix: use an int (the axis to scan over) or None "
         "(broadcast: the same value at every step)."
+    )
+
+
+def out_axis_none(call: str, path: str) -> TypeError:
+    return TypeError(
+        f"{call}: out_axes gives ys{path} None, but every output of a scan has a "
+        "step axis, and out_axes says where it goes.\nFix: use an int there (0, "
+        "the default, keeps it first); a value that does not change over the "
+        "steps belongs in the carry."
     )
 
 
@@ -176,8 +191,9 @@ def prefix_mismatch(call: str, what: str, tree_name: str, detail: str) -> ValueE
         if what == "in_axes"
         else f"{what}=(0, 1) for {tree_name}=(a, b)"
     )
+    kinds = "an int, None," if what == "in_axes" else "an int"
     return ValueError(
-        f"{call}: {what} must be an int, None, or a pytree prefix of `{tree_name}`, "
+        f"{call}: {what} must be {kinds} or a pytree prefix of `{tree_name}`, "
         f"but {detail}.\nFix: give {what} the same container structure as "
         f"`{tree_name}` (or a prefix of it), e.g. {example}."
     )

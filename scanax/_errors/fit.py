@@ -454,9 +454,9 @@ def under_disable_jit() -> ValueError:
 def on_explicit_mesh(name: str, axes: tuple, population: bool) -> ValueError:
     if population:
         fix = (
-            "make the members on one device: call scanax.population outside "
-            "jax.set_mesh, and put nothing on that mesh in `make` (to split the "
-            "members over devices, pass fit a mesh= with a 'members' axis)."
+            "pass fit a mesh= with a 'members' axis (fit then splits the members "
+            "over it), or make the members on one device (call scanax.population "
+            "outside jax.set_mesh, and put nothing on that mesh in `make`)."
         )
     else:
         fix = (

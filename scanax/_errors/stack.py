@@ -94,11 +94,11 @@ def bad_remat(remat: Any) -> TypeError:
 
 
 def unexpected_keyword(name: str, known: list[str]) -> TypeError:
-    close = difflib.get_close_matches(name, known, n=1)
+    close = difflib.get_close_matches(name, ["layers", *known], n=1)
     hint = f" Did you mean `{close[0]}`?" if close else ""
     return TypeError(
         f"{CALL}() got an unexpected keyword argument {name!r}.{hint}\nFix: "
-        f"Stack takes the layers and the keywords {', '.join(known)}; a layer's "
+        f"Stack takes `layers` and the keywords {', '.join(known)}; a layer's "
         "own arguments go to its constructor, and keyword arguments for every "
         "call go to stack(x, **kwargs)."
     )

@@ -89,7 +89,9 @@ class Sweep:
             self.feed = _rollout.Feeder(source, self.keys)
             features.append(self.feed)
         self.feats = feats = _feature.Features(pop, features, pop.step)
-        setup.place.check_unplaced(feats.names(), list(feats.state), pop=True)
+        own = slice(0, feats.n)  # (the members' own leaves: as before, a
+        # feature's state on a mesh is placed with the members')
+        setup.place.check_unplaced(feats.names()[own], list(feats.state)[own], pop=True)
         self.call_for = _call_for(
             setup.loss_fn, setup.takes_hp, setup.takes_key, feats, pop.kind
         )

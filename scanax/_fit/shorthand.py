@@ -31,6 +31,7 @@ from .callbacks import (
     precision as _precision,
     sinks as _log,
 )
+from .data import arrays as _data
 
 # keyword -> the feature class it makes (its group's)
 KEYWORDS = {
@@ -99,11 +100,11 @@ def _objects(
     if eval_data is not None or eval_every is not None:
         if eval_data is None and not checked:
             raise errors.eval_every_without_data()
-        out.append(
-            _eval.Eval(
-                eval_data, every=eval_every, fn=eval_fn, batch_size=eval_batch_size
-            )
+        every, size = (
+            _own("eval_every", eval_every),
+            _own("eval_batch_size", eval_batch_size),
         )
+        out.append(_eval.Eval(eval_data, every=every, fn=eval_fn, batch_size=size))
     else:
         for name, value in (("eval_fn", eval_fn), ("eval_batch_size", eval_batch_size)):
             if value is not None:
@@ -121,7 +122,15 @@ def _objects(
     if checkpoint_every is not None and checkpoint_dir is None:
         raise errors.checkpoint_every_without_dir(checkpoint_every)
     if checkpoint_dir is not None:
-        out.append(_checkpointing.Checkpoint(checkpoint_dir, every=checkpoint_every))
+        every = _own("checkpoint_every", checkpoint_every)
+        out.append(_checkpointing.Checkpoint(checkpoint_dir, every=every))
     if log is not None:
-        out += [_log.Log(sink, every=log_every) for sink in _log.resolve(log)]
+        every = _own("log_every", log_every)
+        out += [_log.Log(sink, every=every) for sink in _log.resolve(log)]
     return out
+
+
+def _own(name: str, value: Any) -> Any:
+    """A count given to one of fit's keywords, checked under its own name (not
+    as the ``every`` of the object it makes)."""
+    return None if value is None else _data.positive_int(name, value)

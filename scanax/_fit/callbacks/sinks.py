@@ -176,6 +176,8 @@ class Log(_feature.Feature):
     def __init__(self, sink: Callable, *, every: int = DEFAULT_EVERY):
         if isinstance(sink, (list, tuple)):
             raise errors.log_one_sink(sink)
+        if sink is None:  # (resolve's "no sinks")
+            raise errors.bad_sink(None, sink, "scanax.Log", "sink")
         (self.sink,) = resolve(sink, "scanax.Log", "sink")
         self.every = _every("scanax.Log", every)
 
