@@ -112,15 +112,16 @@ def real_numbers(x: Any, shape: tuple, fail: Callable[[], Exception]) -> np.ndar
     return a
 
 
-def index_in(i: Any, n: int, fail: Callable[[], Exception]) -> int:
+def index_in(i: Any, n: int, fail: Callable[[Any], Exception]) -> int:
     """Index ``i`` of ``n`` items (negative counts from the end; an int-like
-    object, not a bool), as ``0 <= i < n``, else ``fail()`` raised."""
+    object, not a bool), as ``0 <= i < n``; else ``fail(index)`` raised, with
+    ``index`` the int ``i`` is when out of range, None when it is no int."""
     if isinstance(i, bool):
-        raise fail()
+        raise fail(None)
     try:
         i = operator.index(i)
     except TypeError:
-        raise fail() from None
+        raise fail(None) from None
     if not -n <= i < n:
-        raise fail()
+        raise fail(i)
     return i % n

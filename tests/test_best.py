@@ -234,6 +234,8 @@ def test_load_best_of_a_population_refusals(tmp_path):
         scanax.load_best(tmp_path, *pair)
     with pytest.raises(IndexError, match=r"member=3 of a population of 3"):
         scanax.load_best(tmp_path, *pair, member=3)
+    with pytest.raises(IndexError, match=r"member=-4 of a population of 3"):
+        scanax.load_best(tmp_path, *pair, member=np.int64(-4))  # (was a TypeError)
     with pytest.raises(TypeError, match="member= takes an int, got"):
         scanax.load_best(tmp_path, *pair, member=1.0)
     with pytest.raises(FileNotFoundError, match="member 1 has no best state"):

@@ -170,10 +170,11 @@ def best_not_population(path: str, member: Any) -> TypeError:
     )
 
 
-def best_member_index(member: Any, n: int) -> Exception:
-    if isinstance(member, int) and not isinstance(member, bool):
+def best_member_index(member: Any, index: int | None, n: int) -> Exception:
+    """``index``: ``member`` as an int when it is one, out of range."""
+    if index is not None:
         return IndexError(
-            f"{_LOAD_BEST}: member={member} of a population of {n}.\nFix: pass "
+            f"{_LOAD_BEST}: member={index} of a population of {n}.\nFix: pass "
             f"member=i with -{n} <= i < {n}."
         )
     return TypeError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from . import short_type
@@ -207,18 +206,14 @@ def members_per_call_iterable() -> TypeError:
     )
 
 
-def member_index(i: Any, n: int) -> Exception:
-    if not isinstance(i, bool):
-        try:
-            i = operator.index(i)
-        except TypeError:
-            pass
-        else:
-            return IndexError(
-                f"{CALL}: member {i} of a population of {n} is out of range (valid: "
-                f"{-n}..{n - 1}).\nFix: index with 0 <= i < {n} (negative counts "
-                "from the end); result.best() gives the best member's index."
-            )
+def member_index(i: Any, index: int | None, n: int) -> Exception:
+    """``index``: ``i`` as an int when it is one, out of range."""
+    if index is not None:
+        return IndexError(
+            f"{CALL}: member {index} of a population of {n} is out of range (valid: "
+            f"{-n}..{n - 1}).\nFix: index with 0 <= i < {n} (negative counts "
+            "from the end); result.best() gives the best member's index."
+        )
     return TypeError(
         f"{CALL}: members are indexed by an int, got {short_type(i)}.\nFix: "
         f"index with an int i, 0 <= i < {n} (e.g. result.model[i])."

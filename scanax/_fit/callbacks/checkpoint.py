@@ -102,7 +102,7 @@ def load_best(
 
 def _member(i: Any, n: int) -> int:
     """Member index ``i`` of ``n`` (negative counts from the end), checked."""
-    return _tree.index_in(i, n, lambda: errors.best_member_index(i, n))
+    return _tree.index_in(i, n, lambda index: errors.best_member_index(i, index, n))
 
 
 def _stacked(x: Any, n: int) -> Any:

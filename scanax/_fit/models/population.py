@@ -397,7 +397,7 @@ def _off_explicit_mesh(keys: Any) -> Any:
 
 def member_index(i: Any, n: int) -> int:
     """Member index ``i`` of ``n`` (negative counts from the end), checked."""
-    return _tree.index_in(i, n, lambda: errors.member_index(i, n))
+    return _tree.index_in(i, n, lambda index: errors.member_index(i, index, n))
 
 
 def is_population(x: Any) -> bool:
