@@ -7,7 +7,8 @@ describes a value by everything tracing it can read instead:
 
 * functions of the user's code: their code (CPython's own code equality, nested
   functions included), defaults, closure cells and the globals the code names,
-  each fingerprinted in turn;
+  each fingerprinted in turn (a module of the user's code, ``import mymodels``,
+  named or closed over, by those of its attributes the code may read);
 * classes of the user's code: their methods and class attributes (a model's
   ``__call__`` reading a global is seen);
 * ``functools.partial`` and bound methods: the function and what is bound;
@@ -23,10 +24,12 @@ describes a value by everything tracing it can read instead:
   the library directories: ``_library_dirs``) and builtins: their identity,
   since rebuilding a model or an optimizer never makes new ones.
 
-Anything else could change without a new identity (a module of the user's code,
-an instance such as an NNX model closed over, a mutable NumPy array too large to
-compare): ``of`` then returns None, and the caller falls back to tracing, which
-reads the current values. None too for a value too large to describe cheaply.
+Anything else could change without a new identity (an instance such as an NNX
+model or a ``SimpleNamespace`` closed over, a module of the user's code held
+in a container, a mutable NumPy array too large to compare): ``of``
+then returns None, and the caller traces again at every call
+(``_fit.program.identity``), which reads the current values. None too for a
+value too large to describe cheaply.
 """
 
 from __future__ import annotations
@@ -85,6 +88,35 @@ def of(value: Any) -> Any:
         return _Walker().walk(value)
     except (_Unknown, RecursionError):
         return None
+
+
+class _Unfingerprinted:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+# What ``key`` gives for a function without a fingerprint: a cache key holding
+# it (at its top level, or one tuple down) must not be cached, since what the
+# function reads may change without a new object.
+UNKNOWN = _Unfingerprinted()
+
+
+def key(fn: Any) -> Any:
+    """``fn``'s part of a cache key of compiled programs: its fingerprint, None
+    for None, else ``UNKNOWN`` (``cacheable`` is then False: trace it again)."""
+    if fn is None:
+        return None
+    found = of(fn)
+    return UNKNOWN if found is None else found
+
+
+def cacheable(parts: tuple) -> bool:
+    """Whether a cache key built of ``parts`` (some made by ``key``) may be
+    cached: no ``UNKNOWN`` among them or in a tuple among them."""
+    return not any(
+        p is UNKNOWN or (type(p) is tuple and any(q is UNKNOWN for q in p))
+        for p in parts
+    )
 
 
 class _Walker:
@@ -176,15 +208,15 @@ class _Walker:
             return _Same(fn)
         walk = self.walk
         code = fn.__code__
+        globs, names = fn.__globals__, _global_names(code)
         cells = []
         for cell in fn.__closure__ or ():
             try:
-                cells.append(walk(cell.cell_contents))
+                cells.append(self._global(cell.cell_contents, names))
             except ValueError:  # an empty cell (a name assigned later)
                 cells.append(("empty",))
-        globs = fn.__globals__
         named = tuple(
-            (name, walk(globs[name])) for name in _global_names(code) if name in globs
+            (name, self._global(globs[name], names)) for name in names if name in globs
         )
         return (
             "function",
@@ -194,6 +226,28 @@ class _Walker:
             tuple(cells),
             named,
         )
+
+    def _global(self, value: Any, names: tuple[str, ...]) -> Any:
+        """A global that a function names, or a value it closes over: a
+        module of the user's code by the attributes of it that the function
+        may read (every name its code holds that the module has:
+        ``job.env_reset``, ``config.LR``), each fingerprinted in turn (a
+        reassigned one is seen); anything else as ``walk`` does."""
+        if not isinstance(value, types.ModuleType) or _library(value.__name__):
+            return self.walk(value)
+        ident = id(value)
+        if ident in self.active:
+            return ("cycle", self.active[ident])
+        self.active[ident] = len(self.active)
+        try:
+            read = tuple(
+                (name, self._global(getattr(value, name), names))
+                for name in names
+                if hasattr(value, name)
+            )
+        finally:
+            del self.active[ident]
+        return ("module", value.__name__, read)
 
     def _class(self, cls: type) -> Any:
         if _library(cls.__module__):

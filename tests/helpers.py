@@ -7,6 +7,7 @@ versions). What fit's test files share (its task and models) is in ``fit_helpers
 from __future__ import annotations
 
 import csv
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,41 @@ class count_compiles:
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._seen)
+
+
+_TRACES = "scanax-tests.traces"
+
+
+def traced(name: str) -> None:
+    """Record that ``name`` ran (called from a function while it is traced)."""
+    logging.getLogger(_TRACES).info(name)
+
+
+class count_traces(logging.Handler):
+    """Counts ``traced(name)`` records, by name, while open. A function that
+    counts its own traces this way keeps its fingerprint: it reads only the
+    ``logging`` library (a counter object it read itself would make it have
+    none, and fit traces such a function again at every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __enter__(self):
+        logger = logging.getLogger(_TRACES)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(_TRACES).removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.names.append(record.getMessage())
+
+    def __getitem__(self, name: str) -> int:
+        return self.names.count(name)
 
 
 def ref_scan(f, init, xs=None, length=None, reverse=False, in_axes=0, out_axes=0):

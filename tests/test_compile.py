@@ -232,8 +232,10 @@ def test_libraries_installed_outside_site_packages(tmp_path, monkeypatch, where)
     A directory of the user's code is not: one with no wheel's metadata (a
     setuptools project's root holds only its ``.egg-info``), or the current
     directory (the script's), whatever it holds: a module-level value there may
-    change between calls. A ``sys.path`` entry that is not a string (imports
-    skip it) does not break fingerprints."""
+    change between calls, so the function is fingerprinted by the module's
+    attributes it reads (a reassigned one is a new fingerprint). A
+    ``sys.path`` entry that is not a string (imports skip it) does not break
+    fingerprints."""
     name = f"fp_pkg_{where}"  # (``_library`` is cached by name)
     home = tmp_path / "dir"
     (home / name).mkdir(parents=True)
@@ -258,9 +260,9 @@ def test_libraries_installed_outside_site_packages(tmp_path, monkeypatch, where)
     installed = where in ("target", "first")
     assert _fingerprint._library(name) is installed
     found = _fingerprint.of(uses_it)
-    assert (found is not None) is installed
-    if installed:
-        assert found == _fingerprint.of(uses_it)
+    assert found is not None and found == _fingerprint.of(uses_it)
+    module.SCALE = 3.0  # a library's module is by identity; the user's is read
+    assert (_fingerprint.of(uses_it) == found) is installed
 
 
 # ---------------------------------------------------------------- across processes
@@ -392,6 +394,56 @@ def test_loss_closing_over_a_model_trained_elsewhere():
 
     cached = rounds()
     np.testing.assert_array_equal(cached, _fresh(rounds))
+
+
+@pytest.mark.parametrize("execution", ["fused", "stepwise"])
+def test_the_same_loss_object_reading_a_changed_object(execution):
+    """The same ``loss_fn`` object, passed to each call, reads a setting
+    changed between calls and a teacher model changed in place (a
+    distillation loop): each call, and ``evaluate``, reads their current
+    values, as with every cache emptied (the program was cached on the
+    function object: later calls trained on the first call's values).
+    Unchanged, a call traces again and compiles nothing."""
+    import types
+
+    setting = types.SimpleNamespace(scale=1.0)
+
+    def rounds(fresh_each):
+        teacher = nnx.Linear(3, 1, rngs=nnx.Rngs(7))
+
+        def loss_fn(model, batch):
+            x, _ = batch
+            return setting.scale * jnp.mean((model(x) - teacher(x)) ** 2)
+
+        model, optimizer, _ = build()
+        out = []
+        for scale, shift in (
+            (1.0, 0.0),
+            (1.0, 0.0),
+            (1.0, 0.0),
+            (3.0, 0.0),
+            (3.0, 1.0),
+        ):
+            setting.scale = scale
+            teacher.kernel[...] = teacher.kernel[...] + shift
+            if fresh_each:
+                _fresh(lambda: None)
+            with count_compiles() as c:
+                result = train(model, optimizer, loss_fn, steps=4, execution=execution)
+            out.append((result.history["loss"], c.n))
+            got = scanax.evaluate(model, loss_fn, (X, Y), batch_size=len(X))["loss"]
+            np.testing.assert_allclose(got, loss_fn(model, (X, Y)), rtol=1e-5)
+        return out
+
+    try:
+        cached, fresh = rounds(False), rounds(True)
+    finally:
+        setting.scale = 1.0
+    for (a, _), (b, _) in zip(cached, fresh):
+        np.testing.assert_array_equal(a, b)
+    # The same values: traced again, nothing compiled (the second call may
+    # compile stepwise's first program once: its arguments now committed).
+    assert cached[2][1] == 0
 
 
 SCALE = 1.0

@@ -15,7 +15,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import close, count_compiles
+from helpers import close, count_compiles, count_traces, traced
 
 import scanax
 from scanax._fit.evaluate import evaluate, predict
@@ -336,34 +336,26 @@ def test_ratio_as_the_loss_gives_a_per_token_mean():
 # ------------------------------------------------------------------ compiling
 
 
-class Traces:
-    """A trace counter (an instance: the function's fingerprint stays the
-    function itself)."""
-
-    def __init__(self):
-        self.eval = self.predict = 0
-
-
 def test_a_second_call_does_not_retrace():
-    traces = Traces()
-
     def counted_eval(model, batch):
-        traces.eval += 1
+        traced("eval")
         return nnx_eval(model, batch)
 
     def counted_predict(model, batch):
-        traces.predict += 1
+        traced("predict")
         return model(batch[0])
 
-    evaluate(trained_net(), counted_eval, (X, Y), batch_size=8)
-    predict(trained_net(), counted_predict, (X, Y), batch_size=8)
-    assert (traces.eval, traces.predict) == (2, 1)  # (a full batch, the remainder)
-    model = Net(nnx.Rngs(5, dropout=2))  # rebuilt, other values
-    data = (X * 3, Y - 1)
-    with count_compiles() as c:
-        got = evaluate(model, counted_eval, data, batch_size=8)
-        out = predict(model, counted_predict, data, batch_size=8)
-    assert (traces.eval, traces.predict, c.n) == (2, 1, 0)
+    with count_traces() as traces:
+        evaluate(trained_net(), counted_eval, (X, Y), batch_size=8)
+        predict(trained_net(), counted_predict, (X, Y), batch_size=8)
+        # (a full batch and the remainder; one)
+        assert (traces["eval"], traces["predict"]) == (2, 1)
+        model = Net(nnx.Rngs(5, dropout=2))  # rebuilt, other values
+        data = (X * 3, Y - 1)
+        with count_compiles() as c:
+            got = evaluate(model, counted_eval, data, batch_size=8)
+            out = predict(model, counted_predict, data, batch_size=8)
+        assert (traces["eval"], traces["predict"], c.n) == (2, 1, 0)
     model.eval()
     allclose(got, at_once(nnx_eval, model, data))
     allclose(out, model(data[0]))

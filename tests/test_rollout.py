@@ -18,7 +18,8 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from helpers import JOBS_RUN_ELSEWHERE
+from _rollout_job import env_reset
+from helpers import JOBS_RUN_ELSEWHERE, count_traces, traced
 from jax.experimental import io_callback
 
 import scanax
@@ -517,16 +518,15 @@ def test_early_stop_on_a_rollout_metric_skips_nan_collections(solo):
 
 
 def test_a_new_rollout_reuses_the_compiled_init_and_a_reused_one_warns():
-    traced = []
-
     def init(key):
-        traced.append(1)  # (runs while tracing)
-        return job.env_reset(key)
+        traced("init")  # (runs while tracing)
+        return env_reset(key)
 
-    first = _fit(rollout(init=init))
-    assert len(traced) == 1
-    _fit(rollout(init=init))  # rebuilt Rollout, same functions: no new trace
-    assert len(traced) == 1
+    with count_traces() as traces:
+        first = _fit(rollout(init=init))
+        assert traces["init"] == 1
+        _fit(rollout(init=init))  # rebuilt Rollout, same functions: no new trace
+        assert traces["init"] == 1
     r = rollout(init=init)
     _fit(r)
     with pytest.warns(RuntimeWarning, match="was left at step 8 .* starts at step 0"):

@@ -358,14 +358,9 @@ def unused_key(
     anything runs."""
     found = None
     try:
-        cache_key = (
-            target.identity or target.static,
-            _fingerprint.of(fn) or fn,
-            takes,
-            b,
-            call,
-        )
-        found = _USES.get(cache_key)
+        parts = (target.identity or target.static, _fingerprint.key(fn), takes, b, call)
+        cache_key = parts if _fingerprint.cacheable(parts) else None
+        found = None if cache_key is None else _USES.get(cache_key)
     except TypeError:  # (unhashable: trace it)
         cache_key = None
     if found is None:

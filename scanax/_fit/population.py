@@ -113,12 +113,7 @@ class Sweep:
             evaluate = self.feats.eval_factory(call_for)
             self.eval_arrays = self.setup.place.replicate(self.setup.eval_arrays)
         self.checks = checks.bound(self.feats, evaluate)
-        fingerprint = None if eval_fn is None else _fingerprint.of(eval_fn)
-        self.eval_key = (
-            checks.key(),
-            eval_fn if fingerprint is None else fingerprint,
-            eval_takes,
-        )
+        self.eval_key = (checks.key(), _fingerprint.key(eval_fn), eval_takes)
 
     def program(self, k: int) -> _fit_program.Program:
         """The compiled loop of a group of ``k`` members (one per size)."""
@@ -130,7 +125,7 @@ class Sweep:
         cuts = _fit_schedule.cuts(setup)
         identity = _fit_program.identity(
             None if fingerprint is None else (fingerprint, feats.key()),
-            (pop.make, feats.key()),
+            (_fingerprint.key(pop.make), feats.key()),
             setup.loss_fn,
             "population",
             setup.takes_hp,

@@ -89,19 +89,7 @@ class Program:
         if exe is None:
             began = time.perf_counter()
             lowered = self.jitted.trace(*args).lower()
-            text = lowered.as_text()
-            self.digest = hashlib.sha256(text.encode()).hexdigest()
-            if "callback" in text:  # host callbacks: functions the text cannot show
-                exe, seconds = lowered.compile(), None
-            else:
-                key = (hashlib.sha256(text.encode()).digest(), signature)
-                exe, seconds = EXECUTABLES.get(key, (None, None))
-                if exe is None:
-                    exe = lowered.compile()
-                    EXECUTABLES[key] = (exe, time.perf_counter() - began)
-                    while len(EXECUTABLES) > _CACHE_SIZE:
-                        EXECUTABLES.popitem(last=False)
-            seconds = time.perf_counter() - began if seconds is None else seconds
+            exe, seconds, self.digest = compiled(lowered, signature, began)
             self.compile_seconds = max(self.compile_seconds, seconds)
             self.executables[signature] = exe
         return exe
@@ -113,20 +101,42 @@ class Program:
         return (treedef, *(_leaf_signature(x) for x in leaves))
 
 
+def compiled(lowered: Any, signature: Any, began: float) -> tuple[Any, float, str]:
+    """``lowered`` compiled, or the executable that any earlier ``fit``
+    compiled for the same lowered program and argument ``signature``
+    (``EXECUTABLES``; never for host callbacks, functions the text cannot
+    show); with the seconds it took since ``began`` (for one found: what its
+    first trace and compile took), and the hash of the program's text."""
+    text = lowered.as_text()
+    digest = hashlib.sha256(text.encode())
+    if "callback" in text:
+        return lowered.compile(), time.perf_counter() - began, digest.hexdigest()
+    key = (digest.digest(), signature)
+    found = EXECUTABLES.get(key)
+    if found is None:
+        found = EXECUTABLES[key] = (lowered.compile(), time.perf_counter() - began)
+        while len(EXECUTABLES) > _CACHE_SIZE:
+            EXECUTABLES.popitem(last=False)
+    return (*found, digest.hexdigest())
+
+
 def _leaf_signature(x: Any) -> tuple:
     if isinstance(x, jax.Array):
         return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
     return (np.shape(x), np.result_type(x), type(x))
 
 
-def program(identity: tuple, build: Callable[[], Callable]) -> Program:
+def program(identity: tuple | None, build: Callable[[], Callable]) -> Program:
     """The chunk program for a structure, from the cache when an earlier ``fit``
     had the same one; else ``build()``'s chunk function. ``identity``: what the
     program depends on, by fingerprint where there is one (a rebuilt
     ``optax.adam(1e-3)`` or a re-defined ``loss_fn`` with the same code is the
-    same), with JAX's trace context added."""
+    same), with JAX's trace context added; None: not cached (``identity``)."""
     try:
-        cache_key = _Key((_fingerprint.trace_context(), _backend.platform(), *identity))
+        cache_key = None
+        if identity is not None:
+            parts = (_fingerprint.trace_context(), _backend.platform(), *identity)
+            cache_key = _Key(parts)
     except TypeError:  # an unhashable static part: compile for this call only
         cache_key = None
     found = None if cache_key is None else PROGRAMS.get(cache_key)
@@ -140,15 +150,22 @@ def program(identity: tuple, build: Callable[[], Callable]) -> Program:
     return program
 
 
-def identity(fingerprint: Any, fallback: Any, loss_fn: Callable, *rest: Any) -> tuple:
-    """Cache-key parts: the model's and ``loss_fn``'s fingerprints (the objects
-    themselves where there is none), then ``rest``."""
-    loss_key = _fingerprint.of(loss_fn)
-    return (
-        loss_fn if loss_key is None else loss_key,
+def identity(
+    fingerprint: Any, fallback: Any, loss_fn: Callable, *rest: Any
+) -> tuple | None:
+    """Cache-key parts: ``loss_fn``'s and the model's fingerprints (the model's
+    ``fallback``, its static structure, where it has none), then ``rest``
+    (functions in it by ``_fingerprint.key``). None where a function has no
+    fingerprint: what it reads (an NNX model or an object it closes over)
+    may change in place, so each call traces its program again, reading the
+    current values, and compiles only if the lowered program differs
+    (``Program.executable``)."""
+    parts = (
+        _fingerprint.key(loss_fn),
         fallback if fingerprint is None else fingerprint,
         *rest,
     )
+    return parts if _fingerprint.cacheable(parts) else None
 
 
 # ---------------------------------------------------------------------------- chunk

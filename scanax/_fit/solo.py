@@ -114,7 +114,8 @@ def _model_program(
         None if fingerprint is None else (fingerprint, feats.key()),
         (base.static, feats.key()),
         loss_fn,
-        None if checks is None else (checks.key(), _fingerprint_or(setup.eval_call)),
+        None if checks is None else checks.key(),
+        _fingerprint.key(setup.eval_call),
         takes_key,
         base.treedef,
         setup.source.static,
@@ -146,13 +147,6 @@ def _model_program(
         )
 
     return _fit_program.program(identity, build)
-
-
-def _fingerprint_or(fn: Any) -> Any:
-    if fn is None:
-        return None
-    found = _fingerprint.of(fn)
-    return fn if found is None else found
 
 
 def _with_eval(checks: Any, feats: Any) -> Any:

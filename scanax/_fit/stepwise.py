@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import types
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 from .. import _backend
 from . import memory as _memory
 from .chunks import Chunks
-from .program import Chunk, Out, Program
+from .program import Chunk, Out, Program, compiled
 
 _SYNC_EVERY = 16
 
@@ -68,10 +69,11 @@ class Stepwise:
     (``compile``, which may run on another thread while the fused loop
     trains)."""
 
-    def __init__(self, chunks: Chunks, args: Chunk):
-        self.chunks = chunks
+    def __init__(self, chunks: Chunks, args: Chunk, signature: tuple):
+        self.chunks, self.signature = chunks, signature
         c = Chunk(*args)
-        self._begin = jax.jit(chunks.begin).trace(c).lower().compile()
+        begin = jax.jit(chunks.begin).trace(c).lower()
+        self._begin = self._compiled(begin, "begin")
         # The state's shapes and placements as ``begin`` gives them (without
         # running it: that would copy the whole state once more).
         env, loop = jtu.tree_map(
@@ -106,11 +108,19 @@ class Stepwise:
     def compile(self) -> Stepwise:
         with self.lock:  # (auto's thread and a run of the same program)
             if self._step is None:
-                step, close = (lowered.compile() for lowered in self.lowered)
+                step, close = (
+                    self._compiled(lowered, role)
+                    for lowered, role in zip(self.lowered, ("step", "close"))
+                )
                 # where the call's host values go, once per call (not per step)
                 self.placement = step.input_shardings[0][: self.n_fixed]
                 self._step, self._close, self.lowered = step, close, None
         return self
+
+    def _compiled(self, lowered: Any, role: str) -> Any:
+        """One of the programs compiled, or as an earlier ``fit`` compiled the
+        same (a function traced again: ``_fit_program.identity``)."""
+        return compiled(lowered, (role, self.signature), time.perf_counter())[0]
 
     def memory_analysis(self) -> Any:
         """A call's need beyond its arguments (``_memory``): ``begin``'s copy
@@ -169,7 +179,7 @@ def lowered(program: Program, args: Chunk) -> Stepwise:
     signature = program.signature(args)
     found = program.stepwise.get(signature)
     if found is None:
-        found = program.stepwise[signature] = Stepwise(program.chunks, args)
+        found = program.stepwise[signature] = Stepwise(program.chunks, args, signature)
     return found
 
 

@@ -149,10 +149,7 @@ class RolloutSource:
         if key is None:
             raise errors.without_key()
         self.rollout, self.key = rollout, key
-        ids = (
-            _fingerprint.of(rollout.collect) or rollout.collect,
-            _fingerprint.of(rollout.init) or rollout.init,
-        )
+        ids = (_fingerprint.key(rollout.collect), _fingerprint.key(rollout.init))
         self.static = ("rollout", *ids, rollout.epochs, rollout.minibatches)
 
     def length(self, steps: int, steps_per_call: int | None) -> int:
@@ -377,8 +374,8 @@ def _first_program(
     identity: Any, source: Any, first: Any, start: int, model: list, keys: Any
 ) -> Any:
     run = first if keys is None else jax.vmap(first)
-    if identity is None:  # (no fingerprint: compiled for this fit only)
-        return jax.jit(run)
+    if identity is None or not _fingerprint.cacheable(source.static):
+        return jax.jit(run)  # (no fingerprint: compiled for this fit only)
     types = tuple(_avals(model))
     cache = (identity, source.static, start % source.rollout.period == 0, types,
              None if keys is None else (len(keys), _avals(keys)[0]))  # fmt: skip
