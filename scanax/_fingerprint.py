@@ -209,14 +209,17 @@ class _Walker:
         walk = self.walk
         code = fn.__code__
         globs, names = fn.__globals__, _global_names(code)
+        strings = _strings(code)  # (a module's attributes may be read by name)
         cells = []
         for cell in fn.__closure__ or ():
             try:
-                cells.append(self._global(cell.cell_contents, names))
+                cells.append(self._global(cell.cell_contents, names + strings))
             except ValueError:  # an empty cell (a name assigned later)
                 cells.append(("empty",))
         named = tuple(
-            (name, self._global(globs[name], names)) for name in names if name in globs
+            (name, self._global(globs[name], names + strings))
+            for name in names
+            if name in globs
         )
         return (
             "function",
@@ -230,20 +233,25 @@ class _Walker:
     def _global(self, value: Any, names: tuple[str, ...]) -> Any:
         """A global that a function names, or a value it closes over: a
         module of the user's code by the attributes of it that the function
-        may read (every name its code holds that the module has:
-        ``job.env_reset``, ``config.LR``), each fingerprinted in turn (a
-        reassigned one is seen); anything else as ``walk`` does."""
+        may read (every name its code holds, as a name or a string, that the
+        module defines: ``job.env_reset``, ``config.LR``, ``getattr(config,
+        "LR")``), each fingerprinted in turn (a reassigned one is seen); a
+        module with a ``__getattr__`` has none (its attributes are computed);
+        anything else as ``walk`` does."""
         if not isinstance(value, types.ModuleType) or _library(value.__name__):
             return self.walk(value)
+        defined = vars(value)  # (no attribute lookup: nothing of the module runs)
+        if "__getattr__" in defined:
+            raise _Unknown
         ident = id(value)
         if ident in self.active:
             return ("cycle", self.active[ident])
         self.active[ident] = len(self.active)
         try:
             read = tuple(
-                (name, self._global(getattr(value, name), names))
+                (name, self._global(defined[name], names))
                 for name in names
-                if hasattr(value, name)
+                if name in defined
             )
         finally:
             del self.active[ident]
@@ -353,6 +361,17 @@ def _importable(obj: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
+def _strings(code: types.CodeType) -> tuple[str, ...]:
+    """The string constants of ``code`` and of the code nested in it."""
+    out = []
+    for const in code.co_consts:
+        if isinstance(const, str):
+            out.append(const)
+        elif isinstance(const, types.CodeType):
+            out.extend(_strings(const))
+    return tuple(dict.fromkeys(out))
+
+
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     """Names that ``code`` or the code nested in it may read as globals."""
     names = list(code.co_names)

@@ -265,6 +265,43 @@ def test_libraries_installed_outside_site_packages(tmp_path, monkeypatch, where)
     assert (_fingerprint.of(uses_it) == found) is installed
 
 
+def test_a_user_module_is_fingerprinted_by_what_the_function_reads(
+    tmp_path, monkeypatch
+):
+    """A module of the user's code that a function names or closes over is
+    fingerprinted by the attributes the function may read, by name or by a
+    string (``getattr(mod, "x")``): reassigning one is a new fingerprint. One
+    with a ``__getattr__`` (computed attributes) has none: the function is
+    traced again at every call, and fingerprinting runs none of its code."""
+    (tmp_path / "fp_user_mod.py").write_text("X = 1.0\nY = 2.0\n")
+    (tmp_path / "fp_lazy_mod.py").write_text(
+        "_C = {'X': 1.0}\n\ndef __getattr__(name):\n    return _C[name]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("fp_user_mod")
+    lazy = importlib.import_module("fp_lazy_mod")
+
+    def by_name(x):
+        return mod.X * x
+
+    def by_string(x):
+        return getattr(mod, "X") * x  # noqa: B009
+
+    for fn in (by_name, by_string):
+        found = _fingerprint.of(fn)
+        assert found is not None and found == _fingerprint.of(fn)
+        mod.Y = 5.0  # not read: the same fingerprint
+        assert _fingerprint.of(fn) == found
+        mod.X = 3.0
+        assert _fingerprint.of(fn) != found
+        mod.X = 1.0
+
+    def reads_lazy(x):
+        return lazy.X * x
+
+    assert _fingerprint.of(reads_lazy) is None
+
+
 # ---------------------------------------------------------------- across processes
 
 _SCRIPT = textwrap.dedent(

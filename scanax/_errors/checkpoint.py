@@ -121,24 +121,26 @@ def checkpoint_key_differs(step: int, directory: Any, saved: str, given: str):
 
 def checkpoint_stopped(directory: Any, step: int) -> str:
     return (
-        f"{CALL}: checkpoint_dir {directory} holds this call's early stop at step "
-        f"{step}: its state was restored and there was nothing left to train."
+        f"{CALL}: the checkpoint directory {directory} holds this call's early "
+        f"stop at step {step}: its state was restored and there was nothing left "
+        "to train."
     )
 
 
 def checkpoint_at_end(directory: Any, end: int) -> str:
     return (
-        f"{CALL}: checkpoint_dir {directory} already holds step {end}, this call's "
-        "end: its state was restored and there was nothing left to train."
+        f"{CALL}: the checkpoint directory {directory} already holds step {end}, "
+        "this call's end: its state was restored and there was nothing left to "
+        "train."
     )
 
 
 def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
     return (
-        f"{CALL}: checkpoint_dir {directory} also holds later step(s) "
+        f"{CALL}: the checkpoint directory {directory} also holds later step(s) "
         f"{', '.join(map(str, later))} of a longer run; orbax keeps steps in "
         f"order, so this call's checkpoints (up to step {end}) are not written "
-        "(the later ones are kept). Use another checkpoint_dir to keep both."
+        "(the later ones are kept). Use another directory to keep both."
     )
 
 
