@@ -201,6 +201,8 @@ class _Walker:
             # a value with an equality of its own: a dtype, a sharding, a
             # PartitionSpec, an Enum, flax's HashableMapping...
             return (type(x), x)
+        if _stateless(x):  # a library's sentinel (Equinox's ``Missing``)
+            return _Same(x)
         raise _Unknown  # an instance that may change in place (an NNX model...)
 
     def _function(self, fn: types.FunctionType) -> Any:
@@ -279,6 +281,15 @@ class _Walker:
 
 
 _JITTED = type(jax.jit(lambda x: x))
+
+
+def _stateless(x: Any) -> bool:
+    """An instance of a library's class that holds nothing of its own: an
+    empty ``__dict__``, no slots (its class's code is the library's)."""
+    cls = type(x)
+    if not _library(cls.__module__) or getattr(x, "__dict__", None) != {}:
+        return False
+    return not any("__slots__" in vars(c) for c in cls.__mro__[:-1])
 
 
 def _hashable(x: Any) -> bool:

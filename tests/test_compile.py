@@ -24,7 +24,7 @@ eqx = pytest.importorskip("equinox")
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fit_helpers import BS, KEY, MLP, X, Y, batch_at  # noqa: E402
-from helpers import count_compiles, leaves_equal  # noqa: E402
+from helpers import count_compiles, count_traces, leaves_equal, traced  # noqa: E402
 
 STEPS = 13
 
@@ -481,6 +481,77 @@ def test_the_same_loss_object_reading_a_changed_object(execution):
     # The same values: traced again, nothing compiled (the second call may
     # compile stepwise's first program once: its arguments now committed).
     assert cached[2][1] == 0
+
+
+SETTING = None  # (a SimpleNamespace while the test below runs)
+
+
+class ReadsSetting(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return SETTING.scale * self.lin(x)  # an object read by the model's method
+
+
+def test_a_model_method_or_a_schedule_reading_a_changed_object():
+    """The same model and optimizer objects, fitted again after the object
+    their own code reads changed (a model method reading a SimpleNamespace; an
+    optax schedule closing over one): each call reads its current value, as
+    with every cache emptied (the program was keyed on their structure, so
+    the second call kept the first call's values)."""
+    import types
+
+    global SETTING
+
+    def rounds(fresh_each):
+        global SETTING
+        SETTING = types.SimpleNamespace(scale=1.0)
+        cfg = types.SimpleNamespace(lr=0.1)
+        model = ReadsSetting(nnx.Rngs(0))
+        tx = optax.sgd(lambda step: cfg.lr)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        out = []
+        for scale, lr in ((1.0, 0.1), (3.0, 0.1), (3.0, 0.0)):
+            SETTING.scale, cfg.lr = scale, lr
+            if fresh_each:
+                _fresh(lambda: None)
+            result = train(model, optimizer, build()[2], steps=3)
+            out.append((result.history["loss"], np.asarray(model.lin.kernel[...])))
+        return out
+
+    try:
+        cached, fresh = rounds(False), rounds(True)
+    finally:
+        SETTING = None
+    for (a, ka), (b, kb) in zip(cached, fresh):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(cached[2][1], cached[1][1])  # lr 0: unchanged
+
+
+def test_a_rebuilt_equinox_model_reuses_its_program():
+    """Equinox's modules hold its ``Missing`` sentinel in their static data: a
+    library's object with no state of its own, by identity, so a rebuilt
+    model has a fingerprint and its second fit traces nothing."""
+
+    def loss(m, batch):
+        traced("loss")
+        return jnp.mean((jax.vmap(m)(batch[0]) - batch[1]) ** 2)
+
+    def run():
+        model = eqx.nn.MLP(3, 1, 8, 1, key=jax.random.key(0))
+        return scanax.fit(model, optax.adam(1e-2), loss, (X, Y), steps=3,
+                          batch_size=BS, key=KEY, progress=False)  # fmt: skip
+
+    with count_traces() as traces:
+        run()
+        first = traces["loss"]
+        with count_compiles() as c:
+            run()
+        assert (traces["loss"], c.n) == (first, 0) and first > 0
+    model = eqx.nn.MLP(3, 1, 8, 1, key=jax.random.key(0))
+    assert _fingerprint.of(jax.tree_util.tree_structure(model)) is not None
 
 
 SCALE = 1.0

@@ -134,7 +134,6 @@ def evaluate(
     trainstate = target.trainstate
     identity = _fit_program.identity(
         target.identity,
-        target.static,
         eval_fn,
         _CALL,
         takes[:2],
@@ -229,9 +228,7 @@ def predict(
     _check_key(_PREDICT, key)
     if takes.key and key is None:  # refused if the outputs depend on it
         key = unused_key(_PREDICT, "fn", target, fn, takes, data, b)
-    identity = _fit_program.identity(
-        target.identity, target.static, fn, _PREDICT, n, b, takes.key
-    )
+    identity = _fit_program.identity(target.identity, fn, _PREDICT, n, b, takes.key)
     call = _call(guarded(fn, _PREDICT, "fn"), False, takes.key)
 
     def build():
@@ -367,7 +364,8 @@ def unused_key(
     anything runs."""
     found = None
     try:
-        parts = (target.identity or target.static, _fingerprint.key(fn), takes, b, call)
+        model = target.identity or _fingerprint.UNKNOWN
+        parts = (model, _fingerprint.key(fn), takes, b, call)
         cache_key = parts if _fingerprint.cacheable(parts) else None
         found = None if cache_key is None else _USES.get(cache_key)
     except TypeError:  # (unhashable: trace it)

@@ -125,7 +125,6 @@ class Sweep:
         cuts = _fit_schedule.cuts(setup)
         identity = _fit_program.identity(
             None if fingerprint is None else (fingerprint, feats.key()),
-            (_fingerprint.key(pop.make), feats.key()),
             setup.loss_fn,
             "population",
             setup.takes_hp,

@@ -150,21 +150,16 @@ def program(identity: tuple | None, build: Callable[[], Callable]) -> Program:
     return program
 
 
-def identity(
-    fingerprint: Any, fallback: Any, loss_fn: Callable, *rest: Any
-) -> tuple | None:
-    """Cache-key parts: ``loss_fn``'s and the model's fingerprints (the model's
-    ``fallback``, its static structure, where it has none), then ``rest``
-    (functions in it by ``_fingerprint.key``). None where a function has no
-    fingerprint: what it reads (an NNX model or an object it closes over)
+def identity(fingerprint: Any, loss_fn: Callable, *rest: Any) -> tuple | None:
+    """Cache-key parts: ``loss_fn``'s and the model's (with its optimizer's)
+    fingerprints, then ``rest`` (functions in it by ``_fingerprint.key``).
+    None where one has no fingerprint: what it reads (an NNX model or an
+    object it closes over, one a model's method or an optax schedule reads)
     may change in place, so each call traces its program again, reading the
     current values, and compiles only if the lowered program differs
     (``Program.executable``)."""
-    parts = (
-        _fingerprint.key(loss_fn),
-        fallback if fingerprint is None else fingerprint,
-        *rest,
-    )
+    model = _fingerprint.UNKNOWN if fingerprint is None else fingerprint
+    parts = (_fingerprint.key(loss_fn), model, *rest)
     return parts if _fingerprint.cacheable(parts) else None
 
 

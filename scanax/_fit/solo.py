@@ -112,7 +112,6 @@ def _model_program(
     fingerprint = base.fingerprint()
     identity = _fit_program.identity(
         None if fingerprint is None else (fingerprint, feats.key()),
-        (base.static, feats.key()),
         loss_fn,
         None if checks is None else checks.key(),
         _fingerprint.key(setup.eval_call),
