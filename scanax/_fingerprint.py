@@ -34,6 +34,7 @@ value too large to describe cheaply.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -174,6 +175,8 @@ class _Walker:
             return ("partial", walk(x.func), walk(x.args), walk(x.keywords))
         if isinstance(x, types.MethodType):
             return ("method", walk(x.__func__), walk(x.__self__))
+        if isinstance(x, _TUPLEGETTER):  # a named tuple's field (immutable)
+            return (_TUPLEGETTER, x.__reduce__()[1])
         if isinstance(x, (staticmethod, classmethod)):
             return (type(x), walk(x.__func__))
         if isinstance(x, property):
@@ -281,6 +284,7 @@ class _Walker:
 
 
 _JITTED = type(jax.jit(lambda x: x))
+_TUPLEGETTER = type(vars(collections.namedtuple("_Point", "x"))["x"])
 
 
 def _stateless(x: Any) -> bool:

@@ -302,6 +302,27 @@ def test_a_user_module_is_fingerprinted_by_what_the_function_reads(
     assert _fingerprint.of(reads_lazy) is None
 
 
+def test_a_named_tuple_class_of_the_users_has_a_fingerprint():
+    """A ``typing.NamedTuple`` of the user's code (an environment's state) is
+    described by its fields (C-level accessors, immutable): a function that
+    builds one has a fingerprint, the same for a re-defined class, so fit
+    keeps its program (the PPO benchmark's ``collect`` had none)."""
+    from typing import NamedTuple
+
+    def make():
+        class State(NamedTuple):
+            x: jax.Array
+            t: jax.Array
+
+        def step(x):
+            return State(x, x + 1)
+
+        return step
+
+    found = _fingerprint.of(make())
+    assert found is not None and found == _fingerprint.of(make())
+
+
 # ---------------------------------------------------------------- across processes
 
 _SCRIPT = textwrap.dedent(
