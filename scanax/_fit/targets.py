@@ -21,7 +21,7 @@ from .models import nnx as _models_nnx, population as _population
 class Target(NamedTuple):
     """What is evaluated: its arrays (``leaves``; a population's with a member
     axis, and its hyperparameters ``hp``), what the compiled program depends on
-    (``identity``, a fingerprint, or None and then ``static``), and
+    (``identity``, a fingerprint, or None: traced again at every call), and
     ``runner(call) -> run(leaves, batch, key, hp)``: ``call(model, batch, key,
     hp)`` on the model rebuilt from ``leaves`` in eval mode, its result as it
     is. ``runner`` closes over no array: programs are cached."""
@@ -29,7 +29,6 @@ class Target(NamedTuple):
     leaves: list
     hp: Any
     identity: Any
-    static: Any
     runner: Callable
     members: bool
     trainstate: bool
@@ -60,7 +59,7 @@ def _nnx_target(model: Any) -> Target:
 
     found = _nnx.graphdef_fingerprint(graphdef)
     identity = None if found is None else ("nnx", found)
-    return Target(leaves, None, identity, ("nnx", graphdef), runner, False, False)
+    return Target(leaves, None, identity, runner, False, False)
 
 
 def _tree_target(call: str, model: Any) -> Target:
@@ -90,7 +89,7 @@ def _tree_target(call: str, model: Any) -> Target:
     static = ("tree", treedef, tuple(dynamic), statics)
     identity = _fingerprint.of(static)
     leaves = [flat[i] for i in dynamic]
-    return Target(leaves, None, identity, static, runner, False, trainstate)
+    return Target(leaves, None, identity, runner, False, trainstate)
 
 
 def _population_target(pop: Any) -> Target:
@@ -116,7 +115,6 @@ def _population_target(pop: Any) -> Target:
         list(pop.state),
         pop.hp(),
         identity,
-        pop.make,
         runner,
         True,
         pop.kind == "trainstate",

@@ -1,8 +1,9 @@
 """Model kinds for ``scanax.fit``: NNX, optax over a pytree (Equinox), flax TrainState.
 
 Each adapter reduces a ``(model, optimizer)`` pair to a pytree of arrays (``state``),
-a hashable description of everything else (``static``: same ``static`` means the same
-compiled step), a pure ``step(state, batch)`` and a way back to the user's objects.
+a fingerprint of everything else (``fingerprint()``: the same one means the same
+compiled step; None when it cannot be described, and then each call traces its
+program again), a pure ``step(state, batch)`` and a way back to the user's objects.
 ``adapt`` chooses the kind; each kind is a module (``_models_nnx``, ``_models_optax``,
 ``_models_trainstate``), built from what they share (``_model_step``). None of them
 imports a framework the user has not already imported.
@@ -101,7 +102,6 @@ class Flat:
         self.adapter, self.kind = adapter, adapter.kind
         self.state, self.treedef = jtu.tree_flatten(adapter.state)
         self.names = adapter.names()
-        self.static = adapter.static
 
     def fingerprint(self) -> Any:
         return self.adapter.fingerprint()

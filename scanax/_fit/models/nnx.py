@@ -41,11 +41,11 @@ class NNXAdapter:
             v.get_raw_value() if isinstance(v, nnx.Variable) else v
             for v in self.variables
         ]
-        self.static = ("nnx", self.graphdef)
 
     def fingerprint(self) -> Any:
-        """``static`` as a fingerprint (``_fingerprint``): equal for rebuilt
-        objects of the same structure; None when it cannot be described."""
+        """The graph definition as a fingerprint (``_fingerprint``): equal for
+        rebuilt objects of the same structure; None when it cannot be
+        described."""
         graphdef = _nnx.graphdef_fingerprint(self.graphdef)
         return None if graphdef is None else ("nnx", graphdef)
 

@@ -103,7 +103,6 @@ class OptaxAdapter:
         self.state = {"params": params, "other": others, "opt_state": fresh}
         statics = tuple((i, x) for i, x in enumerate(template) if i not in dynamic)
         self._layout_key = ("optax", treedef, train, other, statics, self.counted)
-        self.static = (*self._layout_key, tx)
 
     def fingerprint(self) -> Any:
         rest = _fingerprint.of(self._layout_key)  # (tx's: ``tx_key``, walked once)
