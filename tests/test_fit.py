@@ -883,6 +883,14 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             TypeError,
             r"(?s)scanax.fit: data\['name'\] is str, not an array, next to arrays",
         ),
+        (  # labels left as a Python list: the list is named, and the fix
+            lambda m, b: nnx_loss(m, (b["x"], b["y"])),
+            {"x": X, "y": Y.tolist()},
+            ARRAYS,
+            TypeError,
+            rf"(?s)scanax.fit: data\['y'\] is a list of {len(Y)}, not an array, "
+            r"next to arrays.*Fix: make it one array: jnp.asarray\(data\['y'\]\)",
+        ),
         (
             lambda m, b: nnx_loss(m, (b["x"], b["y"])),
             [{"x": X[:8], "y": Y[:8], "tag": "train"}] * 2,

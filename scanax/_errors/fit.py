@@ -75,6 +75,14 @@ def data_leaf_not_array(path: str, leaf: Any) -> TypeError:
     )
 
 
+def data_list_not_array(path: str, n: int) -> TypeError:
+    return TypeError(
+        f"{CALL}: data{path} is a list of {n}, not an array, next to arrays in "
+        "`data`. Array data is a pytree of arrays sharing a leading example axis.\n"
+        f"Fix: make it one array: jnp.asarray(data{path}) (or np.asarray)."
+    )
+
+
 def data_leading_axes(leaves: list[tuple[Any, Any]], name: str = "data") -> ValueError:
     """``leaves``: ``(path, array)`` pairs of the data (``name``: or
     ``eval_data``)."""

@@ -300,6 +300,24 @@ def positive_int(name: str, value: Any, call: str = errors.CALL) -> int:
     raise errors.not_int(name, value, call)
 
 
+def _outer_list(data: Any, path: tuple) -> tuple[tuple, list] | None:
+    """The outermost Python list on ``path`` into ``data`` (its path, the
+    list), or None."""
+    node = data
+    for i, key in enumerate(path):
+        if isinstance(node, list):
+            return path[:i], node
+        if isinstance(key, jtu.DictKey):
+            node = node[key.key]
+        elif isinstance(key, jtu.SequenceKey):
+            node = node[key.idx]
+        elif isinstance(key, jtu.GetAttrKey):
+            node = getattr(node, key.name)
+        else:
+            return None
+    return None
+
+
 def make_source(data: Any, batch_size: Any, key: Any) -> Any:
     """Array data: a pytree of arrays that is not a list (lists, iterators and
     other iterables are sequences of batches); a ``scanax.Rollout``."""
@@ -313,6 +331,9 @@ def make_source(data: Any, batch_size: Any, key: Any) -> Any:
         flat = jtu.tree_flatten_with_path(data)[0]
         if any(is_array(x) for _, x in flat):
             path, leaf = next((p, x) for p, x in flat if not is_array(x))
+            outer = _outer_list(data, path)  # (an array's values as a list?)
+            if outer is not None:
+                raise errors.data_list_not_array(jtu.keystr(outer[0]), len(outer[1]))
             raise errors.data_leaf_not_array(jtu.keystr(path), leaf)
     if isinstance(data, list) or not is_array_data(data):
         if batch_size is not None:
