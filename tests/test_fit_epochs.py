@@ -71,8 +71,18 @@ def test_errors():
     with pytest.raises(TypeError, match="`epochs` must be a positive int"):
         _fit(epochs=1.5)
     batches = [(X[:8], Y[:8])] * 3
-    with pytest.raises(TypeError, match="epochs=2 needs array data"):
+    with pytest.raises(TypeError, match="epochs=2 needs array data") as err:
         scanax.fit(P, optax.sgd(0.1), loss_fn, batches, epochs=2, progress=False)
+    # a list's length is known: the message says what fit does with it
+    assert "a list of 3 batches is taken once, in order" in str(err.value)
+    assert "pass steps=len(batches) for one pass" in str(err.value)
+    with pytest.raises(TypeError, match="this data's length is not known"):
+        scanax.fit(P, optax.sgd(0.1), loss_fn, iter(batches), epochs=2,
+                   progress=False)  # fmt: skip
+    one = scanax.fit(
+        P, optax.sgd(0.1), loss_fn, batches, steps=len(batches), progress=False
+    )  # fmt: skip (the fix, as the message says)
+    assert one.steps == 3
 
 
 def test_evaluation_defaults_to_every_epoch_with_epochs():

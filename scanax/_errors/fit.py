@@ -431,7 +431,15 @@ def steps_and_epochs(steps: Any, epochs: Any) -> TypeError:
     )
 
 
-def epochs_need_arrays(epochs: Any) -> TypeError:
+def epochs_need_arrays(epochs: Any, data: Any) -> TypeError:
+    if isinstance(data, list):  # (its length is known, but fit takes it once)
+        return TypeError(
+            f"{CALL}: epochs={epochs} needs array data with batch_size= (an epoch "
+            f"is one pass over its examples); a list of {len(data)} batches is "
+            "taken once, in order.\nFix: pass steps=len(batches) for one pass, or "
+            "stack the batches into arrays (e.g. jnp.concatenate) and pass them "
+            "with batch_size= for epochs of shuffled batches."
+        )
     return TypeError(
         f"{CALL}: epochs={epochs} needs array data with batch_size= (an epoch "
         "is one pass over its examples); this data's length is not known.\nFix: "

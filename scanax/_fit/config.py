@@ -111,7 +111,7 @@ def configure(
         if isinstance(source, _rollout.RolloutSource):
             raise rollout_errors.epochs_with_rollout(epochs)
         if not isinstance(source, _data.ArraySource):
-            raise errors.epochs_need_arrays(epochs)
+            raise errors.epochs_need_arrays(epochs, data)
         steps = source.steps_for(epochs)
         checked = evaluation is not None or stop is not None or plateau is not None
         if checked and every is None and source.per_epoch % source.micro == 0:
