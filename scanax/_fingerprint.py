@@ -214,17 +214,15 @@ class _Walker:
         walk = self.walk
         code = fn.__code__
         globs, names = fn.__globals__, _global_names(code)
-        strings = _strings(code)  # (a module's attributes may be read by name)
+        read = names + _strings(code)  # (a module's attributes, also by a string)
         cells = []
         for cell in fn.__closure__ or ():
             try:
-                cells.append(self._global(cell.cell_contents, names + strings))
+                cells.append(self._global(cell.cell_contents, read))
             except ValueError:  # an empty cell (a name assigned later)
                 cells.append(("empty",))
         named = tuple(
-            (name, self._global(globs[name], names + strings))
-            for name in names
-            if name in globs
+            (name, self._global(globs[name], read)) for name in names if name in globs
         )
         return (
             "function",
@@ -387,6 +385,7 @@ def _strings(code: types.CodeType) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+@functools.lru_cache(maxsize=4096)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     """Names that ``code`` or the code nested in it may read as globals."""
     names = list(code.co_names)
