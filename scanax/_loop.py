@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax.tree_util as jtu
 
 from . import _conv_layout, _errors, _nnx
 from ._axes import first_difference, match_prefix, normalize_axis
-from ._tree import is_array, is_arraylike, same_static, splice
+from ._tree import as_int, is_array, is_arraylike, same_static, splice
 
 # Bound at import: scanax.scan must keep working where users (or JAX's own test
 # suite, in our compatibility check) replace `jax.lax.scan` by `scanax.scan`.
@@ -289,14 +288,9 @@ def _infer_length(
     call: str, xs: Any, lengths: list[tuple[str, int, Any]], length: int | None
 ) -> int:
     if length is not None:
-        if isinstance(length, bool):
-            raise _errors.bad_length(call, length)
-        try:
-            length = operator.index(length)
-        except TypeError as err:
-            raise _errors.bad_length(call, length) from err
-        if length < 0:
-            raise _errors.bad_length(call, length)
+        given, length = length, as_int(length)
+        if length is None or length < 0:
+            raise _errors.bad_length(call, given)
     found = {n for _, n, _ in lengths}
     named = lambda: [(p, n, _errors.short_type(leaf)) for p, n, leaf in lengths]
     if len(found) > 1:
@@ -335,11 +329,8 @@ def check_unroll(call: str, unroll: Any) -> None:
     scanax's error before anything is traced (JAX's has no call's name)."""
     if isinstance(unroll, bool):
         return
-    try:
-        value = operator.index(unroll)
-    except TypeError:
-        raise _errors.bad_unroll(call, unroll) from None
-    if value < 0:
+    value = as_int(unroll)
+    if value is None or value < 0:
         raise _errors.bad_unroll(call, unroll)
 
 

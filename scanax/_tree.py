@@ -112,16 +112,22 @@ def real_numbers(x: Any, shape: tuple, fail: Callable[[], Exception]) -> np.ndar
     return a
 
 
+def as_int(value: Any) -> int | None:
+    """``value`` as a Python int (an int-like object: ``operator.index``), or
+    None for a bool or anything else: how scanax reads a count or an index."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def index_in(i: Any, n: int, fail: Callable[[Any], Exception]) -> int:
     """Index ``i`` of ``n`` items (negative counts from the end; an int-like
     object, not a bool), as ``0 <= i < n``; else ``fail(index)`` raised, with
     ``index`` the int ``i`` is when out of range, None when it is no int."""
-    if isinstance(i, bool):
-        raise fail(None)
-    try:
-        i = operator.index(i)
-    except TypeError:
-        raise fail(None) from None
-    if not -n <= i < n:
-        raise fail(i)
-    return i % n
+    index = as_int(i)
+    if index is None or not -n <= index < n:
+        raise fail(index)
+    return index % n

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ import numpy as np
 
 from .. import _caller, _fingerprint
 from .._errors import evaluate as errors, keys as key_errors, short_type
-from .._tree import is_array
+from .._tree import as_int, is_array
 from . import (
     keys as _keys,
     mesh as _mesh,
@@ -422,15 +421,12 @@ def _check_data(call: str, data: Any) -> int:
 def _batch_size(call: str, value: Any, n: int) -> int:
     if value is None:
         return max(min(DEFAULT_BATCH, n), 1)
-    if isinstance(value, bool):
+    size = as_int(value)
+    if size is None:
         raise errors.batch_size_type(call, value)
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise errors.batch_size_type(call, value) from None
-    if value < 1:
-        raise errors.batch_size_not_positive(call, value)
-    return max(min(value, n), 1)
+    if size < 1:
+        raise errors.batch_size_not_positive(call, size)
+    return max(min(size, n), 1)
 
 
 def _check_key(call: str, key: Any) -> None:

@@ -6,7 +6,6 @@ saves, the index of calls) is ``_checkpoint``."""
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 from typing import Any
 
@@ -18,6 +17,7 @@ from ... import _tree
 from ..._errors import checkpoint as errors, fit as fit_errors
 from .. import feature as _feature
 from ..checkpoint import Checkpoints, is_key, strong
+from ..data import arrays as _data
 
 BEST = {"kind": "best"}  # what a best-only store records as its data
 
@@ -147,13 +147,9 @@ class Checkpoint(_feature.Feature):
             raise fit_errors.checkpoint_dir_type(self.directory) from None
         if os.path.exists(path) and not os.path.isdir(path):
             raise fit_errors.checkpoint_dir_not_dir(path)
-        every = self.every
-        if every is not None:
-            if isinstance(every, bool) or not isinstance(every, numbers.Integral):
-                raise fit_errors.not_int("every", every, "scanax.Checkpoint")
-            if every < 1:
-                raise fit_errors.not_positive("every", every, "scanax.Checkpoint")
-            object.__setattr__(self, "every", int(every))
+        if self.every is not None:
+            every = _data.positive_int("every", self.every, "scanax.Checkpoint")
+            object.__setattr__(self, "every", every)
 
     def program_key(self) -> None:
         return None

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..._errors import log as errors
+from ..._tree import as_int
 from .. import feature as _feature
 
 DEFAULT_EVERY = 10  # steps per window
@@ -198,9 +199,10 @@ def windows(features: list) -> dict[int, list]:
 
 
 def _every(call: str, every: Any) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    count = as_int(every)
+    if count is None or count < 1:
         raise errors.every_type(call, every)
-    return every
+    return count
 
 
 def _mlflow() -> Any:

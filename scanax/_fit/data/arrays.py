@@ -14,7 +14,6 @@ Iterable data (``_iterables``) is consumed in order on the host.
 from __future__ import annotations
 
 import copy
-import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ..._errors import fit as errors, rollout as rollout_errors
-from ..._tree import is_array
+from ..._tree import as_int, is_array
 from .. import mesh as _mesh
 from . import iterables as _iterables, rollout as _rollout
 
@@ -288,16 +287,12 @@ def _raw_key_shape() -> tuple[int, ...]:
 
 
 def positive_int(name: str, value: Any, call: str = errors.CALL) -> int:
-    if not isinstance(value, bool):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if value > 0:
-                return value
-            raise errors.not_positive(name, value, call)
-    raise errors.not_int(name, value, call)
+    count = as_int(value)
+    if count is None:
+        raise errors.not_int(name, value, call)
+    if count < 1:
+        raise errors.not_positive(name, count, call)
+    return count
 
 
 def _outer_list(data: Any, path: tuple) -> tuple[tuple, list] | None:
