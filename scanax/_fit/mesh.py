@@ -193,17 +193,31 @@ def _known(mesh: Any, axis: Any) -> bool:
     return all(a in mesh.axis_names for a in names)
 
 
+def explicit_mesh(x: Any) -> Any:
+    """The mesh of Explicit axes ``x`` is placed on (its sharding is part of
+    its type there: ``jax.make_mesh``'s default, ``jax.set_mesh``), or None."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    explicit = jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
+    return mesh if explicit else None
+
+
+def off_explicit_mesh(x: Any) -> Any:
+    """``x``, moved to one device of the mesh of Explicit axes it is on."""
+    mesh = explicit_mesh(x)
+    return x if mesh is None else jax.device_put(x, mesh.devices.flat[0])
+
+
 def not_on_an_explicit_mesh(names: list[str], leaves: list, pop: bool) -> None:
     """No leaf on a mesh of Explicit axes, else the error naming the first (the
     model's leaves before the optimizer's)."""
-    explicit = jax.sharding.AxisType.Explicit
     named = sorted(zip(names, leaves), key=lambda pair: pair[0].startswith("opt"))
     for name, x in named:
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            mesh = sharding.mesh
-            if explicit in tuple(getattr(mesh, "axis_types", ())):
-                raise errors.on_explicit_mesh(name, tuple(mesh.axis_names), pop)
+        mesh = explicit_mesh(x)
+        if mesh is not None:
+            raise errors.on_explicit_mesh(name, tuple(mesh.axis_names), pop)
 
 
 def place(leaves: list, shardings: list) -> list:

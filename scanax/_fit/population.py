@@ -89,9 +89,9 @@ class Sweep:
             self.feed = _rollout.Feeder(source, self.keys)
             features.append(self.feed)
         self.feats = feats = _feature.Features(pop, features, pop.step)
-        own = slice(0, feats.n)  # (the members' own leaves: as before, a
-        # feature's state on a mesh is placed with the members')
-        setup.place.check_unplaced(feats.names()[own], list(feats.state)[own], pop=True)
+        # the members' own leaves (a feature's state is placed with theirs)
+        n = feats.n
+        setup.place.check_unplaced(feats.names()[:n], list(feats.state)[:n], pop=True)
         self.call_for = _call_for(
             setup.loss_fn, setup.takes_hp, setup.takes_key, feats, pop.kind
         )

@@ -22,6 +22,7 @@ import numpy as np
 
 from ... import _caller, _fingerprint, _tree
 from ..._errors import population as errors, short_type
+from .. import mesh as _mesh
 from . import (
     adapt as _models,
     nnx as _models_nnx,
@@ -55,7 +56,9 @@ class Population:
         keys = jr.split(key, n)
         self._hp = {k: jnp.asarray(v) for k, v in hyperparameters.items()}
         self.state, self.treedef, self.kind, self.names = _build(make, keys, self._hp)
-        self.keys = _off_explicit_mesh(keys)
+        # (made under jax.set_mesh, keys would not trace under fit's own mesh,
+        # made Auto, where ``make`` is traced with one of them)
+        self.keys = _mesh.off_explicit_mesh(keys)
         self.step = 0
         self.stopped = np.zeros(n, bool)
         self._members: dict[int, tuple] = {}
@@ -381,18 +384,6 @@ def _is_key(x: Any) -> bool:
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return jnp.shape(x) == ()
     return jnp.shape(x) == (2,) and dtype == jnp.uint32
-
-
-def _off_explicit_mesh(keys: Any) -> Any:
-    """The members' keys, moved to one device if they were split on a mesh of
-    Explicit axes (under ``jax.set_mesh``): ``make`` is traced with one of them
-    under fit's own mesh, made ``Auto``, where they would not trace."""
-    sharding = getattr(keys, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        mesh = sharding.mesh
-        if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
-            return jax.device_put(keys, mesh.devices.flat[0])
-    return keys
 
 
 def member_index(i: Any, n: int) -> int:
