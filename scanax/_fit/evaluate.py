@@ -162,7 +162,7 @@ def evaluate(
     program = _fit_program.program(identity, build)
     leaves, hp = target.leaves, target.hp
     leaves, data, key = place.put(leaves), place.put(data), place.replicate(key)
-    out = _called(program, identity, leaves, hp, data, key)
+    out = program.call(leaves, hp, data, key)
     host = place.host(out)
     names = ["loss", *(k for k in host if k != "loss")]  # (the rest by name)
     return {k: float(host[k]) if host[k].ndim == 0 else host[k] for k in names}
@@ -244,16 +244,7 @@ def predict(
         return jax.vmap(one, in_axes=(0, 0, None, None)) if target.members else one
 
     program = _fit_program.program(identity, build)
-    return _called(program, identity, target.leaves, target.hp, data, key)
-
-
-def _called(program: Any, identity: Any, *args: Any) -> Any:
-    """``program`` on ``args``: jitted when it is cached; traced again for a
-    function without a fingerprint (``identity`` None), compiled only if an
-    earlier call did not compile the same lowered program."""
-    if identity is not None:
-        return program.jitted(*args)
-    return program.executable(args)(*args)
+    return program.call(target.leaves, target.hp, data, key)
 
 
 def _batched(fn: Callable, data: Any, n: int, b: int) -> Any:

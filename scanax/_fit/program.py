@@ -5,6 +5,7 @@ once, finiteness, per-step keys, the state's dtypes)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class Program:
     def __init__(self, fn: Callable):
         self.chunks = fn  # (a ``Chunks``: its pieces make the stepwise programs)
         self.jitted = jax.jit(fn)
+        self.cached = False  # (kept in ``PROGRAMS``: ``program``)
         self.seconds_per_step: float | None = None
         self.executables: dict = {}
         self.stepwise: dict = {}  # ``_fit_stepwise``'s, by argument signature
@@ -93,6 +95,15 @@ class Program:
             self.compile_seconds = max(self.compile_seconds, seconds)
             self.executables[signature] = exe
         return exe
+
+    def call(self, *args: Any) -> Any:
+        """The program run on ``args`` (``evaluate``, ``predict``): through
+        ``jax.jit``'s dispatch when the program is cached (the fastest per
+        call); else as ``executable`` compiles it, once per lowered program
+        (a function without a fingerprint is traced again at every call)."""
+        if self.cached:
+            return self.jitted(*args)
+        return self.executable(args)(*args)
 
     def signature(self, args: tuple) -> tuple:
         """What a compiled program is specific to: the arguments' structure,
@@ -132,19 +143,19 @@ def program(identity: tuple | None, build: Callable[[], Callable]) -> Program:
     program depends on, by fingerprint where there is one (a rebuilt
     ``optax.adam(1e-3)`` or a re-defined ``loss_fn`` with the same code is the
     same), with JAX's trace context added; None: not cached (``identity``)."""
-    try:
-        cache_key = None
-        if identity is not None:
-            parts = (_fingerprint.trace_context(), _backend.platform(), *identity)
+    cache_key = None
+    if identity is not None:
+        parts = (_fingerprint.trace_context(), _backend.platform(), *identity)
+        # (an unhashable static part: compiled for this call only)
+        with contextlib.suppress(TypeError):
             cache_key = _Key(parts)
-    except TypeError:  # an unhashable static part: compile for this call only
-        cache_key = None
     found = None if cache_key is None else PROGRAMS.get(cache_key)
     if found is not None:  # (one lookup: comparing keys is the costly part)
         return found
     program = Program(build())
     if cache_key is not None:
         PROGRAMS[cache_key] = program
+        program.cached = True
         while len(PROGRAMS) > _CACHE_SIZE:
             PROGRAMS.popitem(last=False)
     return program
