@@ -628,11 +628,49 @@ def test_losses_with_other_host_callbacks_are_not_shared():
     np.testing.assert_allclose(second.history["cb"], first.history["cb"] + 100.0)
 
 
+# A host callback as a TPU lowers it (jax 0.10.2 on a TPU v5e, 2026-12-06: a
+# pure_callback, jax.debug.print and io_callback alike): host sends and
+# receives, with no custom call naming a callback.
+_TPU_CALLBACK = """
+    %1 = "stablehlo.send"(%arg0, %0) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 2>, is_host_transfer = true}> {mhlo.frontend_attributes = {_xla_host_transfer_handler_name = "pjrt_rendezvous", _xla_host_transfer_rendezvous = "2"}} : (tensor<f32>, !stablehlo.token) -> !stablehlo.token
+    %2:2 = "stablehlo.recv"(%1) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 3>, is_host_transfer = true}> {mhlo.frontend_attributes = {_xla_host_transfer_handler_name = "pjrt_rendezvous", _xla_host_transfer_rendezvous = "3"}} : (!stablehlo.token) -> (tensor<f32>, !stablehlo.token)
+"""  # noqa: E501
+
+
+def test_programs_that_call_the_host_are_recognised_on_every_backend():
+    """An executable holding a host callback is never shared by its text
+    (``program.compiled``): the text must say it calls the host, on CPU and
+    GPU (a custom call) as on a TPU (sends and receives; a TPU shared the first
+    callback's executable before, test above)."""
+    from jax.experimental import io_callback
+
+    from scanax._fit.program import calls_the_host
+
+    shape = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def pure(x):
+        return jax.pure_callback(lambda v: np.asarray(v, np.float32), shape, x)
+
+    def printed(x):
+        jax.debug.print("{}", x)
+        return x + 1
+
+    def io(x):
+        return io_callback(lambda v: np.asarray(v, np.float32), shape, x)
+
+    for fn in (pure, printed, io):
+        assert calls_the_host(jax.jit(fn).lower(jnp.float32(1)).as_text())
+    assert not calls_the_host(jax.jit(lambda x: x * 2).lower(1.0).as_text())
+    assert calls_the_host(_TPU_CALLBACK)
+
+
 def test_jax_settings_are_part_of_the_key():
     """A fit under another matmul precision is another program (jax.jit keys on
-    the same settings)."""
+    the same settings). (Off CPU the suite runs at "highest": conftest.)"""
     train(*build())
-    with count_compiles() as c, jax.default_matmul_precision("highest"):
+    now = jax.config.jax_default_matmul_precision
+    other = "bfloat16" if now == "highest" else "highest"
+    with count_compiles() as c, jax.default_matmul_precision(other):
         train(*build())
     assert c.n >= 1
 

@@ -321,8 +321,15 @@ def test_members_that_do_not_fit_train_in_groups_that_do(memory):
     runs, is more than is free, so the members train in groups (a warning says
     how many); the result equals all at once."""
     needs, free = memory
+    pop_fit("eqx", lrs=LRS3[:1])  # (a call of one member: its need)
     _, whole = pop_fit("eqx", lrs=LRS3)
-    assert needs and needs[0] > 0  # (this backend reports a need)
+    assert needs and needs[-1] > 0  # (this backend reports a need)
+    if needs[0] >= needs[-1] / 2:
+        # (XLA:TPU: one member of this tiny model needed 1.12 MiB, three 0.55:
+        # small arrays padded to its tiles; groups do not help, and fit says so
+        # with test_a_population_that_cannot_be_split_is_refused_before_it_runs)
+        pytest.skip(f"a one-member call needs {needs[0]} bytes, three {needs[-1]}")
+    del needs[:-1]
     free(0.5)  # room for one member of three, not two
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

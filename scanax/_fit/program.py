@@ -120,7 +120,7 @@ def compiled(lowered: Any, signature: Any, began: float) -> tuple[Any, float, st
     first trace and compile took), and the hash of the program's text."""
     text = lowered.as_text()
     digest = hashlib.sha256(text.encode())
-    if "callback" in text:
+    if calls_the_host(text):
         return lowered.compile(), time.perf_counter() - began, digest.hexdigest()
     key = (digest.digest(), signature)
     found = EXECUTABLES.get(key)
@@ -129,6 +129,19 @@ def compiled(lowered: Any, signature: Any, began: float) -> tuple[Any, float, st
         while len(EXECUTABLES) > _CACHE_SIZE:
             EXECUTABLES.popitem(last=False)
     return (*found, digest.hexdigest())
+
+
+# How a lowered program calls the host: a custom call naming a Python callback
+# (CPU, GPU) or host sends and receives (a TPU's callbacks lower to those, with
+# no name that says "callback": measured, 2026-12-06).
+_HOST_MARKS = ("callback", "is_host_transfer", "_xla_host_transfer")
+
+
+def calls_the_host(text: str) -> bool:
+    """Whether a lowered program's text runs a host callback: its executable
+    holds that Python function, which the text does not show, so it is never
+    shared with another program of the same text."""
+    return any(mark in text for mark in _HOST_MARKS)
 
 
 def _leaf_signature(x: Any) -> tuple:
