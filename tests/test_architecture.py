@@ -79,6 +79,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fit.models.adapt",
             "_fit.models.nnx",
             "_fit.models.optax",
+            "_fit.models.optax_init",
+            "_fit.models.eqx_state",
             "_fit.models.trainstate",
             "_fit.models.population",
         },

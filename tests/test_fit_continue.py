@@ -228,17 +228,17 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
     devices and JAX settings: a rebuilt ``optax.adam(1e-3)`` reuses it, another
     learning rate, other shapes, another device or PRNG compile anew. Each
     state equals the eager ``tx.init`` (``_same_state``)."""
-    from scanax._fit.models import optax as adapters
+    from scanax._fit.models import optax as adapters, optax_init as inits
 
-    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(inits, "_INITS", type(inits._INITS)())
     compiled = []  # (an ``_Init`` traces and compiles once)
 
-    class Counted(adapters._Init):
+    class Counted(inits._Init):
         def __init__(self, *args):
             compiled.append(1)
             super().__init__(*args)
 
-    monkeypatch.setattr(adapters, "_Init", Counted)
+    monkeypatch.setattr(inits, "_Init", Counted)
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2), "i": jnp.arange(3), "n": None}
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 5, 50)
     injected = optax.inject_hyperparams(optax.adam)
@@ -263,7 +263,7 @@ def test_the_state_fit_makes_is_one_compiled_call(monkeypatch):
                 eager = tx.init(adapter.layout.filtered(adapter.state["params"]))
                 _same_state(adapter.state["opt_state"], eager)
             assert len(compiled) - before == compiles
-    assert all(init.traced is not None for init in adapters._INITS.values())
+    assert all(init.traced is not None for init in inits._INITS.values())
     adapters.OptaxAdapter({"w": jnp.ones((4, 2))}, optax.adam(1e-3), compiled_init=True)
     assert len(compiled) == 6 * len(places) + 1  # (other shapes: another program)
     # Another PRNG implementation: the key it makes is of that one.
@@ -342,9 +342,9 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     call on a TPU v5e). It equals the eager init, also for parameters on
     another device (committed there). A state that reads the parameters, or
     one past the size bound, is the compiled init's."""
-    from scanax._fit.models import optax as adapters
+    from scanax._fit.models import optax as adapters, optax_init as inits
 
-    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(inits, "_INITS", type(inits._INITS)())
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16), "n": None}
     places = [params]
     if jax.device_count() >= 2:
@@ -366,7 +366,7 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
                 adapter = adapters.OptaxAdapter(p, tx, compiled_init=True, keep=True)
             assert c.n == 0, tx
             _same_state(adapter.state["opt_state"], eager)
-    assert all(i.fills is not None for i in adapters._INITS.values())
+    assert all(i.fills is not None for i in inits._INITS.values())
     # Kept on the device for the next fit, never given back (a user may
     # donate what fit gives back, while another fit starts from the kept
     # state): a fit that runs no step gives back a copy.
@@ -396,11 +396,11 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(params))
     # The most recently used kept, up to ``_KEPT_BYTES`` in all (Adam's: 60
     # bytes for ``params``, 132 for a 4x4 matrix).
-    monkeypatch.setattr(adapters, "_KEPT_BYTES", 140)
+    monkeypatch.setattr(inits, "_KEPT_BYTES", 140)
     square = {"w": jnp.ones((4, 4))}
     adapters.OptaxAdapter(params, optax.adam(1e-3), compiled_init=True, keep=True)
     adapters.OptaxAdapter(square, optax.adam(1e-3), compiled_init=True, keep=True)
-    kept = [i for i in adapters._INITS.values() if i.made is not None]
+    kept = [i for i in inits._INITS.values() if i.made is not None]
     assert [{s for s, _, _ in i.fills} for i in kept] == [{(), (4, 4)}]
     # Reads the parameters (it keeps a copy of them): compiled.
     reads, p = optax.contrib.schedule_free_adamw(1e-3), {"w": jnp.ones((3, 2))}
@@ -410,7 +410,7 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     _same_state(adapter.state["opt_state"], reads.init(p))
     # A jaxpr this reading does not know (another JAX): compiled.
     other = {"v": jnp.ones(3)}
-    monkeypatch.setattr(adapters, "_fills", lambda traced: {}["unknown"])
+    monkeypatch.setattr(inits, "_fills", lambda traced: {}["unknown"])
     with count_compiles() as c:
         made = adapters.OptaxAdapter(
             other, optax.adam(1e-3), compiled_init=True, keep=True
@@ -418,9 +418,9 @@ def test_a_state_of_constants_is_made_on_the_host_without_a_program(monkeypatch)
     assert c.n == 1
     _same_state(made.state["opt_state"], optax.adam(1e-3).init(other))
     monkeypatch.undo()
-    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(inits, "_INITS", type(inits._INITS)())
     # Past the bound: compiled, the same state.
-    monkeypatch.setattr(adapters, "_FILLED_BYTES", 8)
+    monkeypatch.setattr(inits, "_FILLED_BYTES", 8)
     other = {"w": jnp.ones((5, 2))}
     with count_compiles() as c:
         adapter = adapters.OptaxAdapter(
@@ -438,7 +438,7 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
     fingerprint."""
     from typing import Any, NamedTuple
 
-    from scanax._fit.models import optax as adapters
+    from scanax._fit.models import optax as adapters, optax_init as inits
 
     class State(NamedTuple):
         count: Any
@@ -480,15 +480,15 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
         cases.append(
             (optax.adam(1e-3), {"w": jax.device_put(jnp.ones((4, 1)), sharding)})
         )
-    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(inits, "_INITS", type(inits._INITS)())
     traced = []
 
-    class Counted(adapters._Init):
+    class Counted(inits._Init):
         def __init__(self, *args):
             traced.append(1)
             super().__init__(*args)
 
-    monkeypatch.setattr(adapters, "_Init", Counted)
+    monkeypatch.setattr(inits, "_Init", Counted)
     for tx, p in cases:
         adapter = adapters.OptaxAdapter(p, tx, compiled_init=True)
         state = adapter.state["opt_state"]
@@ -505,8 +505,8 @@ def test_the_state_fit_makes_eagerly_where_a_compiled_init_would_differ(monkeypa
                 )  # fmt: skip
     # none kept compiled: the three that trace differently found out, the rest
     # (NumPy or sharded parameters, no fingerprint) without a trace
-    assert all(init.traced is None for init in adapters._INITS.values())
-    assert len(traced) == len(adapters._INITS) <= 3
+    assert all(init.traced is None for init in inits._INITS.values())
+    assert len(traced) == len(inits._INITS) <= 3
 
 
 _INIT_CONFIG = {"scale": 1.0}
@@ -539,9 +539,9 @@ def test_the_compiled_init_makes_what_the_eager_one_makes_now(monkeypatch):
     """An init reading a value that changed between fits makes the new value
     (a fresh trace, not one ``jax.jit`` kept of ``tx.init``), and a state whose
     metadata cannot be compared stays eager instead of failing."""
-    from scanax._fit.models import optax as adapters
+    from scanax._fit.models import optax as adapters, optax_init as inits
 
-    monkeypatch.setattr(adapters, "_INITS", type(adapters._INITS)())
+    monkeypatch.setattr(inits, "_INITS", type(inits._INITS)())
     monkeypatch.setitem(_INIT_CONFIG, "scale", 1.0)
     keep = lambda u, s, p=None: (u, s)
     tx = optax.GradientTransformation(_configured_init, keep)

@@ -40,6 +40,55 @@ def batch_stats_not_updated() -> str:
     )
 
 
+def state_not_returned(path: str) -> str:
+    return (
+        f"{CALL}: the model holds an eqx.nn.State at model{path}, but `loss_fn` "
+        "returns no new State, so its arrays (BatchNorm's running statistics) "
+        "stay as they are through training (fit never trains them). To keep "
+        "them, return the new State as a third element: `pred, state = "
+        "jax.vmap(model, axis_name='batch', in_axes=(0, None), out_axes=(0, "
+        "None))(x, state)`, then `return loss, metrics, state`."
+    )
+
+
+def third_without_state(value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` returned a third element ({short_type(value)}), but "
+        "the model holds no eqx.nn.State for it to replace (a third element is "
+        "the new eqx.nn.State of a model made by `eqx.nn.make_with_state`, or a "
+        "TrainState's updates).\nFix: return `loss` or `(loss, metrics)`."
+    )
+
+
+def state_not_a_state(path: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: the third element `loss_fn` returned must be the new "
+        f"eqx.nn.State for model{path}, got {short_type(value)}.\nFix: return "
+        "the State the model's call gave back: `return loss, metrics, state`."
+    )
+
+
+def state_changed(path: str, want: list, got: list) -> TypeError:
+    def desc(avals):
+        return ", ".join(f"{d}{list(s)}" for s, d in avals)
+
+    return TypeError(
+        f"{CALL}: the new eqx.nn.State `loss_fn` returned for model{path} changes "
+        f"its structure, shapes or dtypes:\n  model{path}  {desc(want)}\n  "
+        f"returned  {desc(got)}\nFix: return the State the model's call gave "
+        "back, without casting it (a float16 model keeps its State's dtypes)."
+    )
+
+
+def states_many(paths: list[str]) -> TypeError:
+    where = ", ".join(f"model{p}" for p in paths)
+    return TypeError(
+        f"{CALL}: the model holds {len(paths)} eqx.nn.State objects ({where}); "
+        "fit threads one (`eqx.nn.make_with_state` makes one for the whole "
+        "model).\nFix: pass the model with its one State, `(model, state)`."
+    )
+
+
 def trainstate_updates_type(updates: Any, fields: list[str]) -> TypeError:
     return TypeError(
         f"{CALL}: the third element `loss_fn` returned must be a dict of new "

@@ -130,13 +130,13 @@ def evaluate(
     place = _placement(mesh, target, b)
     if takes.key and key is None:  # refused if the evaluation uses it
         key = unused_key(_CALL, "eval_fn", target, eval_fn, takes, data, b)
-    trainstate = target.trainstate
+    updates = target.updates
     identity = _fit_program.identity(
         target.identity,
         eval_fn,
         _CALL,
         takes[:2],
-        trainstate,
+        updates,
         n,
         b,
         place.mesh,
@@ -149,8 +149,8 @@ def evaluate(
         def one(leaves, hp, data, key):
             def batch_metrics(batch, batch_key):
                 out = run(leaves, batch, batch_key, hp)
-                if trainstate and isinstance(out, tuple) and len(out) == 3:
-                    out = out[:2]  # (a TrainState loss_fn's updates)
+                if updates and isinstance(out, tuple) and len(out) == 3:
+                    out = out[:2]  # (a TrainState's updates, a new eqx.nn.State)
                 return _model_step.split_loss(_CALL, out, "eval_fn")
 
             return _metrics.over_dataset(

@@ -16,6 +16,7 @@ from .. import _fingerprint, _nnx
 from .._errors import evaluate as errors
 from .._tree import is_array
 from .models import nnx as _models_nnx, population as _population
+from .models.eqx_state import Held
 
 
 class Target(NamedTuple):
@@ -24,14 +25,16 @@ class Target(NamedTuple):
     (``identity``, a fingerprint, or None: traced again at every call), and
     ``runner(call) -> run(leaves, batch, key, hp)``: ``call(model, batch, key,
     hp)`` on the model rebuilt from ``leaves`` in eval mode, its result as it
-    is. ``runner`` closes over no array: programs are cached."""
+    is. ``runner`` closes over no array: programs are cached. ``updates``: a
+    ``loss_fn`` may return a third element (a TrainState's updates, an
+    Equinox model's new ``eqx.nn.State``), which an evaluation drops."""
 
     leaves: list
     hp: Any
     identity: Any
     runner: Callable
     members: bool
-    trainstate: bool
+    updates: bool
 
 
 def of(call: str, model: Any) -> Target:
@@ -71,7 +74,7 @@ def _tree_target(call: str, model: Any) -> Target:
         raise errors.model_type(call, model)
     template = [None if is_array(x) else x for x in flat]
     statics = tuple((i, x) for i, x in enumerate(template) if i not in set(dynamic))
-    trainstate = _is_train_state(model)
+    updates = _is_train_state(model) or bool(Held(model))
 
     def runner(fn):
         def run(leaves, batch, key, hp):
@@ -89,7 +92,7 @@ def _tree_target(call: str, model: Any) -> Target:
     static = ("tree", treedef, tuple(dynamic), statics)
     identity = _fingerprint.of(static)
     leaves = [flat[i] for i in dynamic]
-    return Target(leaves, None, identity, runner, False, trainstate)
+    return Target(leaves, None, identity, runner, False, updates)
 
 
 def _population_target(pop: Any) -> Target:
@@ -117,7 +120,7 @@ def _population_target(pop: Any) -> Target:
         identity,
         runner,
         True,
-        pop.kind == "trainstate",
+        pop.updates(),
     )
 
 

@@ -75,6 +75,13 @@ class Population:
             self._trained = self.adapter(0).trained()
         return self._trained
 
+    def updates(self) -> bool:
+        """Whether a member's ``loss_fn`` may return a third element (a
+        TrainState's updates, an Equinox model's new ``eqx.nn.State``)."""
+        if self.kind == "trainstate":
+            return True
+        return bool(getattr(self.adapter(0), "held", False))
+
     def __len__(self) -> int:
         return self.n
 
