@@ -231,6 +231,9 @@ class _Walker:
             walk(fn.__kwdefaults__),
             tuple(cells),
             named,
+            # its attributes (``f.scale = 2.0``, ``functools.wraps``'s
+            # ``__wrapped__``), which its code may read through its own name
+            walk(dict(fn.__dict__)) if fn.__dict__ else None,
         )
 
     def _global(self, value: Any, names: tuple[str, ...]) -> Any:

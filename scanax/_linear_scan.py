@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _backend
-from ._errors import linear as errors
+from . import _backend, _tree
+from ._errors import linear as errors, seq_lengths_range
 
 METHODS = ("auto", "sequential", "associative", "chunked")
 
@@ -106,6 +106,11 @@ def _check_a(a: Any, b: Any, axis: int) -> None:
     except ValueError:
         fits = False
     if fits:
+        # (aligned on the last axis, an `a` of 2+ axes short of the time axis
+        # whose first is T long is read without time: per-batch where T == B)
+        t = b.shape[axis]
+        if 2 <= a.ndim < b.ndim - axis and a.shape[0] == t > 1:
+            raise errors.a_ambiguous(a, b, axis)
         return
     d = b.shape[-1]
     square = a.ndim >= 2 and a.shape[-2:] == (d, d)
@@ -155,6 +160,9 @@ def _check(a, b, h0, axis, reset, seq_lengths, method, chunk, acc_dtype):
             raise errors.seq_lengths_type(seq_lengths)
         if not _leading_fit(seq_lengths, b.shape[:ax] + b.shape[ax + 1 :]):
             raise errors.seq_lengths_shape(seq_lengths, b, ax)
+        bad = _tree.out_of_range(seq_lengths, b.shape[ax])
+        if bad is not None:
+            raise seq_lengths_range(errors.CALL, *bad, b.shape[ax])
     if not isinstance(method, str) or method not in METHODS:
         raise errors.bad_method(method, METHODS)
     if chunk is not None:

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _backend, _cells, _eager, _nnx
-from ._errors import rnn as errors, short_type
+from . import _backend, _cells, _eager, _nnx, _tree
+from ._errors import rnn as errors, seq_lengths_range, short_type
 from ._scan import scan
 from ._tree import same_types
 
@@ -111,6 +111,13 @@ def _other_time_axes(xs: Any, ax: int) -> list[tuple[int, tuple[int, ...]]]:
     return [(a, shape[:a] + shape[a + 1 :]) for a in range(len(shape)) if a != ax]
 
 
+def _concrete_lengths(seq_lengths: Any, xs: Any, time_axis: Any) -> None:
+    """``seq_lengths`` checked while its values are known (an un-jitted call
+    runs compiled, where they are not): its range too."""
+    if seq_lengths is not None:
+        _check_seq_lengths(seq_lengths, xs, _time_axis(xs, time_axis))
+
+
 def _check_seq_lengths(seq_lengths: Any, xs: Any, ax: int) -> Any:
     seq_lengths = (
         jnp.asarray(seq_lengths) if not hasattr(seq_lengths, "dtype") else seq_lengths
@@ -124,6 +131,9 @@ def _check_seq_lengths(seq_lengths: Any, xs: Any, ax: int) -> Any:
         raise errors.seq_lengths_shape(
             seq_lengths, batch, xs, ax, alt[0] if alt else None
         )
+    bad = _tree.out_of_range(seq_lengths, xs.shape[ax])
+    if bad is not None:
+        raise seq_lengths_range(errors.CALL, *bad, xs.shape[ax])
     return seq_lengths
 
 
@@ -333,6 +343,7 @@ def rnn(
         (5, 3)
     """
     if _eager.active():  # un-jitted: compile once per distinct program
+        _concrete_lengths(seq_lengths, xs, time_axis)
         return _eager.call(
             rnn,
             cells,
@@ -408,6 +419,7 @@ def birnn(
         ``((forward_states, backward_states), ys)``.
     """
     if _eager.active():  # un-jitted: one program for both directions
+        _concrete_lengths(seq_lengths, xs, time_axis)
         return _eager.call(
             birnn,
             forward,

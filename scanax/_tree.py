@@ -112,6 +112,20 @@ def real_numbers(x: Any, shape: tuple, fail: Callable[[], Exception]) -> np.ndar
     return a
 
 
+def out_of_range(x: Any, high: int) -> tuple[tuple[int, ...], int] | None:
+    """The first entry of an integer array outside ``[0, high]`` (its index and
+    value), or None: none, or ``x`` is traced (its values unknown; nothing is
+    read)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    values = np.asarray(x)
+    bad = np.argwhere((values < 0) | (values > high))
+    if not len(bad):
+        return None
+    index = tuple(int(i) for i in bad[0])
+    return index, int(values[index])
+
+
 def as_int(value: Any) -> int | None:
     """``value`` as a Python int (an int-like object: ``operator.index``), or
     None for a bool or anything else: how scanax reads a count or an index."""

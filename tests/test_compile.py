@@ -302,6 +302,32 @@ def test_a_user_module_is_fingerprinted_by_what_the_function_reads(
     assert _fingerprint.of(reads_lazy) is None
 
 
+def test_a_function_attribute_is_part_of_its_fingerprint():
+    """``f.c = value`` read by ``f``'s code through its own name: two
+    functions alike but for it are other programs (fit gave the second the
+    first one's program, review 2026-12-06)."""
+
+    def make(c):
+        def f(p, batch):
+            x, y = batch
+            return jnp.mean((x @ p["w"] - y) ** 2) + f.c
+
+        f.c = c
+        return f
+
+    assert _fingerprint.of(make(1.0)) == _fingerprint.of(make(1.0))
+    assert _fingerprint.of(make(1.0)) != _fingerprint.of(make(2.0))
+    p = {"w": jnp.zeros((3, 1))}
+    opt = optax.sgd(0.0)
+    first, second = (
+        scanax.fit(p, opt, make(c), (X, Y), steps=1, batch_size=BS, progress=False)
+        for c in (1.0, 2.0)
+    )
+    np.testing.assert_allclose(
+        second.history["loss"], first.history["loss"] + 1.0, rtol=1e-6
+    )
+
+
 def test_a_named_tuple_class_of_the_users_has_a_fingerprint():
     """A ``typing.NamedTuple`` of the user's code (an environment's state) is
     described by its fields (C-level accessors, immutable): a function that

@@ -747,3 +747,18 @@ def test_a_batch_that_is_one_array_is_described_as_one():
             {"w": jnp.ones(3)}, lambda p, x: x @ p["w"], jnp.ones((10, 4)), batch_size=5
         )
     assert "Tracer" not in str(caught.value)
+
+
+def test_an_eval_fn_returning_only_metrics_is_told_to_add_its_loss():
+    """A dict of metrics alone: the message says what the evaluation's loss is
+    (not the training wording, which named the differentiated element)."""
+
+    def metrics_only(params, batch):
+        return {"mae": jnp.mean(jnp.abs(batch[0] @ params["w"] - batch[1]))}
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.evaluate: `eval_fn` returned a dict \('mae'\).*Fix: "
+        r"return `\(loss, \{...metrics\}\)`.*val_loss in fit",
+    ):
+        scanax.evaluate(PARAMS, metrics_only, (X, Y), batch_size=16)

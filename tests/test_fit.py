@@ -796,6 +796,15 @@ def _nested_metrics(m, b):
     return loss, {"err": {"mae": metrics["mae"]}}
 
 
+def _list_result(m, b):  # (was: "must return a scalar loss, got list")
+    return list(nnx_loss(m, b))
+
+
+def _int_named_metric(m, b):  # (failed after training: review 2026-12-06)
+    loss, metrics = nnx_loss(m, b)
+    return loss, {0: metrics["mae"]}
+
+
 ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
 
 
@@ -906,6 +915,22 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             TypeError,
             r"(?s)scanax.fit: metric metrics\['err'\] is dict, expected an array "
             r"\(metrics is one flat dict.*'err/mae'",
+        ),
+        (
+            _list_result,
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"(?s)`loss_fn` returned a list of 2 \(float32\[\], dict\).*Fix: return "
+            r"a tuple",
+        ),
+        (
+            _int_named_metric,
+            (X, Y),
+            ARRAYS,
+            TypeError,
+            r"(?s)scanax.fit: `loss_fn` returned a metric named 0 \(int\); metric "
+            r"names are strings.*Fix: .*'metric_0'",
         ),
         (
             nnx_loss,

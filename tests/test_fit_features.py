@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -509,3 +510,35 @@ def test_accumulate_on_a_mesh_shards_the_batch_not_the_micro_batches(iterable):
     allclose(
         eqx.filter(sharded.model, eqx.is_array), eqx.filter(one.model, eqx.is_array)
     )
+
+
+def test_a_first_call_that_ends_before_its_first_check_warns():
+    """Eval(every=50) in a 20-step call from step 0: no evaluation and no
+    EarlyStop check in it, which the result shows only by absence (review
+    2026-12-06); a warning says so. A call continuing the run does not warn
+    (an epoch loop reaches the check in a later call)."""
+    params = {"w": jnp.zeros((4, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    callbacks = [
+        scanax.Eval((X, Y), every=50),
+        scanax.EarlyStop("val_loss", patience=2),
+    ]
+    kw = dict(steps=20, batch_size=BS, progress=False, callbacks=callbacks)
+    with pytest.warns(
+        UserWarning,
+        match=r"(?s)every 50 steps, first at step 50, "
+        r"but this call runs 20 steps.*EarlyStop\('val_loss'\) is "
+        r"never checked.*at most 20",
+    ):
+        first = scanax.fit(params, optax.sgd(0.1), loss, (X, Y), **kw)
+    assert len(first.history["val_loss"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        more = scanax.fit(
+            first.model, optax.sgd(0.1), loss, (X, Y), opt_state=first.optimizer, **kw
+        )
+        scanax.fit(params, optax.sgd(0.1), loss, (X, Y), **dict(kw, steps=50))
+    assert len(more.history["val_loss"]) == 0  # (steps 21-40: none due)

@@ -508,3 +508,34 @@ def test_errors_before_tracing():
     with helpers.count_compiles() as c, pytest.raises(ValueError, match="broadcast"):
         jax.jit(lambda a, b: linear_scan(a, b))(a, b)
     assert c.n == 0
+
+
+def test_seq_lengths_out_of_range_are_refused():
+    b = jnp.ones((5, 3, 4))
+    with pytest.raises(
+        ValueError, match=r"(?s)linear_scan: seq_lengths\[2\] is 6, outside 0..5"
+    ):
+        linear_scan(jnp.full((4,), 0.5), b, seq_lengths=jnp.array([1, 2, 6]))
+
+
+def test_a_per_batch_decay_as_long_as_time_is_refused_as_ambiguous():
+    """b [T, B, D] with T == B: an a of [T, D] is aligned as [1, B, D] (a decay
+    per batch row) where [T, 1, D] (per step) may be meant: refused, naming
+    both (review 2026-12-06: read silently as per batch)."""
+    t = d = 4
+    b = jax.random.normal(jax.random.key(0), (t, t, 3))
+    a = jax.nn.sigmoid(jax.random.normal(jax.random.key(1), (t, 3)))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)is ambiguous.*Fix: per step, `a\[:, None\]` \(\[4, 1, 3\]\); the "
+        r"same at every step, `a\[None\]` \(\[1, 4, 3\]\)",
+    ):
+        linear_scan(a, b)
+    step, _ = linear_scan(a[:, None], b, method="sequential")
+    h = jnp.zeros((t, 3))
+    for i in range(t):  # the per-step reading, by a loop
+        h = a[i] * h + b[i]
+        np.testing.assert_allclose(step[i], h, rtol=1e-5, atol=1e-6)
+    linear_scan(a[None], b)  # (per batch row, said so)
+    linear_scan(a, jnp.swapaxes(b, 0, 1), axis=1)  # (batch-major: [T, D] per step)
+    del d

@@ -671,3 +671,28 @@ def test_auto_order_by_backend(monkeypatch):
     for backend, order in [("cpu", "layer"), ("gpu", "time"), ("tpu", "time")]:
         monkeypatch.setattr(_backend, "platform", lambda b=backend: b)
         assert _rnn.resolve_order("auto") == order
+
+
+@pytest.mark.parametrize(
+    "lengths, bad", [([7, 3, 0], r"\[0\] is 7"), ([2, -1, 2], r"\[1\] is -1")]
+)
+def test_seq_lengths_out_of_range_are_refused_where_known(lengths, bad):
+    """A length above T ran as T, a negative one as 0, silently (review
+    2026-12-06): refused where the values are known (an un-jitted call, rnn and
+    birnn); under jit they are not known, and clamp as before."""
+
+    def cell(h, x):
+        return jnp.tanh(h + x)
+
+    xs = jnp.ones((5, 3, 4))
+    init = (jnp.zeros((3, 4)),)
+    match = rf"(?s)scanax.rnn: seq_lengths{bad}, outside 0..5.*jnp.clip"
+    with pytest.raises(ValueError, match=match):
+        scanax.rnn([cell], xs, init, seq_lengths=jnp.array(lengths))
+    with pytest.raises(ValueError, match=match):
+        scanax.birnn(cell, cell, xs, (init, init), seq_lengths=jnp.array(lengths))
+    run = jax.jit(lambda n: scanax.rnn([cell], xs, init, seq_lengths=n)[1])
+    clipped = scanax.rnn(
+        [cell], xs, init, seq_lengths=jnp.clip(jnp.array(lengths), 0, 5)
+    )
+    np.testing.assert_array_equal(run(jnp.array(lengths)), clipped[1])

@@ -373,3 +373,14 @@ def nnx_closure_mutation(call: str, names: list[str], err: Exception) -> NNXMuta
 
 def no_attribute(name: str) -> AttributeError:
     return AttributeError(f"module 'scanax' has no attribute {name!r}")
+
+
+def seq_lengths_range(call: str, index: tuple, value: int, t: int) -> ValueError:
+    at = f"[{', '.join(map(str, index))}]"
+    return ValueError(
+        f"{call}: seq_lengths{at} is {value}, outside 0..{t} (the sequences "
+        f"have {t} steps): a length above {t} would run as {t}, a negative one "
+        "as 0, hiding an off-by-one in the lengths.\nFix: pass each sequence's "
+        f"number of valid steps, 0 to {t} (e.g. `jnp.clip(lengths, 0, {t})` if "
+        "longer ones are truncated on purpose)."
+    )

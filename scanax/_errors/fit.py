@@ -294,6 +294,24 @@ def stop_type(stop: Any) -> TypeError:
     )
 
 
+def checks_unreached(every: int, steps: int, evaluates: bool, rules: list) -> str:
+    named = " and ".join(f"{type(r).__name__}({r.monitor!r})" for r in rules)
+    if evaluates:
+        what = f"scanax.Eval evaluates every {every} steps"
+        lost = "it has no evaluation" + (", " if rules else " and ")
+        lost += "history no val_ entries"
+        lost += f", and {named} is never checked" if rules else ""
+    else:
+        what = f"{named} is checked every {every} steps (scanax.Eval's every)"
+        lost = "it is never checked"
+    return (
+        f"{CALL}: {what}, first at step {every}, but this call runs {steps} "
+        f"steps: {lost}.\nFix: a smaller every (at most {steps}), or more "
+        f"steps; a later fit call continuing this run checks at step {every} "
+        "as planned."
+    )
+
+
 def eval_every_missing(has_data: bool) -> TypeError:
     what = (
         "scanax.Eval (eval_data=) is given without `every`"

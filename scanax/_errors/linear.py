@@ -7,6 +7,7 @@ from typing import Any
 from . import short_type
 
 _CALL = "scanax.linear_scan"
+CALL = _CALL
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -54,6 +55,22 @@ def a_not_diagonal(a: Any, b: Any, axis: int) -> ValueError:
         f"{_layouts(b, axis)}.\nFix: diagonalise the transition (e.g. with "
         "`jnp.linalg.eig`, then scan the eigenvalues with b in the eigenbasis), or "
         "run a dense recurrence with `scanax.scan`."
+    )
+
+
+def a_ambiguous(a: Any, b: Any, axis: int) -> ValueError:
+    k = b.ndim - axis - a.ndim  # (the axes a lacks down to the time axis)
+    lead = b.ndim - a.ndim
+    step = (*a.shape[:1], *(1,) * k, *a.shape[1:])
+    same = (*(1,) * k, *a.shape)
+    nones = ", ".join(["None"] * k)
+    return ValueError(
+        f"{_CALL}: `a` {short_type(a)} against b {short_type(b)} (time on axis "
+        f"{axis}) is ambiguous: aligned on the last axis it has no time axis "
+        f"(its first axis lines up with b's axis {lead}), yet that axis is as long "
+        f"as time ({b.shape[axis]}), so it may be meant per step.\nFix: per step, "
+        f"`a[:, {nones}]` ({_shape(step)}); the same at every step, "
+        f"`a[{nones}]` ({_shape(same)})."
     )
 
 

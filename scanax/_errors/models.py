@@ -129,6 +129,21 @@ def loss_tuple(call: str, out: Any, name: str = "loss_fn") -> TypeError:
 
 
 def loss_not_scalar(call: str, loss: Any, name: str = "loss_fn") -> TypeError:
+    if isinstance(loss, list):
+        return TypeError(
+            f"{call}: `{name}` returned a list of {len(loss)} "
+            f"({', '.join(short_type(x) for x in loss)}); expected a scalar loss "
+            "or a tuple (loss, metrics).\nFix: return a tuple: `return loss, "
+            "metrics`, not `[loss, metrics]`."
+        )
+    if isinstance(loss, dict) and name != "loss_fn":
+        names = ", ".join(repr(k) for k in loss)
+        return TypeError(
+            f"{call}: `{name}` returned a dict ({names}); expected a scalar loss, "
+            "or a pair (loss, metrics).\nFix: return `(loss, {...metrics})`: the "
+            "loss's mean over the data is the evaluation's loss (val_loss in "
+            "fit), the dict's arrays its other metrics."
+        )
     if isinstance(loss, dict):
         names = ", ".join(repr(k) for k in loss)
         return TypeError(
@@ -141,6 +156,15 @@ def loss_not_scalar(call: str, loss: Any, name: str = "loss_fn") -> TypeError:
         f"{call}: `{name}` must return a scalar floating-point loss, got "
         f"{short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
         "over the batch."
+    )
+
+
+def metric_name_type(call: str, key: Any, name: str = "loss_fn") -> TypeError:
+    by = "`loss_fn`" if name == "loss_fn" else f"`{name}`"
+    return TypeError(
+        f"{call}: {by} returned a metric named {key!r} ({type(key).__name__}); "
+        "metric names are strings (the history's keys, log columns).\nFix: "
+        f"name it with a string, e.g. `{{'metric_{key}': value}}`."
     )
 
 

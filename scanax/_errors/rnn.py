@@ -10,6 +10,7 @@ import numpy as np
 from . import short_type
 
 _CALL = "scanax.rnn"
+CALL = _CALL
 
 SUPPORTED = (
     "  - `cell(h, x) -> h` (any callable; the output is the new state h)\n"

@@ -14,6 +14,7 @@ Everything here runs inside the compiled loop: the running sums after every step
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .. import _caller
+from .._errors import fit as errors
 from . import scalars as _scalars
 from .callbacks import plateau as _plateau
 from .callbacks.early_stop import EarlyStop, keep_best, kept_init
@@ -98,6 +101,20 @@ class Checks:
     def key(self) -> tuple:
         """What the compiled program depends on (for its cache key)."""
         return (self.every, self.n, self.batch_size, self.stop)
+
+    def warn_unreached(self, start: int, steps: int) -> None:
+        """Warn where a run's first call (from step 0) ends before its first
+        check (``every`` > ``steps``): no evaluation, no rule checked, which
+        history and the result would show only as absent. Not for a call that
+        continues a run (an epoch loop's later calls reach the check in
+        their turn)."""
+        if start != 0 or self.every <= steps:
+            return
+        rules = [r for r in (self.early, self.plateau) if r is not None]
+        message = errors.checks_unreached(
+            self.every, steps, self.evaluate is not None, rules
+        )
+        warnings.warn(message, UserWarning, stacklevel=_caller.user_level())
 
     def bound(self, feats: Any, evaluate: Callable | None) -> Checks:
         """These checks for one run's state (``feats``, a

@@ -97,6 +97,7 @@ class Sweep:
         )
         self.checks, self.eval_arrays, self.eval_key = setup.checks, None, None
         if self.checks is not None:
+            self.checks.warn_unreached(pop.step, setup.steps)
             self._evaluation(setup.eval_call, eval_takes)
         self.programs: dict[int, Any] = {}  # (fingerprints take milliseconds)
         self.best = None  # best_dir=: one writer for every group

@@ -59,6 +59,8 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     ticks = ticks and not source.sized_automatically(setup.steps_per_call)
     eval_arrays = place.replicate(setup.eval_arrays)
     checks = _with_eval(setup.checks, feats)
+    if checks is not None:
+        checks.warn_unreached(start, setup.steps)
     bar_every = spec.every if spec is not None and not ticks else None
     cuts = _fit_schedule.cuts(setup)
     program = _model_program(feats, checks, setup, shardings, ticks, feed, cuts)

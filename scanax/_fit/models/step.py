@@ -51,6 +51,8 @@ def split_loss(call: str, out: Any, name: str = "loss_fn") -> tuple[Any, dict]:
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise errors.loss_not_scalar(call, loss, name)
     for key in metrics:  # flat: history has one entry per name
+        if not isinstance(key, str):
+            raise errors.metric_name_type(call, key, name)
         reserved = key in ("loss", "step") or str(key).endswith("_step")
         # (training metrics: entries at their own steps have these prefixes)
         if reserved or (name == "loss_fn" and str(key).startswith(SPARSE_PREFIXES)):
@@ -67,6 +69,8 @@ def check_metrics(call: str, metrics: dict, name: str) -> dict:
     numbers as arrays."""
     out = {}
     for key, leaf in metrics.items():
+        if not isinstance(key, str):
+            raise errors.metric_name_type(call, key, name)
         path = jtu.keystr((jtu.DictKey(key),))
         if isinstance(leaf, (bool, int, float)):
             leaf = jnp.asarray(leaf)
