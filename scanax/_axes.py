@@ -23,6 +23,8 @@ def _describe(x: Any) -> str:
         return f"a {type(x).__name__} of length {len(x)}"
     if x is None:
         return "None"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # (a traced array too)
+        return f"one array, {_errors.short_type(x)}"
     return f"a {type(x).__name__}"
 
 

@@ -545,7 +545,9 @@ class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.regis
         unroll: as in ``jax.lax.scan``, for every stacked run.
 
     ``len(stack)``, ``stack[i]`` and ``list(stack)`` give the layers back, equal to
-    those given (for stacked runs, rebuilt from the stacked arrays: new objects).
+    those given (for stacked runs, rebuilt from the stacked arrays: new objects,
+    so writing to an NNX Variable of one changes nothing; build a new ``Stack``
+    from edited layers instead).
     ``repr(stack)`` shows the plan (``Stack(8 layers: Linear(3→4), 6 × Block
     scanned, Linear(4→2))``); ``stack.plan`` holds it as ``(start, period,
     repeats)`` tuples.

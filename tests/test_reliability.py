@@ -1014,3 +1014,44 @@ def test_a_feature_object_refuses_in_its_own_name(tmp_path):
         scanax.Checkpoint(3)
     with pytest.raises(TypeError, match=r"^scanax.Eval: `fn` \(eval_fn=\) must be"):
         scanax.Eval(jnp.ones((4, 2)), every=2, fn=3)
+
+
+@pytest.mark.parametrize("bad", [6, 10])
+def test_a_data_iterator_that_fails_keeps_the_call_in_flight(bad):
+    """The host prepares the next call's batches while a call runs: a loader
+    that raises then kept the model at the call before the one in flight
+    (review 2026-12-06: 4 steps dispatched, 0 kept). Now the call in flight is
+    checked and kept, as a run of just those steps gives, then the error goes
+    on."""
+
+    def batches(fail_at):
+        for i in range(100):
+            if i == fail_at:
+                raise RuntimeError("the loader died")
+            j = i % (len(X) // BS)
+            yield X[j * BS : (j + 1) * BS], Y[j * BS : (j + 1) * BS]
+
+    model, optimizer = nnx_pair()
+    with pytest.raises(RuntimeError, match="the loader died"):
+        scanax.fit(
+            model,
+            optimizer,
+            nnx_loss,
+            batches(bad),
+            steps=20,
+            steps_per_call=4,
+            progress=False,
+        )
+    kept = int(optimizer.step[...])
+    assert kept == bad // 4 * 4  # every whole call of 4 before the failing batch
+    ref_model, ref_optimizer = nnx_pair()
+    scanax.fit(
+        ref_model,
+        ref_optimizer,
+        nnx_loss,
+        batches(None),
+        steps=kept,
+        steps_per_call=4,
+        progress=False,
+    )
+    leaves_equal(nnx.state(model), nnx.state(ref_model))

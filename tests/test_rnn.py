@@ -487,6 +487,32 @@ def test_error_cell_that_mutates_itself():
     assert not nnx.state(cell, nnx.Intermediate)
 
 
+def test_error_cell_that_draws_dropout_masks():
+    """nnx.Dropout in a cell advances its key count: refused, with a fix that
+    applies (review 2026-12-06: the generic one said to return the value),
+    nothing run or changed."""
+
+    class DropCell(nnx.Module):
+        def __init__(self, rngs):
+            self.cell = nnx.GRUCell(D, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, carry, x):
+            carry, y = self.cell(carry, x)
+            return carry, self.drop(y)
+
+    cell = DropCell(nnx.Rngs(0, dropout=1))
+    count = int(cell.drop.rngs.count[...])
+    init = (jnp.zeros((B, 4)),)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)cells\[0\] \(DropCell\) changes its own.*Fix: draw no random "
+        r"numbers in the cell.*`nnx.Dropout` to the outputs `ys`.*`nnx.RNN`",
+    ):
+        scanax.rnn([cell], xs_tbd(), init)
+    assert int(cell.drop.rngs.count[...]) == count
+
+
 def test_error_init_count_and_type_and_shapes():
     cells, xs = state_cells(), xs_tbd()
     with pytest.raises(ValueError, match=r"`init` has 2 states for 3 cells"):

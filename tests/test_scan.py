@@ -793,6 +793,9 @@ def test_error_out_axes_structure_names_ys():
     assert "Fix: give out_axes the same container structure as `ys`" in msg
     assert "xs" not in msg and "in_axes" not in msg
     assert "out_axes must be an int or a pytree prefix of `ys`" in msg
+    # ys one array: named by its type, not as a tracer (review 2026-12-06)
+    with pytest.raises(ValueError, match=r"where ys has one array, float32\["):
+        scanax.scan(lambda c, x: (c, x * 2), 0.0, jnp.ones((4, 2)), out_axes=(0, 1))
 
 
 @pytest.mark.parametrize(

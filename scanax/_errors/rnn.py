@@ -68,11 +68,23 @@ def call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
 
 
 def cell_mutates(i: int, cell: Any, err: Exception) -> TypeError:
+    flax_says = str(err).split(" (http")[0]
+    fix = (
+        "return the value from the cell instead of storing it on the cell "
+        "(`Module.sow`, counters, caches)."
+    )
+    if "Rng" in flax_says:  # (nnx.Dropout's key count, advanced at each draw)
+        fix = (
+            "draw no random numbers in the cell (its key count cannot advance "
+            "inside the loop): apply `nnx.Dropout` to the outputs `ys` after "
+            "`scanax.rnn` (a mask per step and unit, as between layers of "
+            "stacked RNNs), or use `nnx.RNN`, which splits the cell's keys per "
+            "step."
+        )
     return TypeError(
         f"{_CALL}: {cell_name(i, cell)} changes its own attributes or Variables "
-        f"while running (flax says: {str(err).split(' (http')[0]}). The cells run "
-        "read-only inside the loop.\nFix: return the value from the cell instead "
-        "of storing it on the cell (`Module.sow`, counters, caches)."
+        f"while running (flax says: {flax_says}). The cells run read-only inside "
+        f"the loop.\nFix: {fix}"
     )
 
 

@@ -356,7 +356,14 @@ class Run:
                 break
             # The next chunk (host batches: stacked and put on device) is
             # prepared while this one trains.
-            nxt = next(calls, None)
+            try:
+                nxt = next(calls, None)
+            except Exception:
+                # (the data failed: the call in flight is checked and kept, as
+                # any other, before the error goes on: nothing it ran is lost)
+                if pending is not None:
+                    self._collect(hooks, *pending)
+                raise
         if pending is not None:
             self.kind.hand_over(self)  # (while the last call runs)
             self._collect(hooks, *pending)
