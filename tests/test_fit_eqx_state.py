@@ -231,3 +231,77 @@ def test_a_population_stepwise_and_evaluate_thread_the_state():
     np.testing.assert_allclose(got["loss"][0], want["loss"], rtol=1e-5)
     stepwise = fit(make(), optax.adam(1e-2), execution="stepwise")
     close(stepwise.model, fit(make(), optax.adam(1e-2)).model)
+
+
+def test_precision_casts_the_weights_not_the_state():
+    """Under Precision("bfloat16") the weights reach the loss in bfloat16 and
+    the State in float32 (running statistics updated in bfloat16 stalled 15%
+    low: review 2026-12-06), as NNX's BatchNorm statistics and a TrainState's
+    batch_stats stay float32."""
+    seen = {}
+
+    def loss(ms, batch):
+        model, state = ms
+        seen["weight"] = model.lin.weight.dtype
+        seen["state"] = {x.dtype for x in jax.tree.leaves(state)}
+        return loss_fn(ms, batch)
+
+    fit(
+        make(),
+        optax.adam(1e-2),
+        loss=loss,
+        steps=2,
+        callbacks=[scanax.Precision("bfloat16")],
+    )
+    assert seen["weight"] == jnp.bfloat16
+    assert seen["state"] <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
+
+
+def test_returned_state_mistakes():
+    def given_back(ms, batch):  # the new State dropped, the old returned
+        loss, metrics, _ = loss_fn(ms, batch)
+        return loss, metrics, ms[1]
+
+    def no_metrics(ms, batch):
+        loss, _, state = loss_fn(ms, batch)
+        return loss, state
+
+    def none_metrics(ms, batch):
+        loss, _, state = loss_fn(ms, batch)
+        return loss, None, state
+
+    with pytest.warns(UserWarning, match=r"returns the State it was given"):
+        result = fit(make(), optax.adam(1e-2), loss=given_back, steps=2)
+    close(result.model[1], make()[1])
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)tuple of 2 .*State comes third.*"
+        r"return loss, metrics, state",
+    ):
+        fit(make(), optax.adam(1e-2), loss=no_metrics, steps=2)
+    with pytest.raises(TypeError, match=r"second element must be the metrics dict"):
+        fit(make(), optax.adam(1e-2), loss=none_metrics, steps=2)
+
+
+def test_a_state_without_arrays_trains():
+    """make_with_state of a model with no stateful layer: a State with no
+    arrays, returned as the others are (a script with BatchNorm behind a
+    flag); it trains as the same model without a State."""
+
+    class Plain(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.lin = eqx.nn.Linear(3, 1, key=key)
+
+        def __call__(self, x, state):
+            return self.lin(x), state
+
+    model, state = eqx.nn.make_with_state(Plain)(jr.key(0))
+    assert not jax.tree.leaves(state)
+    tx = optax.adam(1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fit((model, state), tx, steps=4)
+    want = fit(model, tx, loss=lambda m, b: loss_fn((m, state), b)[:2], steps=4)
+    close(got.model[0], want.model)

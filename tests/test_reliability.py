@@ -167,6 +167,7 @@ def test_an_epoch_loop_with_early_stops_restarts_from_the_top(tmp_path):
 # ------------------------------------------------ 2. a checkpoint before evaluating
 
 
+@pytest.mark.filterwarnings("ignore:.*first at step:UserWarning")  # (on purpose)
 def test_a_checkpoint_before_the_first_evaluation_saves_and_resumes(tmp_path):
     """checkpoint_every < eval_every: the first checkpoints hold an empty
     validation history; a run resumed from one equals an uninterrupted run."""
@@ -213,6 +214,7 @@ def test_a_checkpoint_before_the_first_evaluation_saves_and_resumes(tmp_path):
         np.testing.assert_array_equal(out.history[name], ref.history[name])
 
 
+@pytest.mark.filterwarnings("ignore:.*first at step:UserWarning")  # (on purpose)
 def test_a_checkpoint_of_a_training_metric_early_stop_before_its_first_check(
     tmp_path,
 ):
@@ -246,6 +248,7 @@ def test_a_checkpoint_of_a_training_metric_early_stop_before_its_first_check(
     assert out.best_step == ref.best_step == 10
 
 
+@pytest.mark.filterwarnings("ignore:.*first at step:UserWarning")  # (on purpose)
 def test_a_population_checkpoint_before_the_first_evaluation(tmp_path):
     def population():
         return scanax.population(
@@ -352,16 +355,18 @@ def test_a_refusal_while_tracing_changes_no_file_and_no_model(
         if "stop" in options:
             good = dict(stop=scanax.EarlyStop("val_loss", patience=1), eval_every=5)
             good["eval_data"] = (X, Y)
-        fit_quiet(
-            *nnx_pair(1),
-            nnx_loss,
-            (X, Y),
-            steps=4,
-            batch_size=BS,
-            key=KEY,
-            checkpoint_dir=directory,
-            **good,
-        )
+        with warnings.catch_warnings():  # (4 steps: no evaluation, on purpose)
+            warnings.filterwarnings("ignore", ".*first at step", UserWarning)
+            fit_quiet(
+                *nnx_pair(1),
+                nnx_loss,
+                (X, Y),
+                steps=4,
+                batch_size=BS,
+                key=KEY,
+                checkpoint_dir=directory,
+                **good,
+            )
         (directory / "6.orbax-checkpoint-tmp-1").mkdir()  # a killed save's leftover
     model, optimizer = nnx_pair()
     before = (snapshot(log), snapshot(directory), jax.device_get(nnx.state(model)))

@@ -40,14 +40,37 @@ def batch_stats_not_updated() -> str:
     )
 
 
-def state_not_returned(path: str) -> str:
+def state_not_returned(path: str, given_back: bool = False) -> str:
+    what = (
+        "returns the State it was given (or one it did not compute), not the "
+        "new one the model's call made"
+        if given_back
+        else "returns no new State"
+    )
     return (
         f"{CALL}: the model holds an eqx.nn.State at model{path}, but `loss_fn` "
-        "returns no new State, so its arrays (BatchNorm's running statistics) "
+        f"{what}, so its arrays (BatchNorm's running statistics) "
         "stay as they are through training (fit never trains them). To keep "
         "them, return the new State as a third element: `pred, state = "
         "jax.vmap(model, axis_name='batch', in_axes=(0, None), out_axes=(0, "
         "None))(x, state)`, then `return loss, metrics, state`."
+    )
+
+
+def state_without_metrics(path: str, out: tuple) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` returned a tuple of {len(out)} "
+        f"({', '.join(short_type(x) for x in out)}) with the new eqx.nn.State "
+        f"for model{path}; the State comes third, after the metrics.\nFix: "
+        "`return loss, metrics, state` (`{}` for no metrics)."
+    )
+
+
+def state_metrics_type(path: str, metrics: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` returned (loss, {short_type(metrics)}, State): the "
+        f"second element must be the metrics dict (the State for model{path} "
+        "comes third).\nFix: `return loss, {}, state` for no metrics."
     )
 
 

@@ -69,7 +69,10 @@ def fit_population(
             setup.loggers,
             setup.checkpoint_dir,
         )
+    start = pop.step
     result = sweep.train(k, prepared)
+    if setup.checks is not None:  # (after the run: a refused one warns of nothing)
+        setup.checks.warn_unreached(start, setup.steps)
     for logger in setup.loggers:
         logger.sinks.raise_pending(result)
     return result
@@ -97,7 +100,6 @@ class Sweep:
         )
         self.checks, self.eval_arrays, self.eval_key = setup.checks, None, None
         if self.checks is not None:
-            self.checks.warn_unreached(pop.step, setup.steps)
             self._evaluation(setup.eval_call, eval_takes)
         self.programs: dict[int, Any] = {}  # (fingerprints take milliseconds)
         self.best = None  # best_dir=: one writer for every group

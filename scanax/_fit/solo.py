@@ -59,8 +59,6 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     ticks = ticks and not source.sized_automatically(setup.steps_per_call)
     eval_arrays = place.replicate(setup.eval_arrays)
     checks = _with_eval(setup.checks, feats)
-    if checks is not None:
-        checks.warn_unreached(start, setup.steps)
     bar_every = spec.every if spec is not None and not ticks else None
     cuts = _fit_schedule.cuts(setup)
     program = _model_program(feats, checks, setup, shardings, ticks, feed, cuts)
@@ -92,6 +90,8 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
+    if checks is not None:  # (after the run: a refused one warns of nothing)
+        checks.warn_unreached(start, setup.steps)
     for logger in setup.loggers:
         logger.sinks.raise_pending(result)
     return result

@@ -30,6 +30,7 @@ import jax.tree_util as jtu
 from ... import _nnx
 from ..._errors import fit as errors
 from .. import feature as _feature
+from ..models.eqx_state import is_state
 from . import loss_scale as _loss_scale
 
 _KNOWN = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -197,7 +198,7 @@ class Cast:
             return x
 
         def param(x: Any) -> Any:
-            return cast(unscaled(x))
+            return x if is_state(x) else cast(unscaled(x))
 
         batch = jtu.tree_map(cast, batch)
         kind, call = self.kind, self.call
@@ -210,8 +211,8 @@ class Cast:
             out = call(
                 model.replace(params=jtu.tree_map(param, model.params)), batch, key
             )
-        else:
-            out = call(jtu.tree_map(param, model), batch, key)
+        else:  # (an Equinox model's eqx.nn.State: statistics, kept float32)
+            out = call(jtu.tree_map(param, model, is_leaf=is_state), batch, key)
         out = jtu.tree_map(_float32, out)
         if scale is None:
             return out
