@@ -50,7 +50,16 @@ import numpy as np
 _BUDGET = 20_000  # values visited per fingerprint before giving up
 _ARRAY_BYTES = 4096
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
-_SKIPPED_CLASS_ATTRS = ("__dict__", "__weakref__", "__doc__", "__module__", "_abc_impl")
+# (a class's own bookkeeping: ``__dataclass_params__`` holds the dataclass
+# decorator's options, the fields are in ``__dataclass_fields__``)
+_SKIPPED_CLASS_ATTRS = (
+    "__dict__",
+    "__weakref__",
+    "__doc__",
+    "__module__",
+    "_abc_impl",
+    "__dataclass_params__",
+)
 
 
 class _Unknown(Exception):
@@ -181,6 +190,15 @@ class _Walker:
             return (type(x), walk(x.__func__))
         if isinstance(x, property):
             return (property, walk(x.fget), walk(x.fset), walk(x.fdel))
+        if isinstance(x, dataclasses.Field):  # (a dataclass's, an eqx.Module's)
+            return (
+                dataclasses.Field,
+                x.name,
+                repr(x.type),
+                walk(x.default),
+                walk(x.default_factory),
+                walk(dict(x.metadata)),
+            )
         if isinstance(x, (tuple, list)):
             return (type(x), tuple(walk(v) for v in x))
         if isinstance(x, (dict, Mapping)):

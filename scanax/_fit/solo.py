@@ -118,7 +118,9 @@ def _model_program(
         None if checks is None else checks.key(),
         _fingerprint.key(setup.eval_call),
         takes_key,
-        base.treedef,
+        # (by fingerprint: a re-defined model class has a new treedef, the same
+        # program)
+        _fingerprint.key(base.treedef),
         setup.source.static,
         setup.length,
         shardings,
