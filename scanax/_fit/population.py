@@ -51,6 +51,7 @@ def fit_population(
     default); ``shared``: every member gets the batches of a solo run.
     ``eval_takes``: what ``setup.eval_call`` takes after ``(model, batch)``, as
     ``loss_fn``'s (``(takes_hp, takes_key)``), when it evaluates."""
+    start = pop.step  # (the run's first call from 0: ``warn_unreached``)
     sweep = Sweep(pop, setup, shared, eval_takes)
     # members_per_call=None: all at once if the first call fits in memory, else
     # the largest groups that do; decided from the compiled call before anything
@@ -69,7 +70,6 @@ def fit_population(
             setup.loggers,
             setup.checkpoint_dir,
         )
-    start = pop.step
     result = sweep.train(k, prepared)
     if setup.checks is not None:  # (after the run: a refused one warns of nothing)
         setup.checks.warn_unreached(start, setup.steps)

@@ -48,16 +48,17 @@ class OptaxAdapter:
         leaves = [x for _, x in flat]
         self.paths = [p for p, _ in flat]
         # (an eqx.nn.State's arrays are carried, not trained: ``eqx_state``)
-        self.held = held = Held(model)
+        self.held = Held(model)
+        held = frozenset(self.held.positions)
         train = tuple(
-            i for i, x in enumerate(leaves) if is_inexact(x) and i not in held.positions
+            i for i, x in enumerate(leaves) if is_inexact(x) and i not in held
         )
         other = tuple(
             i
             for i, x in enumerate(leaves)
-            if is_array(x) and (i in held.positions or not is_inexact(x))
+            if is_array(x) and (i in held or not is_inexact(x))
         )
-        self.held_at = tuple(j for j, i in enumerate(other) if i in held.positions)
+        self.held_at = tuple(j for j, i in enumerate(other) if i in held)
         dynamic = set(train) | set(other)
         template = [None if i in dynamic else x for i, x in enumerate(leaves)]
         self.layout = _Layout(treedef, template, train, other)
