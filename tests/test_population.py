@@ -977,3 +977,9 @@ def test_hyperparameters_that_make_does_not_take_are_named(hp, match):
     ):
         scanax.population(make, 2, key=jr.key(0), **hp)
     assert not calls
+
+
+def test_a_populations_first_call_ending_before_its_first_check_warns():
+    with pytest.warns(UserWarning, match=rf"every {STEPS + 1} steps, first at step"):
+        _, result = pop_fit("eqx", callbacks=[scanax.Eval((X, Y), every=STEPS + 1)])
+    assert result.history["val_loss"].shape[-1] == 0
