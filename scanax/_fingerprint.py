@@ -51,7 +51,9 @@ _BUDGET = 20_000  # values visited per fingerprint before giving up
 _ARRAY_BYTES = 4096
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 # (a class's own bookkeeping: ``__dataclass_params__`` holds the dataclass
-# decorator's options, the fields are in ``__dataclass_fields__``)
+# decorator's options, the fields are in ``__dataclass_fields__``; a
+# ``__repr__`` computes nothing a program holds, and the one ``dataclasses``
+# writes closes over a set)
 _SKIPPED_CLASS_ATTRS = (
     "__dict__",
     "__weakref__",
@@ -59,6 +61,7 @@ _SKIPPED_CLASS_ATTRS = (
     "__module__",
     "_abc_impl",
     "__dataclass_params__",
+    "__repr__",
 )
 
 
@@ -97,6 +100,8 @@ def of(value: Any) -> Any:
     try:
         return _Walker().walk(value)
     except (_Unknown, RecursionError):
+        return None
+    except Exception:  # (an object whose attributes fail to read: no fingerprint)
         return None
 
 
@@ -170,7 +175,8 @@ class _Walker:
             if isinstance(x, jax.Array):
                 return _Same(x)
             raise _Unknown from None
-        return ("array", a.dtype, a.shape, a.tobytes(), type(x) is np.ndarray)
+        weak = getattr(x, "weak_type", False)  # (it promotes otherwise)
+        return ("array", a.dtype, a.shape, a.tobytes(), type(x) is np.ndarray, weak)
 
     def _container(self, x: Any) -> Any:
         walk = self.walk
@@ -206,10 +212,20 @@ class _Walker:
         if isinstance(x, frozenset):
             return (frozenset, frozenset(walk(v) for v in x))
         if dataclasses.is_dataclass(x):
-            fields = tuple(
-                walk(getattr(x, f.name, None)) for f in dataclasses.fields(x)
-            )
-            return (type(x), fields)
+            # its class by fingerprint (its methods' code and what they read),
+            # its fields, and any other attribute set on it
+            names = [f.name for f in dataclasses.fields(x)]
+            fields = tuple(walk(getattr(x, name, None)) for name in names)
+            own = getattr(x, "__dict__", {})
+            # (a library base's private bookkeeping left out: a linen module's
+            # ``_id``, new for each instance, and ``_state``)
+            kept = _private_kept(type(x))
+            extra = {
+                k: v
+                for k, v in own.items()
+                if k not in names and (kept or not k.startswith("_"))
+            }
+            return (walk(type(x)), fields, walk(extra) if extra else None)
         if isinstance(x, (types.BuiltinFunctionType, types.WrapperDescriptorType)):
             return _Same(x)
         if _importable(x):  # e.g. jax.nn.relu, a jitted function of jax's own
@@ -297,6 +313,8 @@ class _Walker:
         static fields ``0``, ``0.0`` and ``False`` are different programs, though
         ``PyTreeDef`` equality says they are equal)."""
         data = treedef.node_data()
+        if data is not None and _registered_apart(data[0]):
+            raise _Unknown  # (its flatten and unflatten cannot be read)
         node = None if data is None else (self.walk(data[0]), self.walk(data[1]))
         kids = tuple(self._treedef(c) for c in treedef.children())
         return ("treedef", node, kids)
@@ -304,6 +322,28 @@ class _Walker:
 
 _JITTED = type(jax.jit(lambda x: x))
 _TUPLEGETTER = type(vars(collections.namedtuple("_Point", "x"))["x"])
+
+
+def _registered_apart(cls: Any) -> bool:
+    """A class of the user's registered as a pytree node with functions it
+    does not hold (``jax.tree_util.register_pytree_node(cls, flatten,
+    unflatten)``): what they compute is not in the class, and JAX offers no
+    way to read them. Not a dataclass (Equinox and ``flax.struct`` make
+    theirs from the fields), a named tuple, or a class with its own
+    ``tree_unflatten`` (``register_pytree_node_class``)."""
+    return (
+        isinstance(cls, type)
+        and not _library(cls.__module__)
+        and not dataclasses.is_dataclass(cls)
+        and not issubclass(cls, tuple)
+        and not hasattr(cls, "tree_unflatten")
+    )
+
+
+def _private_kept(cls: type) -> bool:
+    """Whether an instance's private attributes (``_name``) describe it: not
+    where a library's base class keeps its own bookkeeping there."""
+    return not any(_library(c.__module__) for c in cls.__mro__[1:-1])
 
 
 def _stateless(x: Any) -> bool:

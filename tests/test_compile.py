@@ -773,3 +773,171 @@ def test_equinox_static_fields_compare_by_type():
     assert run(0).steps == 3
     with pytest.warns(RuntimeWarning, match="non-finite gradients"):
         assert run(0.0).steps == 0  # 0.0 ** 0.0 has a NaN gradient; 0 ** 0 not
+
+
+# Classes, instances and constants that a second fit changes while the objects
+# it passes look alike (review 2026-12-06, after a user's class got a
+# fingerprint): each second fit must equal a fresh process's.
+_CHANGED = {"scale": 1.0}
+
+
+def _pytree_loss(model, batch):
+    x, y = batch
+    return jnp.mean((x @ model["w"] - y) ** 2)
+
+
+def _linen_global():
+    import flax.linen as linen
+    from flax.training.train_state import TrainState
+
+    class Net(linen.Module):  # reads a module global through the dict below
+        @linen.compact
+        def __call__(self, x):
+            return _CHANGED["scale"] * linen.Dense(1)(x)
+
+    net = Net()
+
+    def make():
+        params = net.init(jax.random.key(0), X[:1])
+        state = TrainState.create(apply_fn=net.apply, params=params, tx=optax.sgd(0.1))
+
+        def loss(s, batch):
+            return jnp.mean((s.apply_fn(s.params, batch[0]) - batch[1]) ** 2)
+
+        return state, None, loss
+
+    return make
+
+
+def _dataclass_class_attribute():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        k: float = 1.0
+
+    cfg = Cfg()
+
+    def make():
+        def loss(model, batch):
+            return cfg.K * _pytree_loss(model, batch) + cfg.k  # (K: the class's)
+
+        Cfg.K = _CHANGED["scale"]
+        return {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss
+
+    return make
+
+
+def _dataclass_attribute_not_a_field():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        k: float = 1.0
+
+    cfg = Cfg()
+
+    def make():
+        cfg.weight = _CHANGED["scale"]
+
+        def loss(model, batch):
+            return cfg.weight * _pytree_loss(model, batch)
+
+        return {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss
+
+    return make
+
+
+def _weak_constant():
+    def make():
+        c = (
+            jnp.asarray(1.1)
+            if _CHANGED["scale"] == 1.0
+            else jnp.array(1.1, dtype=jnp.float32)
+        )
+
+        def loss(model, batch):
+            x = batch[0].astype(jnp.bfloat16)
+            y = batch[1].astype(jnp.bfloat16)
+            return (c * jnp.mean((x @ model["w"] - y) ** 2)).astype(jnp.float32)
+
+        return {"w": jnp.zeros((3, 1), jnp.bfloat16)}, optax.sgd(0.1), loss
+
+    return make
+
+
+def _registered_with_free_functions():
+    def make():
+        k = _CHANGED["scale"]
+
+        class Box:
+            def __init__(self, w):
+                self.w = w
+
+        jax.tree_util.register_pytree_node(
+            Box, lambda b: ((b.w,), None), lambda aux, kids: Box(kids[0] * k)
+        )
+
+        def loss(model, batch):
+            return jnp.mean((batch[0] @ model.w - batch[1]) ** 2)
+
+        return Box(jnp.ones((3, 1))), optax.sgd(0.1), loss
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _linen_global,
+        _dataclass_class_attribute,
+        _dataclass_attribute_not_a_field,
+        _weak_constant,
+        _registered_with_free_functions,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_a_second_fit_of_changed_classes_equals_a_fresh_one(case):
+    make = case()
+
+    def second():
+        model, tx, loss = make()
+        result = scanax.fit(
+            model, tx, loss, (X, Y), steps=3, batch_size=BS, progress=False
+        )
+        return np.asarray(result.history["loss"])
+
+    # (standard promotion: a weak constant then keeps bfloat16, a strong one
+    # promotes to float32; the suite runs strict)
+    promotion = jax.numpy_dtype_promotion("standard")
+    try:
+        with promotion:
+            _CHANGED["scale"] = 1.0
+            second()  # (the first fit, cached)
+            _CHANGED["scale"] = 3.0
+            np.testing.assert_array_equal(second(), _fresh(second))
+    finally:
+        _CHANGED["scale"] = 1.0
+
+
+def test_an_object_whose_attributes_fail_to_read_has_no_fingerprint():
+    """``__getattr__`` raising KeyError (an attribute-dict config): fit ran
+    into it (review 2026-12-06); now such an object has no fingerprint and
+    fit traces again."""
+
+    class Cfg:
+        def __init__(self, d):
+            self.__dict__["d"] = d
+
+        def __getattr__(self, k):
+            return self.d[k]
+
+    cfg = Cfg({"scale": 2.0})
+
+    def loss(model, batch):
+        return cfg.scale * _pytree_loss(model, batch)
+
+    assert _fingerprint.of(loss) is None
+    result = scanax.fit({"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss, (X, Y),
+                        steps=2, batch_size=BS, progress=False)  # fmt: skip
+    assert np.isfinite(result.history["loss"]).all()
