@@ -37,12 +37,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import sysconfig
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -205,10 +206,21 @@ class _Walker:
                 walk(x.default_factory),
                 walk(dict(x.metadata)),
             )
-        if isinstance(x, (tuple, list)):
-            return (type(x), tuple(walk(v) for v in x))
+        if isinstance(x, functools.cached_property):
+            return (functools.cached_property, walk(x.func))
+        if isinstance(x, types.MemberDescriptorType):  # (a ``__slots__`` slot)
+            return (types.MemberDescriptorType, x.__name__)
+        if isinstance(x, TypeVar):  # (a ``Generic`` class's parameters)
+            return (TypeVar, x.__name__)
+        if isinstance(x, logging.Logger):  # (one per name; nothing computed)
+            return _Same(x)
+        if callable(x) and hasattr(x, "cache_info") and hasattr(x, "__wrapped__"):
+            return ("lru_cache", walk(x.__wrapped__))  # (functools.lru_cache)
+        if isinstance(x, (tuple, list)):  # (a named tuple's class and methods too)
+            return (self._type(type(x)), tuple(walk(v) for v in x))
         if isinstance(x, (dict, Mapping)):
-            return (type(x), tuple((walk(k), walk(v)) for k, v in x.items()))
+            items = tuple((walk(k), walk(v)) for k, v in x.items())
+            return (self._type(type(x)), items)
         if isinstance(x, frozenset):
             return (frozenset, frozenset(walk(v) for v in x))
         if dataclasses.is_dataclass(x):
@@ -216,7 +228,10 @@ class _Walker:
             # its fields, and any other attribute set on it
             names = [f.name for f in dataclasses.fields(x)]
             fields = tuple(walk(getattr(x, name, None)) for name in names)
-            own = getattr(x, "__dict__", {})
+            own = dict(getattr(x, "__dict__", {}))
+            for name in _slots(type(x)):  # (values in slots, not in __dict__)
+                if hasattr(x, name):
+                    own[name] = getattr(x, name)
             # (a library base's private bookkeeping left out: a linen module's
             # ``_id``, new for each instance, and ``_state``)
             kept = _private_kept(type(x))
@@ -236,8 +251,9 @@ class _Walker:
             return _Same(x)
         if type(x).__eq__ is not object.__eq__ and _hashable(x):
             # a value with an equality of its own: a dtype, a sharding, a
-            # PartitionSpec, an Enum, flax's HashableMapping...
-            return (type(x), x)
+            # PartitionSpec, an Enum, flax's HashableMapping... (a class of the
+            # user's by its methods too)
+            return (self._type(type(x)), x)
         if _stateless(x):  # a library's sentinel (Equinox's ``Missing``)
             return _Same(x)
         raise _Unknown  # an instance that may change in place (an NNX model...)
@@ -297,6 +313,12 @@ class _Walker:
             del self.active[ident]
         return ("module", value.__name__, read)
 
+    def _type(self, cls: type) -> Any:
+        """A value's class in its fingerprint: a library's (``tuple``,
+        ``dict``...) as it is, the user's by ``_class`` (its methods, class
+        attributes and what they read)."""
+        return cls if _library(cls.__module__) else self._class(cls)
+
     def _class(self, cls: type) -> Any:
         if _library(cls.__module__):
             return _Same(cls)
@@ -328,16 +350,27 @@ def _registered_apart(cls: Any) -> bool:
     """A class of the user's registered as a pytree node with functions it
     does not hold (``jax.tree_util.register_pytree_node(cls, flatten,
     unflatten)``): what they compute is not in the class, and JAX offers no
-    way to read them. Not a dataclass (Equinox and ``flax.struct`` make
-    theirs from the fields), a named tuple, or a class with its own
-    ``tree_unflatten`` (``register_pytree_node_class``)."""
-    return (
-        isinstance(cls, type)
-        and not _library(cls.__module__)
-        and not dataclasses.is_dataclass(cls)
-        and not issubclass(cls, tuple)
-        and not hasattr(cls, "tree_unflatten")
+    way to read them. Not an Equinox module or a ``flax.struct`` dataclass
+    (theirs are made from the fields), a named tuple, or a class with its own
+    ``tree_unflatten`` (``register_pytree_node_class``); a plain dataclass
+    registered by ``jax.tree_util.register_dataclass`` is treated as one
+    registered apart (its registration cannot be told from another)."""
+    if not isinstance(cls, type) or _library(cls.__module__):
+        return False
+    made = dataclasses.is_dataclass(cls) and (
+        getattr(cls, "_flax_dataclass", False)
+        or any(_library(c.__module__) for c in cls.__mro__[1:-1])
     )
+    return not (made or issubclass(cls, tuple) or hasattr(cls, "tree_unflatten"))
+
+
+def _slots(cls: type) -> list[str]:
+    """The ``__slots__`` names of ``cls`` and its bases."""
+    names = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _private_kept(cls: type) -> bool:

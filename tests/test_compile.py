@@ -886,6 +886,81 @@ def _registered_with_free_functions():
     return make
 
 
+def _config_classes():
+    import enum
+    from typing import NamedTuple
+
+    class Tuple(NamedTuple):
+        k: float = 1.0
+
+        def scale(self):
+            return self.k * _CHANGED["scale"]
+
+    class Mode(str, enum.Enum):
+        A = "a"
+
+        def scale(self):
+            return _CHANGED["scale"]
+
+    class Table(dict):
+        def scale(self):
+            return self["k"] * _CHANGED["scale"]
+
+    configs = (Tuple(), Mode.A, Table(k=1.0))
+
+    def make():
+        def loss(model, batch):
+            total = sum(c.scale() for c in configs)
+            return total * _pytree_loss(model, batch)
+
+        return {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss
+
+    return make
+
+
+def _dataclass_registered_with_free_functions():
+    import dataclasses
+
+    def make():
+        k = _CHANGED["scale"]
+
+        @dataclasses.dataclass
+        class Box:
+            w: jax.Array
+
+        jax.tree_util.register_pytree_node(
+            Box, lambda b: ((b.w,), None), lambda aux, kids: Box(kids[0] * k)
+        )
+
+        def loss(model, batch):
+            return jnp.mean((batch[0] @ model.w - batch[1]) ** 2)
+
+        return Box(jnp.ones((3, 1))), optax.sgd(0.1), loss
+
+    return make
+
+
+def _dataclass_slot_not_a_field():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        __slots__ = ("k", "weight")
+        k: float
+
+    cfg = Cfg(1.0)
+
+    def make():
+        cfg.weight = _CHANGED["scale"]
+
+        def loss(model, batch):
+            return cfg.weight * _pytree_loss(model, batch)
+
+        return {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss
+
+    return make
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -894,6 +969,9 @@ def _registered_with_free_functions():
         _dataclass_attribute_not_a_field,
         _weak_constant,
         _registered_with_free_functions,
+        _config_classes,
+        _dataclass_registered_with_free_functions,
+        _dataclass_slot_not_a_field,
     ],
     ids=lambda f: f.__name__.strip("_"),
 )
@@ -941,3 +1019,41 @@ def test_an_object_whose_attributes_fail_to_read_has_no_fingerprint():
     result = scanax.fit({"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss, (X, Y),
                         steps=2, batch_size=BS, progress=False)  # fmt: skip
     assert np.isfinite(result.history["loss"]).all()
+
+
+def test_config_dataclasses_of_every_make_keep_a_fingerprint():
+    """Slots, ``Generic``, ``cached_property``, a logger class attribute, an
+    ``lru_cache`` static helper: a config class of any of these keeps its
+    fingerprint (each fit traced again when a class walk first met them)."""
+    import dataclasses
+    import functools
+    import logging
+    from typing import ClassVar, Generic, TypeVar
+
+    T = TypeVar("T")
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slots:
+        k: float = 1.0
+
+    @dataclasses.dataclass(frozen=True)
+    class Typed(Generic[T]):
+        k: float = 1.0
+
+    @dataclasses.dataclass
+    class Cached:
+        k: float = 1.0
+        log: ClassVar = logging.getLogger("scanax-tests.config")
+
+        @functools.cached_property
+        def double(self):
+            return 2 * self.k
+
+        @staticmethod
+        @functools.lru_cache
+        def table(n):
+            return n * 2
+
+    for config in (Slots(), Typed(), Cached()):
+        assert _fingerprint.of(config) is not None, type(config)
+        assert _fingerprint.of(config) == _fingerprint.of(type(config)())
