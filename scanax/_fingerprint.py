@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -249,12 +250,16 @@ class _Walker:
             # a ``jax.jit`` of the user's (a module's helper): by identity, as
             # jax.jit caches it; re-defined, it is a new one
             return _Same(x)
+        if isinstance(x, enum.Enum):  # (its class's fingerprint holds its value)
+            return ("member", self._type(type(x)), x.name)
         if type(x).__eq__ is not object.__eq__ and _hashable(x):
             # a value with an equality of its own: a dtype, a sharding, a
             # PartitionSpec, an Enum, flax's HashableMapping... (a class of the
             # user's by its methods too)
             return (self._type(type(x)), x)
-        if _stateless(x):  # a library's sentinel (Equinox's ``Missing``)
+        if _stateless(x) or type(x) is object:
+            # a library's sentinel (Equinox's ``Missing``), a bare ``object()``
+            # (``jax.vmap``'s): nothing of their own
             return _Same(x)
         raise _Unknown  # an instance that may change in place (an NNX model...)
 
@@ -322,6 +327,17 @@ class _Walker:
     def _class(self, cls: type) -> Any:
         if _library(cls.__module__):
             return _Same(cls)
+        if isinstance(cls, enum.EnumMeta):  # (its members by name and value)
+            members = tuple((m.name, self.walk(m.value)) for m in cls)
+            attrs = tuple(
+                (name, self.walk(value))
+                for name, value in vars(cls).items()
+                if name not in _SKIPPED_CLASS_ATTRS
+                and not isinstance(value, cls)
+                and not (name.startswith("_") and name.endswith("_"))
+            )
+            bases = tuple(self.walk(b) for b in cls.__bases__)
+            return ("enum", cls.__qualname__, bases, members, attrs)
         attrs = tuple(
             (name, self.walk(value))
             for name, value in vars(cls).items()

@@ -1057,3 +1057,43 @@ def test_config_dataclasses_of_every_make_keep_a_fingerprint():
     for config in (Slots(), Typed(), Cached()):
         assert _fingerprint.of(config) is not None, type(config)
         assert _fingerprint.of(config) == _fingerprint.of(type(config)())
+
+
+def test_enum_configs_and_vmapped_helpers_keep_a_fingerprint():
+    """A config with an Enum field and a module-level ``jax.vmap`` helper (the
+    JAX tutorials' ``batched_predict``) had no fingerprint: fit traced again
+    at every call. Now they have one, which sees what changes: a member's
+    value, a global an Enum method reads, the vmap's axes."""
+    import dataclasses
+    import enum
+
+    def define(value="relu"):
+        class Act(enum.Enum):
+            RELU = value
+            GELU = "gelu"
+
+            def scale(self):
+                return _CHANGED["scale"]
+
+        @dataclasses.dataclass(frozen=True)
+        class Cfg:
+            act: Act = Act.RELU
+
+        return Cfg()
+
+    first = _fingerprint.of(define())
+    assert first is not None and first == _fingerprint.of(define())
+    assert _fingerprint.of(define("elu")) != first
+    try:
+        _CHANGED["scale"] = 3.0
+        assert _fingerprint.of(define()) != first
+    finally:
+        _CHANGED["scale"] = 1.0
+
+    def predict(w, x):
+        return x @ w * _CHANGED["scale"]
+
+    batched = _fingerprint.of(jax.vmap(predict, in_axes=(None, 0)))
+    assert batched is not None
+    assert batched == _fingerprint.of(jax.vmap(predict, in_axes=(None, 0)))
+    assert batched != _fingerprint.of(jax.vmap(predict, in_axes=(0, 0)))
