@@ -866,13 +866,18 @@ def _weak_constant():
     return make
 
 
-def _registered_with_free_functions():
+def _registered_with_free_functions(as_dataclass=False):
+    import dataclasses
+
     def make():
         k = _CHANGED["scale"]
 
         class Box:
             def __init__(self, w):
                 self.w = w
+
+        if as_dataclass:  # (a plain dataclass: no fields of its own made it)
+            Box = dataclasses.dataclass(Box)  # noqa: F811
 
         jax.tree_util.register_pytree_node(
             Box, lambda b: ((b.w,), None), lambda aux, kids: Box(kids[0] * k)
@@ -919,25 +924,7 @@ def _config_classes():
 
 
 def _dataclass_registered_with_free_functions():
-    import dataclasses
-
-    def make():
-        k = _CHANGED["scale"]
-
-        @dataclasses.dataclass
-        class Box:
-            w: jax.Array
-
-        jax.tree_util.register_pytree_node(
-            Box, lambda b: ((b.w,), None), lambda aux, kids: Box(kids[0] * k)
-        )
-
-        def loss(model, batch):
-            return jnp.mean((batch[0] @ model.w - batch[1]) ** 2)
-
-        return Box(jnp.ones((3, 1))), optax.sgd(0.1), loss
-
-    return make
+    return _registered_with_free_functions(as_dataclass=True)
 
 
 def _dataclass_slot_not_a_field():
