@@ -828,14 +828,22 @@ def _dataclass_class_attribute():
     return make
 
 
-def _dataclass_attribute_not_a_field():
+def _dataclass_attribute_not_a_field(slots=False):
     import dataclasses
 
-    @dataclasses.dataclass
-    class Cfg:
-        k: float = 1.0
+    if slots:  # (the attribute in a slot, not in __dict__)
 
-    cfg = Cfg()
+        @dataclasses.dataclass
+        class Cfg:
+            __slots__ = ("k", "weight")
+            k: float
+    else:
+
+        @dataclasses.dataclass
+        class Cfg:
+            k: float
+
+    cfg = Cfg(1.0)
 
     def make():
         cfg.weight = _CHANGED["scale"]
@@ -928,24 +936,7 @@ def _dataclass_registered_with_free_functions():
 
 
 def _dataclass_slot_not_a_field():
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Cfg:
-        __slots__ = ("k", "weight")
-        k: float
-
-    cfg = Cfg(1.0)
-
-    def make():
-        cfg.weight = _CHANGED["scale"]
-
-        def loss(model, batch):
-            return cfg.weight * _pytree_loss(model, batch)
-
-        return {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), loss
-
-    return make
+    return _dataclass_attribute_not_a_field(slots=True)
 
 
 @pytest.mark.parametrize(
