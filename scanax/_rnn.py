@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 from collections.abc import Iterable, Sequence
@@ -436,6 +437,24 @@ def birnn(
     elif not isinstance(init, (tuple, list)) or len(init) != 2:
         raise errors.birnn_init(init)
     kw = dict(seq_lengths=seq_lengths, time_axis=time_axis, order=order, unroll=unroll)
-    fwd_states, fwd_ys = rnn(forward, xs, init[0], **kw)
-    bwd_states, bwd_ys = rnn(backward, xs, init[1], reverse=True, **kw)
+    with _direction("forward"):
+        fwd_states, fwd_ys = rnn(forward, xs, init[0], **kw)
+    with _direction("backward"):
+        bwd_states, bwd_ys = rnn(backward, xs, init[1], reverse=True, **kw)
     return (fwd_states, bwd_states), jnp.concatenate([fwd_ys, bwd_ys], axis=-1)
+
+
+@contextlib.contextmanager
+def _direction(name: str) -> Any:
+    """``rnn``'s refusals inside ``birnn`` say which direction's cells they
+    name (both are ``cells[0]``...)."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        if type(err) not in (TypeError, ValueError) or not message.startswith(
+            errors.CALL + ":"
+        ):
+            raise
+        rest = message[len(errors.CALL) + 1 :]
+        raise type(err)(f"scanax.birnn, the {name} cells:{rest}") from err

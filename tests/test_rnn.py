@@ -722,3 +722,17 @@ def test_seq_lengths_out_of_range_are_refused_where_known(lengths, bad):
         [cell], xs, init, seq_lengths=jnp.clip(jnp.array(lengths), 0, 5)
     )
     np.testing.assert_array_equal(run(jnp.array(lengths)), clipped[1])
+
+
+def test_birnn_errors_name_the_direction():
+    """Both directions' cells are ``cells[0]``: the message says which
+    (review 2026-12-06: a backward cell of the wrong width read as the
+    forward one's)."""
+    forward = eqx.nn.GRUCell(D, 4, key=jr.key(0))
+    backward = eqx.nn.GRUCell(D + 1, 4, key=jr.key(1))
+    with pytest.raises(
+        ValueError,
+        match=rf"scanax\.birnn, the backward cells: cells\[0\] \(GRUCell\) expects "
+        rf"inputs of width {D + 1}",
+    ):
+        scanax.birnn(forward, backward, jnp.ones((5, D)))
