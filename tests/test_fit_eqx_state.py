@@ -205,7 +205,10 @@ def test_without_warnings_when_returned():
 def test_a_population_stepwise_and_evaluate_thread_the_state():
     lrs = np.array([1e-2, 3e-2], np.float32)
 
+    made = []
+
     def member(key, lr):
+        made.append(lr)
         return make(), optax.adam(lr)
 
     pop = scanax.population(member, 2, key=KEY, lr=lrs)
@@ -229,6 +232,17 @@ def test_a_population_stepwise_and_evaluate_thread_the_state():
     solo = fit(make(), optax.adam(float(lrs[0])), key=jr.split(KEY, 2)[0])
     want = scanax.evaluate(solo.model, loss_fn, (X, Y), batch_size=len(X))
     np.testing.assert_allclose(got["loss"][0], want["loss"], rtol=1e-5)
+
+    # a second evaluation builds no member again (``make`` with a member's
+    # own float; the list makes ``member`` unfingerprintable, so the program
+    # is traced again, with traced values)
+    def built():
+        return sum(isinstance(lr, float) for lr in made)
+
+    before = built()
+    again = scanax.evaluate(pop, loss_fn, (X, Y), batch_size=len(X))
+    assert built() == before, made
+    np.testing.assert_array_equal(again["loss"], got["loss"])
     stepwise = fit(make(), optax.adam(1e-2), execution="stepwise")
     close(stepwise.model, fit(make(), optax.adam(1e-2)).model)
 

@@ -63,6 +63,7 @@ class Population:
         self.stopped = np.zeros(n, bool)
         self._members: dict[int, tuple] = {}
         self._trained: list[int] | None = None
+        self._updates: bool | None = None
 
     @property
     def members(self) -> int:
@@ -77,10 +78,13 @@ class Population:
 
     def updates(self) -> bool:
         """Whether a member's ``loss_fn`` may return a third element (a
-        TrainState's updates, an Equinox model's new ``eqx.nn.State``)."""
-        if self.kind == "trainstate":
-            return True
-        return bool(getattr(self.adapter(0), "held", False))
+        TrainState's updates, an Equinox model's new ``eqx.nn.State``); asked
+        of a member's adapter once (it runs ``make``), as ``trained``."""
+        if self._updates is None:
+            self._updates = self.kind == "trainstate" or bool(
+                getattr(self.adapter(0), "held", False)
+            )
+        return self._updates
 
     def __len__(self) -> int:
         return self.n
