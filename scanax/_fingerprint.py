@@ -101,9 +101,7 @@ def of(value: Any) -> Any:
     """A hashable fingerprint of ``value``, or None (see the module docstring)."""
     try:
         return _Walker().walk(value)
-    except (_Unknown, RecursionError):
-        return None
-    except Exception:  # (an object whose attributes fail to read: no fingerprint)
+    except Exception:  # (_Unknown, a cycle too deep, an attribute that fails)
         return None
 
 
@@ -235,7 +233,7 @@ class _Walker:
                     own[name] = getattr(x, name)
             # (a library base's private bookkeeping left out: a linen module's
             # ``_id``, new for each instance, and ``_state``)
-            kept = _private_kept(type(x))
+            kept = not _library_base(type(x))
             extra = {
                 k: v
                 for k, v in own.items()
@@ -374,8 +372,7 @@ def _registered_apart(cls: Any) -> bool:
     if not isinstance(cls, type) or _library(cls.__module__):
         return False
     made = dataclasses.is_dataclass(cls) and (
-        getattr(cls, "_flax_dataclass", False)
-        or any(_library(c.__module__) for c in cls.__mro__[1:-1])
+        getattr(cls, "_flax_dataclass", False) or _library_base(cls)
     )
     return not (made or issubclass(cls, tuple) or hasattr(cls, "tree_unflatten"))
 
@@ -389,10 +386,10 @@ def _slots(cls: type) -> list[str]:
     return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
-def _private_kept(cls: type) -> bool:
-    """Whether an instance's private attributes (``_name``) describe it: not
-    where a library's base class keeps its own bookkeeping there."""
-    return not any(_library(c.__module__) for c in cls.__mro__[1:-1])
+def _library_base(cls: type) -> bool:
+    """Whether a class of the user's derives from a library's (an
+    ``eqx.Module``, a linen ``Module``, a ``flax.struct.PyTreeNode``)."""
+    return any(_library(c.__module__) for c in cls.__mro__[1:-1])
 
 
 def _stateless(x: Any) -> bool:

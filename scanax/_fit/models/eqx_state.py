@@ -81,12 +81,12 @@ class Held:
         got = [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
         if jtu.tree_structure(state) != self.treedef or got != self.avals:
             raise errors.state_changed(self.path, self.avals, got)
+        # (the State the step was given, returned as it was, or one it did
+        # not compute: the model's call gave back a new one that is dropped)
         given = [others[j] for j in where]
-        if leaves and all(a is b for a, b in zip(leaves, given)):
-            # (the State the step was given, returned as it was: the model's
-            # call gave back a new one that is dropped)
-            self._warn(errors.state_not_returned(self.path, given_back=True))
-        elif leaves and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        unchanged = all(a is b for a, b in zip(leaves, given))
+        computed = any(isinstance(x, jax.core.Tracer) for x in leaves)
+        if leaves and (unchanged or not computed):
             self._warn(errors.state_not_returned(self.path, given_back=True))
         others = list(others)
         for j, x in zip(where, leaves):
