@@ -241,6 +241,9 @@ def test_with_remat_sqrt(n, k, keep, reverse, monkeypatch):
 
 
 def test_remat_sqrt_with_a_reduction_cuts_memory():
+    # rows of 128 floats: XLA:TPU pads a row to 128 lanes and keeps one xs-sized
+    # buffer, which with 16-wide rows is 0.44x the plain gradient's working memory
+    # (TPU v5e; 0.25x with 128; XLA:CPU 0.057x and 0.054x)
     def temp(remat):
         def loss(c, xs):
             c, mean = scanax.scan(
@@ -253,7 +256,7 @@ def test_remat_sqrt_with_a_reduction_cuts_memory():
             return mean
 
         grad = jax.jit(jax.grad(loss))
-        compiled = grad.lower(jnp.ones(16), jnp.ones((1000, 16))).compile()
+        compiled = grad.lower(jnp.ones(128), jnp.ones((1000, 128))).compile()
         return helpers.working_bytes(compiled)
 
     assert temp("sqrt") <= 0.3 * temp(False)
