@@ -8,6 +8,7 @@ the user has NNX objects, ``flax.nnx`` is already in ``sys.modules``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax.tree_util as jtu
@@ -75,6 +76,48 @@ def with_params(model: Any, cast: Any, other: Any = None) -> tuple[Any, Any]:
         nnx.update(model, nnx.state(copy, nnx.Not(nnx.Param)))
 
     return copy, write_back
+
+
+def eval_mode(tree: Any) -> None:
+    """``Module.eval()`` on every NNX module in ``tree`` (one, or a dict, list
+    or tuple of them): Dropout off, BatchNorm on its running averages."""
+    nnx = _nnx()
+    for x in jtu.tree_leaves(tree, is_leaf=is_node):
+        if isinstance(x, nnx.Module):
+            x.eval()
+
+
+def unseeded_draws(tree: Any, run: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``run()``'s result and the RNG streams in ``tree`` it drew from without
+    reseeding them (the stream's count moved, its key did not), named by
+    attribute path: ``["rngs.noise"]``. Checked while tracing: costs nothing
+    at run time."""
+    nnx = _nnx()
+    _, flat = nnx.graph.flatten(tree, with_paths=True)
+    streams: dict = {}
+    for path, var in zip(flat.paths, flat.leaves):
+        for i, kind in enumerate((nnx.RngKey, nnx.RngCount)):
+            if isinstance(var, kind):
+                streams.setdefault(path[:-1], [None, None])[i] = var
+    before = {
+        p: [v if v is None else v.get_raw_value() for v in pair]
+        for p, pair in streams.items()
+    }
+    out = run()
+    drawn = []
+    for p, (key, count) in streams.items():
+        key0, count0 = before[p]
+        moved = count is not None and count.get_raw_value() is not count0
+        if moved and (key is None or key.get_raw_value() is key0):
+            drawn.append(_attribute_path(p))
+    return out, drawn
+
+
+def _attribute_path(path: tuple) -> str:
+    parts = [
+        f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path
+    ]
+    return "".join(parts).lstrip(".") or "rngs"
 
 
 def update(nodes: list[Any], state: Any) -> None:

@@ -105,6 +105,77 @@ def test_nnx_in_eval_mode_and_the_model_untouched():
     allclose(nnx.state(model), before)
 
 
+def test_nnx_modules_in_a_dict_or_tuple_are_in_eval_mode():
+    """A plain dict or tuple of NNX modules (an encoder and a head) is evaluated
+    as ``nnx.Dict`` is: every module in eval mode (before: in train mode, its
+    Dropout on and its BatchNorm on batch statistics), the user's untouched."""
+    body, head = trained_net(), nnx.Linear(1, 1, rngs=nnx.Rngs(3))
+    before = nnx.state(nnx.clone((body, head)))
+    refs = nnx.clone((body, head))
+    for m in refs:
+        m.eval()
+    want = at_once(lambda ms, b: nnx_eval(lambda x: ms[1](ms[0](x)), b), refs, (X, Y))
+    for models, pick in [
+        ({"body": body, "head": head}, lambda ms: (ms["body"], ms["head"])),
+        ((body, head), lambda ms: ms),
+        ([body, head], lambda ms: ms),
+    ]:
+
+        def eval_fn(ms, batch, pick=pick):
+            b, h = pick(ms)
+            return nnx_eval(lambda x: h(b(x)), batch)
+
+        allclose(evaluate(models, eval_fn, (X, Y), batch_size=7), want)
+        rows = predict(models, lambda ms, x, pick=pick: pick(ms)[1](pick(ms)[0](x)), X)
+        allclose(rows, refs[1](refs[0](X)))
+    assert not body.drop.deterministic and body.bn.use_running_average is False
+    allclose(nnx.state((body, head)), before)
+
+
+class Noisy(nnx.Module):
+    """Draws from its own stream, as a VAE's sampling layer does."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 1, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        mu = self.lin(x)
+        return mu + jr.normal(self.rngs.noise(), mu.shape)
+
+
+def test_a_model_drawing_from_its_own_rngs_is_refused_and_reseeding_from_the_key_works():
+    """Each batch runs on a copy of the model as passed in: its own stream would
+    give every batch the same draws (before: silently). Refused, naming the
+    stream, for evaluate, predict and fit's evaluation; the fix the message
+    gives (a key, reseeded from) matches a hand loop of reseeded copies."""
+    model = Noisy(nnx.Rngs(0, noise=1))
+    msg = r"draws random numbers from the model's own RNG stream \(model.rngs.noise\)"
+    msg += r"(?s:.*)nnx.reseed"
+    with pytest.raises(ValueError, match="^scanax.predict: .*" + msg):
+        predict(model, lambda m, x: m(x), X, batch_size=8)
+    with pytest.raises(ValueError, match="^scanax.evaluate: .*" + msg):
+        evaluate(model, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), (X, Y))
+    with pytest.raises(ValueError, match=msg):
+        scanax.fit(
+            model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+            lambda m, b: jnp.mean((m.lin(b[0]) - b[1]) ** 2), (X, Y), steps=2,
+            batch_size=8, callbacks=[scanax.Eval((X, Y), every=1, fn=lambda m,
+            b: jnp.mean((m(b[0]) - b[1]) ** 2))], progress=False,
+        )  # fmt: skip
+
+    def reseeded(m, x, key):
+        nnx.reseed(m, noise=key)
+        return m(x)
+
+    key = jr.key(5)
+    got = predict(model, reseeded, X[:24], batch_size=8, key=key)
+    want = [reseeded(nnx.clone(model), X[s : s + 8], jr.fold_in(key, j))
+            for j, s in enumerate(range(0, 24, 8))]  # fmt: skip
+    allclose(got, jnp.concatenate(want))
+    assert float(jnp.std(got[:8] - got[8:16])) > 0.1  # (draws differ per batch)
+
+
 def test_equinox_in_inference_mode():
     class Drop(eqx.Module):
         mlp: eqx.nn.MLP

@@ -116,6 +116,19 @@ def optimizer_as_model(call: str) -> TypeError:
     )
 
 
+def own_rngs_drawn(call: str | None, streams: list[str]) -> ValueError:
+    who = f"{call}: the function evaluated" if call else "An evaluation's function"
+    names = ", ".join(f"model.{s}" for s in streams)
+    return ValueError(
+        f"{who} draws random numbers from the model's own RNG stream ({names}) "
+        "in eval mode. Every batch is evaluated on a copy of the model as it was "
+        "passed in, so each batch would draw the same numbers.\nFix: take a key, "
+        "fn(model, batch, key), pass key=... to the call, and reseed from it "
+        "before drawing, e.g. nnx.reseed(model, noise=key): each batch gets its "
+        "own key (fold_in(key, j))."
+    )
+
+
 def mesh_type(call: str, mesh: Any) -> TypeError:
     return TypeError(
         f"{call}: `mesh` must be a jax.sharding.Mesh or None, got "

@@ -42,21 +42,26 @@ def of(call: str, model: Any) -> Target:
     evaluates for ``model``: an NNX module, a population, or a pytree."""
     if _population.is_population(model):
         return _population_target(model)
-    if _nnx.is_node(model):
+    if _nnx.is_node(model) or _nnx.contains_node(model):
         if _models_nnx.is_optimizer(model):
             raise errors.optimizer_as_model(call)
-        return _nnx_target(model)
+        return _nnx_target(call, model)
     return _tree_target(call, model)
 
 
-def _nnx_target(model: Any) -> Target:
+def _nnx_target(name: str, model: Any) -> Target:
+    """An NNX module, or a dict, list or tuple holding some: every module in
+    it in eval mode."""
     graphdef, leaves = _nnx.values([model])
 
     def runner(call):
         def run(leaves, batch, key, hp):
             (copy,) = _nnx.unflatten(graphdef, leaves)
-            copy.eval()
-            return call(copy, batch, key, hp)
+            _nnx.eval_mode(copy)
+            out, drawn = _nnx.unseeded_draws(copy, lambda: call(copy, batch, key, hp))
+            if drawn:
+                raise errors.own_rngs_drawn(name, drawn)
+            return out
 
         return run
 

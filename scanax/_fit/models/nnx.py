@@ -15,7 +15,7 @@ import jax
 import jax.tree_util as jtu
 
 from ... import _nnx
-from ..._errors import models as errors
+from ..._errors import evaluate as eval_errors, models as errors
 from ..._errors.fit import CALL as _CALL
 from . import step as _step
 from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
@@ -148,7 +148,10 @@ class NNXAdapter:
         def call(state, *args):
             model, _ = _nnx.unflatten(graphdef, state)
             model.eval()
-            return fn(model, *args)
+            out, drawn = _nnx.unseeded_draws(model, lambda: fn(model, *args))
+            if drawn:
+                raise eval_errors.own_rngs_drawn(None, drawn)
+            return out
 
         return call
 
