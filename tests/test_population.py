@@ -983,3 +983,34 @@ def test_a_populations_first_call_ending_before_its_first_check_warns():
     with pytest.warns(UserWarning, match=rf"every {STEPS + 1} steps, first at step"):
         _, result = pop_fit("eqx", callbacks=[scanax.Eval((X, Y), every=STEPS + 1)])
     assert result.history["val_loss"].shape[-1] == 0
+
+
+def test_an_nnx_make_returning_a_model_it_closes_over_is_refused():
+    """Fine-tuning one pretrained model at several learning rates: a ``make``
+    returning that model would make every member the same object (before:
+    ``result.model[0] is result.model[2]``, the pretrained model overwritten).
+    Refused, naming the fix; the fix (``nnx.clone``) gives each member its own
+    model, equal to a solo fit from the pretrained weights."""
+    pretrained = MLP(nnx.Rngs(7))
+    weights = nnx.state(nnx.clone(pretrained))
+
+    def shared(key, lr):
+        return pretrained, nnx.Optimizer(pretrained, optax.adam(lr), wrt=nnx.Param)
+
+    with pytest.raises(
+        ValueError, match=r"(?s)`make` returned an NNX model made outside it.*nnx.clone"
+    ):
+        scanax.population(shared, 2, key=KEY, lr=LRS)
+
+    def cloned(key, lr):
+        model = nnx.clone(pretrained)
+        return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+    pop = scanax.population(cloned, 2, key=KEY, lr=LRS)
+    _, result = pop_fit("nnx", pop=pop)
+    assert result.model[0] is not result.model[1]
+    solo = cloned(None, float(LRS[1]))
+    ref = scanax.fit(*solo, loss_nnx, (X, Y), steps=STEPS, batch_size=BATCH,
+                     key=jr.split(FIT_KEY, 2)[1], progress=False)  # fmt: skip
+    check_member("nnx", result, 1, ref)
+    allclose(nnx.state(pretrained), weights)

@@ -95,6 +95,16 @@ def make_result(out: Any) -> TypeError:
     )
 
 
+def make_returned_outer_model() -> ValueError:
+    return ValueError(
+        f"{CALL}: `make` returned an NNX model made outside it (a pretrained "
+        "model it closes over?). NNX models are changed in place, so every member "
+        "would be that one object, each overwriting the others' weights (and "
+        "yours).\nFix: return a copy per member, e.g. m = nnx.clone(pretrained); "
+        "return m, nnx.Optimizer(m, tx, wrt=nnx.Param)."
+    )
+
+
 def optimizer_with_population(optimizer: Any) -> TypeError:
     return TypeError(
         f"{FIT}: a population carries its own optimizers (built by `make`), got "

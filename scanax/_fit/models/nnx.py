@@ -139,6 +139,11 @@ class NNXAdapter:
 
         return step
 
+    def made_outside(self) -> bool:
+        """Whether the model was made outside the trace now running (a
+        population's ``make`` returning a model it closes over)."""
+        return _nnx.maybe_outside([self.objects[0]])
+
     def make_call(self, fn: Callable) -> Callable:
         """``call(state, *args) -> fn(model, *args)`` with the model in eval mode
         (``Module.eval()``: Dropout off, BatchNorm on its running averages), on

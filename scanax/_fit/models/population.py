@@ -312,6 +312,8 @@ def _build(make: Callable, keys: Any, hp: dict) -> tuple[list, Any, str, list]:
 
         def one(key, values):
             adapter = _adapt(make, key, values)
+            if _kind(adapter) == "nnx" and adapter.made_outside():
+                raise errors.make_returned_outer_model()
             flat, treedef = jtu.tree_flatten(adapter.state)
             box["treedef"], box["kind"] = treedef, _kind(adapter)
             box["names"] = adapter.names()
