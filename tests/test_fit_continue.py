@@ -4,6 +4,7 @@ directories in such loops; per-step keys for ``loss_fn(model, batch, key)``."""
 
 import os
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -801,15 +802,49 @@ def test_checkpoint_past_this_calls_end_is_an_error(tmp_path):
         _fit(fresh, fresh_opt, nnx_loss, 3, checkpoint_dir=tmp_path)
     assert int(fresh_opt.step[...]) == 0
     # Asking for enough steps resumes from the newest checkpoint it reaches; the
-    # later checkpoint (12) is kept, so this call's own saves cannot be written.
+    # later checkpoint (12) is kept, and this call's own saves are written beside
+    # it (orbax skips a step before its newest unless forced: they were lost)
     with pytest.warns(
-        RuntimeWarning, match=r"also holds later step\(s\) 12 .* not written"
+        RuntimeWarning,
+        match=r"also holds later step\(s\) 12 .* checkpoints \(up to step 10\) "
+        r"are written beside them",
     ):
         r = _fit(fresh, fresh_opt, nnx_loss, 10, checkpoint_dir=tmp_path)
     assert r.steps == 10 and r.history["step"].tolist() == list(range(1, 11))
     ref, ref_opt = nnx_pair()
     _fit(ref, ref_opt, nnx_loss, 10)
     leaves_equal(nnx.state(fresh), nnx.state(ref))
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())[-2:] == [
+        10,
+        12,
+    ]
+    again, again_opt = nnx_pair()
+    with pytest.warns(RuntimeWarning, match="already holds step 10"):
+        r = _fit(again, again_opt, nnx_loss, 10, checkpoint_dir=tmp_path)
+    assert r.history["step"].tolist() == list(range(1, 11))
+    leaves_equal(nnx.state(again), nnx.state(ref))
+
+
+def test_an_epoch_loop_restarted_with_other_call_lengths_keeps_its_history(tmp_path):
+    """Three calls of 8 steps, then the loop restarted as one call of 16, twice:
+    the 16-step call restores the first call's end (8) and writes steps 12 and
+    16 over the older run's; before, orbax skipped them silently while the index
+    credited the older run's step 16 to this call, whose restart then came back
+    with the history of steps 9..16 only and the step-8 checkpoint deleted."""
+    model, opt = nnx_pair()
+    for _ in range(3):
+        _fit(model, opt, nnx_loss, 8, checkpoint_dir=tmp_path, checkpoint_every=4)
+    ref, ref_opt = nnx_pair()
+    want = _fit(ref, ref_opt, nnx_loss, 16)
+    for _ in range(2):
+        again, again_opt = nnx_pair()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (restored; later kept)
+            r = _fit(again, again_opt, nnx_loss, 16, checkpoint_dir=tmp_path,
+                     checkpoint_every=4)  # fmt: skip
+        assert r.steps == 16 and r.history["step"].tolist() == list(range(1, 17))
+        np.testing.assert_allclose(r.history["loss"], want.history["loss"], rtol=1e-6)
+        leaves_equal(nnx.state(again), nnx.state(ref))
 
 
 # ---------------------------------------------------------------- per-step keys

@@ -135,12 +135,13 @@ def checkpoint_at_end(directory: Any, end: int) -> str:
     )
 
 
-def checkpoint_saves_dropped(directory: Any, later: list[int], end: int) -> str:
+def later_checkpoints_kept(directory: Any, later: list[int], end: int) -> str:
     return (
         f"{CALL}: the checkpoint directory {directory} also holds later step(s) "
-        f"{', '.join(map(str, later))} of a longer run; orbax keeps steps in "
-        f"order, so this call's checkpoints (up to step {end}) are not written "
-        "(the later ones are kept). Use another directory to keep both."
+        f"{', '.join(map(str, later))} of a longer run. This call's checkpoints "
+        f"(up to step {end}) are written beside them, replacing any at the same "
+        "steps; the later ones are kept, and a call that reaches them resumes "
+        "from them. Use another directory to keep the runs apart."
     )
 
 

@@ -192,6 +192,9 @@ class Checkpoints:
         self.writing = step
         manager.save(
             slot,
+            # (orbax skips, silently, a step at or before the newest on disk:
+            # ours replaces what a longer run wrote, see ``_prune``)
+            force=True,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 history=ocp.args.StandardSave(
@@ -243,7 +246,12 @@ class Checkpoints:
         """Before saving ``step``: delete the checkpoints that are neither among
         the newest ``KEEP`` nor the newest of the call that wrote them (each
         call's last checkpoint is kept, so that an epoch loop restarted from
-        the top finds every call's end), and record ``step`` in the index."""
+        the top finds every call's end), and record ``step`` in the index.
+        A checkpoint already at ``step`` (a run with other calls wrote it, or
+        one this call did not restore) is replaced: the index then credits the
+        checkpoint at ``step`` to the call that wrote it."""
+        if step in manager.all_steps():
+            manager.delete(step)
         self.starts[step] = self.start
         steps = sorted({*manager.all_steps(), step})
         keep = set(steps[-KEEP:])

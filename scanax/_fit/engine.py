@@ -204,7 +204,7 @@ class Run:
             )
         if past and (found is None or found[0] < self.end):
             self.warn(
-                ckpt_errors.checkpoint_saves_dropped(ckpt.directory, past, self.end)
+                ckpt_errors.later_checkpoints_kept(ckpt.directory, past, self.end)
             )
         if found is None or found[0] <= self.start:
             return
