@@ -633,6 +633,51 @@ def test_trainstate_batch_stats_updated_from_loss_fn():
     assert not np.allclose(result.model.batch_stats["BatchNorm_0"]["mean"], 0.0)
 
 
+class SeenState(BNState):
+    """Its apply_gradients reads batch_stats: the updates' order shows."""
+
+    seen: dict
+
+    def apply_gradients(self, *, grads, **kwargs):
+        new = super().apply_gradients(grads=grads, **kwargs)
+        return new.replace(
+            seen=jax.tree.map(
+                lambda e, b: 0.5 * e + 0.5 * b, self.seen, self.batch_stats
+            )
+        )
+
+
+def test_trainstate_updates_are_applied_after_apply_gradients():
+    """As fit.md says and flax's examples do (``apply_gradients`` on the state
+    the step started from, then the new ``batch_stats``): a subclass whose
+    ``apply_gradients`` reads them sees the step's old ones (before: the new)."""
+    base, forward = bn_setup()
+    state = SeenState.create(
+        apply_fn=base.apply_fn, params=base.params, tx=TX,
+        batch_stats=base.batch_stats, seen=base.batch_stats,
+    )  # fmt: skip
+
+    def loss(state, batch):
+        value, new = forward(state, batch)
+        return value, {}, {"batch_stats": new["batch_stats"]}
+
+    result = fit_quiet(state, None, loss, (X, Y), **CHUNKED)
+
+    @jax.jit
+    def step(state, batch):
+        (value, new), grads = jax.value_and_grad(
+            lambda p: forward(state.replace(params=p), batch), has_aux=True
+        )(state.params)
+        state = state.apply_gradients(grads=grads)
+        return state.replace(batch_stats=new["batch_stats"]), value
+
+    ref = state
+    for t in range(STEPS):
+        ref, _ = step(ref, batch_at(t))
+    leaves_close(result.model, ref)
+    assert not np.allclose(result.model.seen["BatchNorm_0"]["mean"], 0.0)
+
+
 def test_trainstate_batch_stats_without_updates_warns_and_bad_updates_fail():
     state, forward = bn_setup()
     with pytest.warns(UserWarning, match=r"TrainState has `batch_stats`, but"):

@@ -70,6 +70,8 @@ class TrainStateAdapter:
         With ``accumulate`` > 1, the micro-batches' gradients are averaged
         (``accumulated``), the updates threaded through them."""
 
+        updated: set = set()  # the fields loss_fn returns, found while tracing
+
         def one(state, batch, key):
             def objective(params):
                 out = loss_fn(state.replace(params=params), batch, key)
@@ -84,7 +86,9 @@ class TrainStateAdapter:
                 objective, has_aux=True
             )(state.params)
             if updates:
-                state = state.replace(**_check_updates(state, updates))
+                updates = _check_updates(state, updates)
+                updated.update(updates)
+                state = state.replace(**updates)
             elif _has_arrays(getattr(state, "batch_stats", None)):
                 warnings.warn(errors.batch_stats_not_updated(), stacklevel=2)
             return state, loss, metrics, grads
@@ -93,18 +97,20 @@ class TrainStateAdapter:
             after, loss, metrics, grads = accumulated(
                 one, state, batch, key, accumulate
             )
-            # (apply_gradients changes step, params and opt_state only: the same
-            # as applying the updates after it)
-            extra = extra_args(after.tx, loss)
+            # apply_gradients on the state as it was, the updates after it (as
+            # flax's examples pass them: a subclass's apply_gradients reading
+            # batch_stats sees the step's old ones)
+            extra = extra_args(state.tx, loss)
             # apply_gradients calls tx.update without extra arguments: with
             # some, it runs on the transform with them bound, then the state
             # gets its own back (a subclass's apply_gradients and
             # OVERWRITE_WITH_GRADIENT still hold)
-            tx = after.tx
+            tx = state.tx
             bound = tx._replace(update=ft.partial(tx.update, **extra)) if extra else tx
             with _step.updating():
-                new = after.replace(tx=bound).apply_gradients(grads=grads)
-            return new.replace(tx=tx), loss, metrics, grads
+                new = state.replace(tx=bound).apply_gradients(grads=grads)
+            new = new.replace(tx=tx, **{f: getattr(after, f) for f in updated})
+            return new, loss, metrics, grads
 
         return step
 
