@@ -38,6 +38,47 @@ def test_a_new_iterator_is_set_to_the_saved_position(whole, tmp_path):
     assert not np.array_equal(other.history["loss"], whole.history["loss"])
 
 
+class Poisoned(job.Stream):
+    """``Stream(seed)`` with a NaN target in batch ``at``."""
+
+    def __init__(self, seed, at):
+        super().__init__(seed)
+        self.at = at
+
+    def __next__(self):
+        x, y = super().__next__()
+        return (x, np.full_like(y, np.nan)) if self.pos - 1 == self.at else (x, y)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_non_finite_stop_inside_a_call_saves_where_the_data_was(
+    whole, tmp_path, accumulate
+):
+    """A NaN stop mid-call (step 12 of a call of 8..16) keeps the last good step;
+    its checkpoint holds the state before that call's batches and how many of
+    them were used, so a run restarted on a new iterator (the bad batch fixed)
+    sees the uninterrupted run's batches (before: no state was saved there, and
+    the new iterator's own batches were drawn and dropped)."""
+
+    def run(stream, steps=32):
+        return scanax.fit(
+            {"w": jnp.zeros((3, 1))}, optax.adam(0.05), job.loss_fn, stream,
+            steps=steps, accumulate=accumulate, progress=False,
+            callbacks=[scanax.Checkpoint(tmp_path, every=8)],
+        )  # fmt: skip
+
+    with pytest.warns(RuntimeWarning, match="non-finite loss"):
+        stopped = run(Poisoned(0, at=12 * accumulate))
+    assert stopped.steps == 12
+    resumed = run(job.Stream(99))
+    ref = scanax.fit(
+        {"w": jnp.zeros((3, 1))}, optax.adam(0.05), job.loss_fn, job.Stream(0),
+        steps=32, accumulate=accumulate, progress=False,
+    )  # fmt: skip
+    np.testing.assert_array_equal(resumed.history["loss"], ref.history["loss"])
+    np.testing.assert_array_equal(resumed.model["w"], ref.model["w"])
+
+
 def test_kill_9_then_resume_is_exact(whole, tmp_path):
     directory, out = tmp_path / "ckpt", tmp_path / "digest"
 

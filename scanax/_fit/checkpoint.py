@@ -121,6 +121,7 @@ class Checkpoints:
         self.writing: int | None = None  # the step an asynchronous save writes
         self.failed: BaseException | None = None  # its error, seen by another
         self.data_state: Any = None  # the data iterator's, of the checkpoint restored
+        self.data_skip = 0  # and the batches to draw after setting it
         self.starts = _read_index(self.directory)  # step -> its call's start
 
     # ------------------------------------------------------------------ save
@@ -151,7 +152,7 @@ class Checkpoints:
         self, step: int, leaves: list, key: Any, history: dict, data: Any = None
     ) -> None:
         """Save checkpoint ``step``; ``data``: the data iterator's state then
-        (``IterSource.state_at``), if it keeps one. A best-only store saves
+        (``IterSource.state_at``'s meta entries), if it keeps one. A best-only store saves
         whatever it is given (its caller knows what changed)."""
         if self.keep is None and (step == self.last_saved or step == 0):
             return
@@ -170,7 +171,7 @@ class Checkpoints:
             "call_start": int(self.start),
         }
         if data is not None:
-            meta["data_state"] = data
+            meta.update(data)
         with _ORBAX:
             self._raise_failed()
             _finish_others(self)
@@ -333,6 +334,7 @@ class Checkpoints:
                 self._skip(step, err, i == len(steps) - 1, start)
                 continue
             self.data_state = meta.get("data_state")
+            self.data_skip = int(meta.get("data_skip", 0))
             return int(meta["step"]), restored, new_key, history
         return None
 

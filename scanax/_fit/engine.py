@@ -221,7 +221,7 @@ class Run:
             self.halted = True
             self.warn(ckpt_errors.checkpoint_stopped(ckpt.directory, step))
         # the batches those steps used (a resumable iterator: set to its state)
-        self.source.skip(step - self.start, ckpt.data_state)
+        self.source.skip(step - self.start, ckpt.data_state, ckpt.data_skip)
 
     def replay(self) -> tuple[int, dict | None]:
         """What the log sinks keep (their rows up to a step) and the restored

@@ -127,7 +127,7 @@ class ArraySource:
             out["accumulate"] = self.micro
         return out
 
-    def skip(self, count: int, state: Any = None) -> None:
+    def skip(self, count: int, state: Any = None, then: int = 0) -> None:
         """Nothing to skip: step ``t``'s batch is a function of ``t``."""
 
     def keep_states(self) -> None:

@@ -120,14 +120,17 @@ class IterSource:
         """The in-loop part: batch ``i`` of the call's stacked batches."""
         return _HOST_BATCHES
 
-    def skip(self, count: int, state: Any = None) -> int:
+    def skip(self, count: int, state: Any = None, then: int = 0) -> int:
         """Move past the batches of ``count`` steps (to resume): a resumable
-        iterator is set to ``state`` (a checkpoint's ``state_at``), any other
-        has them drawn and dropped; returns how many batches that was."""
+        iterator is set to ``state`` (a checkpoint's ``state_at``), then
+        ``then`` more batches drawn and dropped; any other has them all drawn
+        and dropped; returns how many batches that was."""
         if state is not None and self.resumable is not None:
             self.resumable[1](decode_state(state))
             if self.restart is not None:  # (PyTorch's StatefulDataLoader)
                 self.iterator = iter(self.restart)
+            for _ in itertools.islice(self.iterator, then):
+                pass
             self.consumed += count * self.micro
             return count * self.micro
         skipped = sum(1 for _ in itertools.islice(self.iterator, count * self.micro))
@@ -139,16 +142,24 @@ class IterSource:
         if self.resumable is not None:
             self.states = {}
 
-    def state_at(self, steps: int) -> Any:
-        """For a checkpoint: the iterator's state after the batches of this
-        call's first ``steps`` steps (batches taken ahead of the device not
-        counted), encoded for the checkpoint's meta; None when it keeps none."""
+    def state_at(self, steps: int) -> dict | None:
+        """For a checkpoint's meta: the iterator's state after the batches of
+        this call's first ``steps`` steps (batches taken ahead of the device
+        not counted), encoded: ``{"data_state": ...}``, or the state before
+        the chunk that step is in and the batches to draw after it
+        (``"data_skip"``: a step inside a chunk, where a non-finite step
+        stopped the call); None when it keeps none."""
         if self.resumable is None or self.states is None:
             return None
         taken = steps * self.micro
         if taken == self.consumed:
-            return encode_state(self.resumable[0]())
-        return self.states.get(taken)
+            return {"data_state": encode_state(self.resumable[0]())}
+        before = [n for n in self.states if n <= taken]
+        if not before:
+            return None
+        at = max(before)
+        found = {"data_state": self.states[at]}
+        return {**found, "data_skip": taken - at} if taken > at else found
 
     def take(self, count: int, length: int) -> tuple[Any, int] | None:
         """Up to ``count`` batches stacked on a new leading axis (host arrays),

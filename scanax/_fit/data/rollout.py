@@ -174,7 +174,7 @@ class RolloutSource:
         r = self.rollout
         return {"kind": "rollout", "epochs": r.epochs, "minibatches": r.minibatches}
 
-    def skip(self, count: int, state: Any = None) -> None:
+    def skip(self, count: int, state: Any = None, then: int = 0) -> None:
         """(the feed is restored with the state)"""
 
     def keep_states(self) -> None:
