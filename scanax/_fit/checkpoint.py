@@ -152,8 +152,8 @@ class Checkpoints:
         self, step: int, leaves: list, key: Any, history: dict, data: Any = None
     ) -> None:
         """Save checkpoint ``step``; ``data``: the data iterator's state then
-        (``IterSource.state_at``'s meta entries), if it keeps one. A best-only store saves
-        whatever it is given (its caller knows what changed)."""
+        (``IterSource.state_at``'s meta entries), if it keeps one. A best-only
+        store saves whatever it is given (its caller knows what changed)."""
         if self.keep is None and (step == self.last_saved or step == 0):
             return
         saved = [jr.key_data(x) if is_key(x) else x for x in leaves]
