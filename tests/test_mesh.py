@@ -101,6 +101,32 @@ def test_nnx_sharding_annotations_are_followed():
     assert m4.l2.kernel[...].sharding.is_fully_replicated
 
 
+def test_annotated_model_with_an_early_stop_keeps_placements_across_calls():
+    """The early stop's copy of the best state keeps the state's placement: an
+    unannotated bias (replicated) came out of the first call split over
+    "model", as XLA propagated it, and the second call, compiled for the
+    first's arguments, failed in JAX's sharding check."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=auto)
+    kw = dict(
+        batch_size=BS,
+        key=KEY,
+        callbacks=[
+            scanax.Eval((X, Y), every=3),
+            scanax.EarlyStop("val_loss", patience=9),
+        ],
+    )
+    one, m1, _ = run(None, (X, Y), **kw)
+    many, m4, _ = run(mesh, (X, Y), annotate=True, **kw)
+    assert many.steps == one.steps == 12
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        many.history["val_loss"], one.history["val_loss"], rtol=1e-5
+    )
+    close(nnx.state(m4), nnx.state(m1))
+    assert m4.l1.bias[...].sharding.is_fully_replicated
+
+
 def test_mesh_errors():
     model = MLP(nnx.Rngs(0))
     opt = nnx.Optimizer(model, TX, wrt=nnx.Param)

@@ -185,14 +185,21 @@ class Solo(Lanes):
                 [c.leaves[j] for j in self.trained], [leaves[j] for j in self.trained]
             )
         if self.shardings is not None:  # the state keeps its placement
-            leaves = [
-                jax.lax.with_sharding_constraint(x, s)
-                for x, s in zip(leaves, self.shardings)
-            ]
+            leaves = _placed(leaves, self.shardings)
+            best = getattr(extra, "best", None)
+            if best and len(best) == len(self.shardings):
+                # (and so does an early stop's copy of it: a leaf the model
+                # does not annotate would leave the call split as XLA chose,
+                # and the next call, compiled for the first's, refuse it)
+                extra = extra._replace(best=_placed(best, self.shardings))
         report = Report(applied, ran, stopped, early, kept).packed()
         # A stop by the rule, or marked parameters, also stop the next call
         # (already dispatched).
         return Out(leaves, stopped | early | ~kept, report, bufs, extra)
+
+
+def _placed(leaves: list, shardings: Any) -> list:
+    return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings)]
 
 
 class Chunks:
