@@ -1457,3 +1457,31 @@ def test_array_metrics_of_a_population_equal_each_members_solo_run():
             np.testing.assert_allclose(
                 result.history[name][i], solo.history[name], rtol=1e-5
             )
+
+
+class LoggingOptimizer(nnx.Optimizer):
+    """A subclass whose ``update`` takes no extra arguments."""
+
+    def update(self, model, grads):
+        return super().update(model, grads)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("kind", ["subclass", "model_and_optimizer"])
+def test_optimizers_whose_update_takes_other_arguments(kind):
+    """``update(self, model, grads)`` is called without ``value=`` (before: a
+    TypeError about an argument the user never passed), and
+    ``nnx.ModelAndOptimizer``'s ``update(grads)`` without the model (before:
+    an arity error from inside scanax); both train as ``nnx.Optimizer`` does,
+    whose run equals a hand loop (``test_nnx_equals_python_loop``)."""
+    model, _ = nnx_pair()
+    if kind == "subclass":
+        opt = LoggingOptimizer(model, TX, wrt=nnx.Param)
+    else:
+        opt = nnx.ModelAndOptimizer(model, TX)
+    got = fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
+    ref_model, ref_opt = nnx_pair()
+    want = fit_quiet(ref_model, ref_opt, nnx_loss, (X, Y), **CHUNKED)
+    np.testing.assert_array_equal(got.history["loss"], want.history["loss"])
+    leaves_equal(nnx.state(model), nnx.state(ref_model))
+    assert int(opt.step[...]) == STEPS

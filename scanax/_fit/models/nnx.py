@@ -7,6 +7,7 @@ objects is ``_nnx``'s.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +101,7 @@ class NNXAdapter:
         ``key`` hold that many micro-batches (see ``accumulated``)."""
         nnx = sys.modules["flax.nnx"]
         graphdef, known = self.graphdef, self.paths
+        with_model, with_extra = _update_form(self.objects[1])
 
         def grads_at(model, optimizer, batch, key):
             grad_fn = nnx.value_and_grad(
@@ -125,7 +127,8 @@ class NNXAdapter:
                 model, optimizer = _nnx.unflatten(graphdef, state)
                 loss, metrics, grads = grads_at(model, optimizer, batch, key)
             with _step.updating():
-                optimizer.update(model, grads, **extra_args(optimizer.tx, loss))
+                extra = extra_args(optimizer.tx, loss) if with_extra else {}
+                optimizer.update(*((model,) if with_model else ()), grads, **extra)
             after, values = _nnx.values([model, optimizer])
             same = after == graphdef and (
                 jtu.tree_structure(values) == jtu.tree_structure(state)
@@ -172,6 +175,30 @@ class NNXAdapter:
             new = _nnx.unflatten(self.graphdef, state)
             _nnx.update(list(self.objects), _nnx.split(new)[1])
         return self.objects
+
+
+def _update_form(optimizer: Any) -> tuple[bool, bool]:
+    """How ``optimizer.update`` is called: with the model first (``nnx.Optimizer``;
+    not ``nnx.ModelAndOptimizer``, which holds it), and with the transform's
+    extra arguments (``value=``) only where it takes them (a subclass's
+    ``update(self, model, grads)`` does not)."""
+    try:
+        params = inspect.signature(optimizer.update).parameters.values()
+    except (TypeError, ValueError):
+        return True, True
+    kinds = [p.kind for p in params]
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    with_model = (
+        sum(k in positional for k in kinds) >= 2
+        or inspect.Parameter.VAR_POSITIONAL in kinds
+    )
+    with_extra = inspect.Parameter.VAR_KEYWORD in kinds or any(
+        p.name == "value" for p in params
+    )
+    return with_model, with_extra
 
 
 def _variable_name(path: tuple) -> str:
