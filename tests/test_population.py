@@ -1014,3 +1014,34 @@ def test_an_nnx_make_returning_a_model_it_closes_over_is_refused():
                      key=jr.split(FIT_KEY, 2)[1], progress=False)  # fmt: skip
     check_member("nnx", result, 1, ref)
     allclose(nnx.state(pretrained), weights)
+
+
+def test_a_hyperparameter_in_an_equinox_static_field_is_refused():
+    """A per-member value in ``eqx.field(static=True)`` would be a traced value
+    in the model's structure (before: the population trained, with Equinox's
+    warning, and the traced value left in JAX's caches broke a later solo fit
+    of the same class). Refused naming it; a solo fit afterwards trains."""
+    eqx = pytest.importorskip("equinox")
+
+    class Scaled(eqx.Module):
+        mlp: eqx.nn.MLP
+        temp: float = eqx.field(static=True)
+
+        def __call__(self, x):
+            return self.mlp(x) * self.temp
+
+    def make(key, lr, temp):
+        return Scaled(eqx.nn.MLP(4, 1, 8, 1, key=key), temp), optax.adam(lr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (Equinox's own)
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)stores a hyperparameter \(temp\) in a static field of Scaled"
+            r".*Fix: keep it out of the model",
+        ):
+            scanax.population(make, 2, key=KEY, lr=LRS, temp=[0.5, 2.0])
+    model, tx = make(KEY, 1e-2, 0.5)
+    result = scanax.fit(model, tx, loss_eqx, (X, Y), steps=3, batch_size=BATCH,
+                        key=FIT_KEY, progress=False)  # fmt: skip
+    assert np.isfinite(result.history["loss"]).all()

@@ -241,6 +241,18 @@ def hp_in_model_fields(names: list[str], paths: list[str]) -> ValueError:
     )
 
 
+def hp_in_static_field(names: list[str], owner: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: `make` stores a hyperparameter ({', '.join(names)}) in a static "
+        f"field of {owner} (eqx.field(static=True)). Static fields are part of the "
+        "model's structure, the same for every member, so a value that differs "
+        "per member cannot be one (the traced value would leak into JAX's "
+        "caches).\nFix: keep it out of the model and read it in the loss "
+        "(loss_fn(model, batch, hp) gets hp['name']), or build one population "
+        "per value."
+    )
+
+
 def log_with_groups() -> TypeError:
     return TypeError(
         f"{FIT}: log= with members_per_call: the groups run one after another, so "

@@ -315,6 +315,11 @@ def _build(make: Callable, keys: Any, hp: dict) -> tuple[list, Any, str, list]:
             if _kind(adapter) == "nnx" and adapter.made_outside():
                 raise errors.make_returned_outer_model()
             flat, treedef = jtu.tree_flatten(adapter.state)
+            found = _static_tracers(treedef)
+            if found is not None:
+                owner, tracers = found
+                names = [k for k, v in values.items() if any(v is t for t in tracers)]
+                raise errors.hp_in_static_field(names or list(values), owner)
             box["treedef"], box["kind"] = treedef, _kind(adapter)
             box["names"] = adapter.names()
             box["arrays"] = _array_pattern(adapter)
@@ -380,6 +385,26 @@ def _adapt(make: Callable, key: Any, values: dict) -> Any:
     if not isinstance(out, tuple) or len(out) != 2:
         raise errors.make_result(out)
     return _models.adapt(*out)
+
+
+def _static_tracers(treedef: Any) -> tuple[str, list] | None:
+    """The type of the first node whose static data holds traced values (a
+    hyperparameter in an ``eqx.field(static=True)``) and those values, or
+    None."""
+    todo = [treedef]
+    while todo:
+        node = todo.pop()
+        data = node.node_data()
+        if data is not None:
+            try:
+                leaves = jtu.tree_leaves(data[1])
+            except Exception:  # noqa: BLE001 - static data JAX cannot walk
+                leaves = []
+            tracers = [x for x in leaves if isinstance(x, jax.core.Tracer)]
+            if tracers:
+                return getattr(data[0], "__name__", repr(data[0])), tracers
+        todo.extend(node.children())
+    return None
 
 
 def _kind(adapter: Any) -> str:
