@@ -444,3 +444,33 @@ def test_an_unwritable_checkpoint_dir_raises_and_the_process_exits(tmp_path):
     np.testing.assert_array_equal(out.history["step"], np.arange(1, 17))
     np.testing.assert_allclose(out.history["loss"], ref.history["loss"], rtol=JOB_RTOL)
     np.testing.assert_allclose(out.model["w"], ref.model["w"], rtol=JOB_RTOL)
+
+
+def test_a_home_relative_directory_is_expanded_and_a_url_refused(tmp_path, monkeypatch):
+    """``"~/run"`` is the user's home (before: a directory named ``~`` in the
+    working directory); a URL (``gs://...``) is refused when the object is
+    made (before: mangled into a local ``gs:`` directory, then orbax's bare
+    KeyError at the first save, after training had started)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    model, opt = make()
+    fit(model, opt, 6, callbacks=[scanax.Checkpoint("~/run", every=6)])
+    assert (tmp_path / "run" / "6").is_dir() and not (tmp_path / "~").exists()
+    again, again_opt = make()
+    with pytest.warns(RuntimeWarning, match="already holds step 6"):
+        fit(again, again_opt, 6, checkpoint_dir="~/run")
+    leaves_equal(nnx.state(again), nnx.state(model))
+
+    url = r"'gs://bucket/run' is a URL; scanax writes checkpoints to local"
+    with pytest.raises(ValueError, match="checkpoint_dir " + url):
+        scanax.Checkpoint("gs://bucket/run", every=6)
+    with pytest.raises(ValueError, match="best_dir " + url):
+        scanax.EarlyStop("val_loss", patience=2, best_dir="gs://bucket/run")
+    with pytest.raises(ValueError, match="checkpoint_dir " + url):
+        scanax.load_best("gs://bucket/run", *make())
+    fresh, fresh_opt = make()
+    before = nnx.state(nnx.clone(fresh))
+    with pytest.raises(ValueError, match=url):
+        fit(fresh, fresh_opt, 6, checkpoint_dir="gs://bucket/run")
+    leaves_equal(nnx.state(fresh), before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import threading
 import warnings
 from typing import Any
@@ -42,6 +43,16 @@ KEEP = 3
 # stores with an asynchronous save still writing.
 _ORBAX = threading.RLock()
 _IN_FLIGHT: set = set()
+
+
+def local_directory(path: str, refuse: Any) -> str:
+    """``path`` absolute, with ``~`` expanded; a URL (``gs://bucket/run``) is
+    ``refuse(path)``: scanax writes its index and reads its directories with
+    Python's ``os``, which would take the URL for a relative path and fail
+    at the first save, after training had started."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+        raise refuse(path)
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _ocp():
@@ -101,7 +112,7 @@ class Checkpoints:
         # each one's meta), the newest kept once it is written.
         self.keep = keep
         self.ocp = ocp
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = local_directory(os.fspath(directory), errors.remote_dir)
         self.every = every
         self.names = names
         self.data = data

@@ -16,7 +16,7 @@ import jax.random as jr
 from ... import _tree
 from ..._errors import checkpoint as errors, fit as fit_errors
 from .. import feature as _feature
-from ..checkpoint import Checkpoints, is_key, strong
+from ..checkpoint import Checkpoints, is_key, local_directory, strong
 from ..data import arrays as _data
 
 BEST = {"kind": "best"}  # what a best-only store records as its data
@@ -72,7 +72,7 @@ def load_best(
     adapter = _models.adapt(model, optimizer)
     leaves, treedef = jax.tree_util.tree_flatten(adapter.state)
     leaves = strong(leaves)
-    path = os.path.abspath(os.fspath(directory))
+    path = local_directory(os.fspath(directory), errors.remote_dir)
     store = Checkpoints(path, None, adapter.names(), BEST, 0, keep=1)
     try:
         meta = store.newest_meta()
@@ -145,6 +145,7 @@ class Checkpoint(_feature.Feature):
             path = os.fspath(self.directory)
         except TypeError:
             raise fit_errors.checkpoint_dir_type(self.directory) from None
+        path = local_directory(path, errors.remote_dir)
         if os.path.exists(path) and not os.path.isdir(path):
             raise fit_errors.checkpoint_dir_not_dir(path)
         if self.every is not None:

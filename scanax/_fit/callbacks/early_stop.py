@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ..._errors import stop as errors
+from ..._errors import checkpoint as ckpt_errors, stop as errors
 from .. import feature as _feature, scalars as _scalars
+from ..checkpoint import local_directory
 
 # ``mode="auto"`` (documented in ``EarlyStop.direction``): words of metrics that
 # grow, and words that make a name a loss even then. Up to ``correlation``: every
@@ -183,6 +184,9 @@ class EarlyStop(_feature.Feature):
                 path = os.fspath(self.best_dir)
             except TypeError:
                 raise errors.best_dir_type(self.best_dir) from None
+            path = local_directory(
+                path, lambda p: ckpt_errors.remote_dir(p, "best_dir")
+            )
             if os.path.exists(path) and not os.path.isdir(path):
                 raise errors.best_dir_not_dir(path)
 
