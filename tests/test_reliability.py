@@ -3,6 +3,8 @@ calls, restarts, checkpoints, logs and refusals, each against an uninterrupted
 run or the files and objects as they were before the call."""
 
 import os
+import re
+import sys
 import warnings
 
 import jax
@@ -1060,3 +1062,31 @@ def test_a_data_iterator_that_fails_keeps_the_call_in_flight(bad):
         progress=False,
     )
     leaves_equal(nnx.state(model), nnx.state(ref_model))
+
+
+def test_ctrl_c_on_an_nnx_fit_says_which_step_the_model_holds():
+    """After Ctrl-C the NNX objects hold the last checked call's step (20 of a
+    call 0..40), so re-running the same cell trains 40 more steps from there:
+    the interrupt says so and gives the steps that end the run where it would
+    have (and that call ends as an uninterrupted run does)."""
+
+    def interrupt(step, metrics):
+        if step == 20:
+            raise KeyboardInterrupt
+
+    kwargs = dict(batch_size=BS, key=KEY, steps_per_call=10)
+    model, opt = nnx_pair()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=40, log=interrupt, **kwargs)
+    text = "".join(getattr(caught.value, "__notes__", []))
+    if sys.version_info >= (3, 11):
+        assert re.search(
+            r"hold step 20 .*from step 0 to 40\)\. Calling the same fit\(\.\.\., "
+            r"steps=40\) again trains that many more steps from step 20; to end "
+            r"this run at step 40, pass steps=20\.",
+            text,
+        )
+    fit_quiet(model, opt, nnx_loss, (X, Y), steps=20, **kwargs)
+    ref, ref_opt = nnx_pair()
+    fit_quiet(ref, ref_opt, nnx_loss, (X, Y), steps=40, **kwargs)
+    leaves_equal(nnx.state(model), nnx.state(ref))

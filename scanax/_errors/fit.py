@@ -702,3 +702,12 @@ def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
         "overwritten.\nFix: give each sink its own path (one sink per file or "
         "directory)."
     )
+
+
+def interrupted_nnx(done: int, start: int, end: int) -> str:
+    return (
+        f"{CALL}: interrupted; the NNX model and optimizer hold step {done} (the "
+        f"last checked call; this call went from step {start} to {end}). Calling "
+        f"the same fit(..., steps={end - start}) again trains that many more steps "
+        f"from step {done}; to end this run at step {end}, pass steps={end - done}."
+    )

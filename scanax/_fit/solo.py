@@ -83,10 +83,16 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         run.resume(setup.checkpoint_dir, setup.checkpoint_every)
     try:
         result = run.go()
-    except BaseException:
+    except BaseException as err:
         # (NNX objects keep the last checked state in place: the feed with it)
         if feed is not None and kind.finished is not None and base.kind == "nnx":
             feed.keep(kind.finished, feats.at_of(feed), run.done)
+        if isinstance(err, KeyboardInterrupt) and base.kind == "nnx":
+            note = errors.interrupted_nnx(run.done, start, start + setup.steps)
+            if hasattr(err, "add_note"):  # (Python 3.11+)
+                err.add_note(note)
+            else:
+                warnings.warn(note, RuntimeWarning, stacklevel=_caller.user_level())
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
