@@ -7,6 +7,7 @@ the user has NNX objects, ``flax.nnx`` is already in ``sys.modules``.
 
 from __future__ import annotations
 
+import dis
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -207,6 +208,28 @@ def reachable_nodes(f: Any) -> list[str]:
         if name in globs and contains_node(globs[name]):
             names.append(f"`{name}` ({type(globs[name]).__name__})")
     return names
+
+
+def reads_itself(f: Any, node: Any) -> str | None:
+    """The name under which ``f`` reads ``node`` itself from its closure or
+    its globals (not through its arguments), or None; ``f``'s own code only,
+    its globals as ``LOAD_GLOBAL`` reads them (an attribute of that name is
+    no read)."""
+    fn = getattr(f, "__func__", f)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            if cell.cell_contents is node:
+                return name
+        except ValueError:  # (a cell not yet filled)
+            continue
+    globs = getattr(fn, "__globals__", {})
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL" and globs.get(ins.argval) is node:
+            return ins.argval
+    return None
 
 
 def graphdef_fingerprint(graphdef: Any) -> Any:

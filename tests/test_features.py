@@ -264,11 +264,11 @@ def test_continued_state_paths_and_windows_do_not_recompile(
         scanax.Checkpoint(tmp_path / "b", every=16),
         scanax.CSV(tmp_path / "b.csv", every=8),
     ]
-    programs = len(_fit_program.PROGRAMS)
+    programs = set(_fit_program.PROGRAMS)  # (by key: the cache may be full)
     with count_compiles() as c:
         fit(first.model, optax.adam(1e-2), continued)
     assert c.n == 0
-    assert len(_fit_program.PROGRAMS) == programs + (platform != "cpu")
+    assert len(set(_fit_program.PROGRAMS) - programs) == (platform != "cpu")
 
 
 # ---------------------------------------------------------------------------- shorthand

@@ -1485,3 +1485,42 @@ def test_optimizers_whose_update_takes_other_arguments(kind):
     np.testing.assert_array_equal(got.history["loss"], want.history["loss"])
     leaves_equal(nnx.state(model), nnx.state(ref_model))
     assert int(opt.step[...]) == STEPS
+
+
+GLOBAL_MODEL = None
+
+
+def global_model_loss(m, batch):
+    """Reads the global, not its argument: a typo a user makes."""
+    return nnx_loss(GLOBAL_MODEL, batch)
+
+
+def attribute_named_like_the_global(m, batch):
+    """``m.GLOBAL_MODEL`` is an attribute read, not the global."""
+    return nnx_loss(getattr(m, "GLOBAL_MODEL", m), batch)
+
+
+def test_a_loss_fn_reading_the_trained_model_from_outside_is_refused(monkeypatch):
+    """A loss_fn reading the model being trained from its closure or globals,
+    not its argument, has gradients of zero (before: a flat loss and no
+    warning; with BatchNorm, flax's bare TraceContextError). Refused before
+    anything runs, naming it; an attribute of the same name is no read."""
+    model, opt = nnx_pair()
+    before = nnx.state(nnx.clone(model))
+
+    def closed(m, batch):
+        return nnx_loss(model, batch)
+
+    monkeypatch.setattr(sys.modules[__name__], "GLOBAL_MODEL", model)
+    for fn, name in [(closed, "model"), (global_model_loss, "GLOBAL_MODEL")]:
+        with pytest.raises(
+            TypeError,
+            match=rf"(?s)`loss_fn` reads the model being trained as `{name}` from "
+            r"outside.*Fix: use the argument",
+        ):
+            fit_quiet(model, opt, fn, (X, Y), **CHUNKED)
+    leaves_equal(nnx.state(model), before)
+    got = fit_quiet(model, opt, attribute_named_like_the_global, (X, Y), **CHUNKED)
+    ref_model, ref_opt = nnx_pair()
+    want = fit_quiet(ref_model, ref_opt, nnx_loss, (X, Y), **CHUNKED)
+    np.testing.assert_array_equal(got.history["loss"], want.history["loss"])

@@ -711,3 +711,13 @@ def interrupted_nnx(done: int, start: int, end: int) -> str:
         f"the same fit(..., steps={end - start}) again trains that many more steps "
         f"from step {done}; to end this run at step {end}, pass steps={end - done}."
     )
+
+
+def loss_fn_reads_the_model(name: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` reads the model being trained as `{name}` from outside "
+        "(its closure or globals), not as its first argument. fit differentiates "
+        "the model it passes in, so the loss would not depend on it: gradients of "
+        f"zero, a loss that never moves.\nFix: use the argument, def loss_fn("
+        f"model, batch): ... model(x) ... (not `{name}`)."
+    )

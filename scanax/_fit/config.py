@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .. import _progress
+from .. import _nnx, _progress
 from .._errors import (
     execution as execution_errors,
     fit as errors,
@@ -95,6 +95,8 @@ def configure(
         # that runs no step would give back to the user)
         keep = _mesh.Placement(mesh).local
         adapter = _models.adapt(model, optimizer, opt_state, True, keep)
+        if adapter.kind == "nnx" and (name := _nnx.reads_itself(loss_fn, model)):
+            raise errors.loss_fn_reads_the_model(name)
     else:
         members_per_call = _population_options(
             pop, optimizer, opt_state, members_per_call
