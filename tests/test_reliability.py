@@ -1090,3 +1090,37 @@ def test_ctrl_c_on_an_nnx_fit_says_which_step_the_model_holds():
     ref, ref_opt = nnx_pair()
     fit_quiet(ref, ref_opt, nnx_loss, (X, Y), steps=40, **kwargs)
     leaves_equal(nnx.state(model), nnx.state(ref))
+
+
+def test_ctrl_c_while_batches_are_read_keeps_the_call_in_flight_and_its_log_rows():
+    """Ctrl-C while the next call's batches are read (a generator raising
+    KeyboardInterrupt at batch 23): the call in flight (steps 13..18) is
+    checked and kept, as for a failing iterator (before: dropped), and the
+    log's open window is written at step 18, as at a run's end (before:
+    dropped, and the continued call's window 20 held steps 19..20 only). The
+    rows then equal two calls of 18 and 22 steps."""
+    x, y = np.asarray(X), np.asarray(Y)
+
+    def batches(start=0, stop_at=None):
+        for i in range(start, 10_000):
+            if i == stop_at:
+                raise KeyboardInterrupt
+            j = i % 6
+            yield x[j * BS : (j + 1) * BS], y[j * BS : (j + 1) * BS]
+
+    def run(model, opt, data, steps, rows):
+        log = scanax.Log(lambda s, m: rows.append((s, m["loss"])), every=5)
+        return fit_quiet(model, opt, nnx_loss, data, steps=steps, steps_per_call=6,
+                         callbacks=[log])  # fmt: skip
+
+    model, opt, rows = *nnx_pair(), []
+    with pytest.raises(KeyboardInterrupt):
+        run(model, opt, batches(stop_at=23), 40, rows)
+    assert int(opt.step[...]) == 18
+    run(model, opt, batches(18), 22, rows)
+    ref, ref_opt, want = *nnx_pair(), []
+    run(ref, ref_opt, batches(), 18, want)
+    run(ref, ref_opt, batches(18), 22, want)
+    assert [s for s, _ in rows] == [5, 10, 15, 18, 20, 25, 30, 35, 40]
+    np.testing.assert_allclose(np.array(rows), np.array(want), rtol=1e-6)
+    leaves_equal(nnx.state(model), nnx.state(ref))

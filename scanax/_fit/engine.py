@@ -358,9 +358,10 @@ class Run:
             # prepared while this one trains.
             try:
                 nxt = next(calls, None)
-            except Exception:
-                # (the data failed: the call in flight is checked and kept, as
-                # any other, before the error goes on: nothing it ran is lost)
+            except (Exception, KeyboardInterrupt):
+                # (the data failed, or Ctrl-C while it was read: the call in
+                # flight is checked and kept, as any other, before the error
+                # goes on: nothing it ran is lost)
                 if pending is not None:
                     self._collect(hooks, *pending)
                 raise

@@ -5,6 +5,7 @@ the run's ``Logs`` hook."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -347,6 +348,14 @@ class Logs:
 
     def end(self, run: Any) -> None:
         self.logger.write(final=True)
+        self.ended = True
 
     def close(self, run: Any) -> None:
+        if not getattr(self, "ended", False):
+            # Interrupted or failed: the steps checked so far end a window, as
+            # at a run's end (a continued call's windows then follow them);
+            # their rows were dropped, and the continued call's first window
+            # held only its own steps.
+            with contextlib.suppress(Exception):  # (the run's own error goes on)
+                self.logger.write(final=True)
         self.logger.sinks.close()
