@@ -86,6 +86,27 @@ def test_refusals(tmp_path):
         scanax.load_best(tmp_path / "none", job.P0, optax.adam(0.3))
 
 
+def test_load_best_messages_name_it_and_the_best_step(tmp_path):
+    """load_best's refusals start with its own name and give the best state's
+    training step (they said "scanax.fit: the checkpoint at step 1", the
+    store's save count); a Checkpoint directory is named as one (it was "holds
+    other arrays ... stop.rule.best")."""
+    out = _fit(tmp_path / "best")
+    with pytest.raises(
+        ValueError,
+        match=rf"^scanax.load_best: the best state \(step {out.best_step}\) in .* "
+        r"does not fit this training state; first mismatching leaf",
+    ):
+        scanax.load_best(tmp_path / "best", {"w": job.P0["w"][:1]}, optax.adam(0.3))
+    scanax.fit(job.P0, optax.adam(0.3), job.loss_fn, (job.X, job.Y), steps=4,
+               batch_size=16, progress=False,
+               callbacks=[scanax.Checkpoint(tmp_path / "ck", every=2)])  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"holds scanax.Checkpoint's checkpoints, not a best state"
+    ):
+        scanax.load_best(tmp_path / "ck", job.P0, optax.adam(0.3))
+
+
 @pytest.mark.parametrize("pop", [False, True])
 def test_kill_9_leaves_a_complete_best(tmp_path, pop):
     """Killed at random moments while it saves a new best at every check:

@@ -453,7 +453,11 @@ def test_checkpoint_resume_is_exact(tmp_path):
     allclose(resumed.history, whole.history)
     for i in range(N):
         allclose(nnx.state(resumed.model[i]), nnx.state(whole.model[i]))
-    with pytest.raises(ValueError, match="written for other data.*hyperparameters"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)written for other hyperparameters: \{'lr': \[0\.003.*\}, now "
+        r"\{'lr': \[0\.006.*Fix: pass the population's own values",
+    ):
         pop_fit("nnx", lrs=LRS * 2, checkpoint_dir=tmp_path)  # another sweep
 
 

@@ -21,31 +21,38 @@ def no_orbax(option: str = "checkpoint_dir") -> ImportError:
     )
 
 
-def _checkpoint_at(step: int, directory: Any) -> str:
-    return f"{CALL}: the checkpoint at step {step} in {directory}"
+def checkpoint_at(step: int, directory: Any, call: str = CALL, best: bool = False):
+    """How a message names a checkpoint: ``scanax.fit: the checkpoint at step
+    40 in DIR``, or ``scanax.load_best: the best state (step 15) in DIR``."""
+    what = f"the best state (step {step})" if best else f"the checkpoint at step {step}"
+    return f"{call}: {what} in {directory}"
 
 
-def checkpoint_format(
-    step: int, directory: Any, found: Any, expected: int
-) -> ValueError:
+def not_a_best_dir(path: str) -> ValueError:
     return ValueError(
-        f"{_checkpoint_at(step, directory)} has format {found!r}, expected "
-        f"{expected}.\n{_CHECKPOINT_FIX}"
+        f"scanax.load_best: {path!r} holds scanax.Checkpoint's checkpoints, not a "
+        "best state.\nFix: pass EarlyStop's best_dir (load_best reads the best "
+        "state only); a Checkpoint directory is read by calling fit again with "
+        "it, which resumes from its newest checkpoint."
     )
 
 
-def checkpoint_mismatch(
-    step: int, directory: Any, name: str, found: str, expected: str
-) -> ValueError:
+def checkpoint_format(at: str, found: Any, expected: int) -> ValueError:
     return ValueError(
-        f"{_checkpoint_at(step, directory)} does not fit this training state; "
+        f"{at} has format {found!r}, expected {expected}.\n{_CHECKPOINT_FIX}"
+    )
+
+
+def checkpoint_mismatch(at: str, name: str, found: str, expected: str) -> ValueError:
+    return ValueError(
+        f"{at} does not fit this training state; "
         f"first mismatching leaf {name}:\n  checkpoint  {found}\n  expected    "
         f"{expected}\n{_CHECKPOINT_FIX}"
     )
 
 
 def checkpoint_leaves_differ(
-    step: int, directory: Any, only_saved: list[str], only_here: list[str]
+    at: str, only_saved: list[str], only_here: list[str]
 ) -> ValueError:
     def shown(names):
         return (
@@ -56,17 +63,27 @@ def checkpoint_leaves_differ(
         )
 
     return ValueError(
-        f"{_checkpoint_at(step, directory)} does not fit this training state: it "
+        f"{at} does not fit this training state: it "
         f"holds other arrays.\n  only in the checkpoint  {shown(only_saved)}\n  "
         f"only in this run        {shown(only_here)}\n{_CHECKPOINT_FIX}"
     )
 
 
-def checkpoint_other_data(
-    step: int, directory: Any, found: Any, data: Any
-) -> ValueError:
+def checkpoint_other_data(at: str, found: Any, data: Any) -> ValueError:
+    if (
+        isinstance(found, dict)
+        and isinstance(data, dict)
+        and found.get("hyperparameters") != data.get("hyperparameters")
+    ):
+        return ValueError(
+            f"{at} was written for other hyperparameters: "
+            f"{found.get('hyperparameters')}, now {data.get('hyperparameters')}; "
+            "a resumed sweep would continue other members.\nFix: pass the "
+            "population's own values to resume it, or another checkpoint "
+            "directory for a new sweep."
+        )
     return ValueError(
-        f"{_checkpoint_at(step, directory)} was written for other data: "
+        f"{at} was written for other data: "
         f"{short_type(found)} {found}, now {data}; a resumed run would not repeat "
         f"the same batches.\n{_CHECKPOINT_FIX}"
     )
@@ -108,9 +125,9 @@ def checkpoint_past_end(
     )
 
 
-def checkpoint_key_differs(step: int, directory: Any, saved: str, given: str):
+def checkpoint_key_differs(at: str, saved: str, given: str):
     return ValueError(
-        f"{CALL}: the checkpoint at step {step} in {directory} was written with a "
+        f"{at} was written with a "
         f"key of type {saved}; this call's key is {given}, another PRNG "
         "implementation. A resume continues the saved key (its shuffle and "
         "per-step keys), which this call's program cannot take.\nFix: pass a key "

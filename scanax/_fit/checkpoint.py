@@ -111,6 +111,7 @@ class Checkpoints:
         # A best-only store (``keep=1``): saves numbered 1, 2, ... (the step in
         # each one's meta), the newest kept once it is written.
         self.keep = keep
+        self.call = "scanax.fit"  # (who reads it, for messages)
         self.ocp = ocp
         self.directory = local_directory(os.fspath(directory), errors.remote_dir)
         self.every = every
@@ -403,35 +404,33 @@ class Checkpoints:
         )
 
     def _check(self, step: int, meta: dict, leaves: list, key: Any) -> None:
+        best = self.keep is not None  # (its saves are numbered: the step is meta's)
+        at = errors.checkpoint_at(
+            meta.get("step", step) if best else step, self.directory, self.call, best
+        )
         if meta.get("format") != _FORMAT:
-            raise errors.checkpoint_format(
-                step, self.directory, meta.get("format"), _FORMAT
-            )
+            raise errors.checkpoint_format(at, meta.get("format"), _FORMAT)
         saved = {have[0]: have[1:] for have in meta["leaves"]}
         want = {n: list(describe(x)) for n, x in zip(self.names, leaves, strict=True)}
         only_saved = [n for n in saved if n not in want]
         only_here = [n for n in want if n not in saved]
         if only_saved or only_here:
-            raise errors.checkpoint_leaves_differ(
-                step, self.directory, only_saved, only_here
-            )
+            raise errors.checkpoint_leaves_differ(at, only_saved, only_here)
         for name, types in want.items():
             if saved[name] != types:
                 raise errors.checkpoint_mismatch(
-                    step, self.directory, name, _short(saved[name]), _short(types)
+                    at, name, _short(saved[name]), _short(types)
                 )
         if list(saved) != self.names:  # the same leaves in another order
             raise errors.checkpoint_mismatch(
-                step, self.directory, "order", ", ".join(saved), ", ".join(self.names)
+                at, "order", ", ".join(saved), ", ".join(self.names)
             )
         if "key" in meta and meta["key"] != describe(key):
             raise errors.checkpoint_key_differs(
-                step, self.directory, _short(meta["key"]), _short(describe(key))
+                at, _short(meta["key"]), _short(describe(key))
             )
         if meta["data"] != self.data:
-            raise errors.checkpoint_other_data(
-                step, self.directory, meta["data"], self.data
-            )
+            raise errors.checkpoint_other_data(at, meta["data"], self.data)
 
 
 _ITEMS = ("state", "history", "meta")

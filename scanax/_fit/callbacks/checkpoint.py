@@ -74,8 +74,11 @@ def load_best(
     leaves = strong(leaves)
     path = local_directory(os.fspath(directory), errors.remote_dir)
     store = Checkpoints(path, None, adapter.names(), BEST, 0, keep=1)
+    store.call = "scanax.load_best"
     try:
         meta = store.newest_meta()
+        if meta is not None and meta.get("data", {}).get("kind") != "best":
+            raise errors.not_a_best_dir(path)
         members = None if meta is None else meta.get("data", {}).get("members")
         if members is None and member is not None and meta is not None:
             raise errors.best_not_population(path, member)
