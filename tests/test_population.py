@@ -1049,3 +1049,20 @@ def test_a_hyperparameter_in_an_equinox_static_field_is_refused():
     result = scanax.fit(model, tx, loss_eqx, (X, Y), steps=3, batch_size=BATCH,
                         key=FIT_KEY, progress=False)  # fmt: skip
     assert np.isfinite(result.history["loss"]).all()
+
+
+def test_a_population_loss_using_its_third_parameter_as_a_key_is_told_the_rule():
+    """``loss_fn(model, batch, k)`` of a population gets the hyperparameters as
+    ``k``; used as a key, the error says so (it only blamed the batch)."""
+
+    def noisy(model, batch, k):
+        x, y = batch
+        return mse(jax.vmap(model)(x) + 0.1 * jr.normal(k, y.shape), y)
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)`loss_fn` raised TypeError.*For a population, `loss_fn`'s third "
+        r"parameter `k` gets the member's hyperparameters, a dict; the key goes "
+        r"fourth",
+    ):
+        pop_fit("eqx", loss=noisy)

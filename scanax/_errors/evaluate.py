@@ -211,8 +211,11 @@ def metric_shape_varies(
     )
 
 
-def fn_failed(call: str, name: str, data: str, batch: str, err: Exception) -> Exception:
-    """A ``TypeError`` (a ``ValueError`` for one): ``name`` failed on a batch."""
+def fn_failed(
+    call: str, name: str, data: str, batch: str, err: Exception, hp: str | None = None
+) -> Exception:
+    """A ``TypeError`` (a ``ValueError`` for one): ``name`` failed on a batch
+    (``hp``: the parameter a population member's hyperparameters go to)."""
     default = (
         " (the default eval_fn is loss_fn: its batches are built like the training "
         "batches)"
@@ -226,4 +229,10 @@ def fn_failed(call: str, name: str, data: str, batch: str, err: Exception) -> Ex
         f"shapes{default}, pass `{data}` built like that; else the error is in "
         f"`{name}` itself (see the traceback above)."
     )
+    if hp is not None:
+        message += (
+            f"\n(For a population, `{name}`'s third parameter `{hp}` gets the "
+            "member's hyperparameters, a dict; the key goes fourth, or third "
+            "under the name key, rng or rngs.)"
+        )
     return ValueError(message) if isinstance(err, ValueError) else TypeError(message)

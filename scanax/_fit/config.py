@@ -170,7 +170,9 @@ def configure(
     setup = _fit_loop.Setup(
         steps,
         # (an error while the loss is traced names it and the batch it got)
-        _evaluate.guarded(loss_fn, _CALL, "loss_fn"),
+        _evaluate.guarded(
+            loss_fn, _CALL, "loss_fn", hp=_keys.hp_param(loss_fn) if takes_hp else None
+        ),
         takes_hp,
         takes_key,
         key,

@@ -312,6 +312,7 @@ class Guarded:
     call: str
     name: str
     data: str  # the data's argument name
+    hp: str | None = None  # the parameter a population member's hp go to
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -324,14 +325,17 @@ class Guarded:
             if len(args) < 2 or not _caller.about_the_input(err):
                 raise
             raise errors.fn_failed(
-                self.call, self.name, self.data, describe(args[1]), err
+                self.call, self.name, self.data, describe(args[1]), err, self.hp
             ) from err
 
 
-def guarded(fn: Callable, call: str, name: str, data: str = "data") -> Guarded:
+def guarded(
+    fn: Callable, call: str, name: str, data: str = "data", hp: str | None = None
+) -> Guarded:
     """``fn`` as a ``Guarded`` (``data``: the name of the argument whose
-    batches it is given)."""
-    return Guarded(fn, call, name, data)
+    batches it is given; ``hp``: the parameter that gets a population member's
+    hyperparameters, named in its messages)."""
+    return Guarded(fn, call, name, data, hp)
 
 
 # Whether an evaluation uses the key it takes, by what is evaluated and the

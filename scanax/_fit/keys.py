@@ -38,6 +38,18 @@ class Takes(NamedTuple):
     param: str = "key"
 
 
+def hp_param(fn: Callable) -> str | None:
+    """The name of ``fn``'s third positional parameter (a population's
+    hyperparameters), or None (``*args``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in params if p.kind in kinds]
+    return positional[2] if len(positional) > 2 else None
+
+
 def arguments(
     fn: Callable,
     call: str,
