@@ -282,6 +282,10 @@ def test_predict_population(pop):
         member = pop.member(i)[0]
         member.eval()
         allclose(jax.tree.map(lambda v: v[i], got), outputs(member, (X, Y)))
+    # with the member's hyperparameters (before: refused as a key of JAX's)
+    scaled = predict(pop, lambda m, b, hp: outputs(m, b)["y"] * hp["lr"], (X, Y))
+    lrs = pop.hyperparameters["lr"]
+    allclose(scaled, got["y"] * lrs[:, None, None])
 
 
 # ------------------------------------------------------------------ Ratio metrics

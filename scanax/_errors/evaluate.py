@@ -14,8 +14,6 @@ PREDICT = "scanax.predict"
 
 
 def _forms(call: str, name: str, population: bool) -> str:
-    if call == PREDICT:
-        return f"{name}(model, batch) or {name}(model, batch, key)"
     return keys.forms(name, population)
 
 

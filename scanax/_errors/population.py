@@ -255,9 +255,10 @@ def hp_in_static_field(names: list[str], owner: str) -> ValueError:
 
 def log_with_groups() -> TypeError:
     return TypeError(
-        f"{FIT}: log= with members_per_call: the groups run one after another, so "
-        "one log would go back in steps.\nFix: drop members_per_call, or log each "
-        "group yourself from result.history."
+        f"{FIT}: logging (scanax.Log, CSV, TensorBoard or log=) with "
+        "members_per_call: the groups run one after another, so one log would go "
+        "back in steps.\nFix: drop members_per_call, or log each group yourself "
+        "from result.history."
     )
 
 

@@ -195,7 +195,9 @@ def predict(
             member's outputs, with a leading member axis).
         fn: ``fn(model, batch)`` returning a pytree of arrays with a leading
             batch axis (one row per example), or ``fn(model, batch, key)``:
-            the key is found as ``scanax.evaluate`` finds ``eval_fn``'s.
+            the key is found as ``scanax.evaluate`` finds ``eval_fn``'s (a
+            population's ``fn`` may take the member's hyperparameters third,
+            as its ``eval_fn`` may).
         data: a pytree of arrays with a leading example axis.
         batch_size: examples per batch. Default: 1024 (all of them when fewer).
         key: for an ``fn`` taking a key, as ``scanax.evaluate``'s (without
@@ -223,12 +225,12 @@ def predict(
     _check_callable(_PREDICT, "fn", fn, target.members)
     n = _check_data(_PREDICT, data)
     b = _batch_size(_PREDICT, batch_size, n)
-    takes = _keys.arguments(fn, _PREDICT, "fn")
+    takes = _keys.arguments(fn, _PREDICT, "fn", target.members)
     _check_key(_PREDICT, key)
     if takes.key and key is None:  # refused if the outputs depend on it
         key = unused_key(_PREDICT, "fn", target, fn, takes, data, b)
-    identity = _fit_program.identity(target.identity, fn, _PREDICT, n, b, takes.key)
-    call = _call(guarded(fn, _PREDICT, "fn"), False, takes.key)
+    identity = _fit_program.identity(target.identity, fn, _PREDICT, n, b, takes[:2])
+    call = _call(guarded(fn, _PREDICT, "fn"), *takes[:2])
 
     def build():
         run = target.runner(call)
