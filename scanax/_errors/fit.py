@@ -146,7 +146,8 @@ def batch_shape_changed(
     return TypeError(
         f"{CALL}: batch {index} of `data` differs in shape or dtype from the "
         f"first batch:\n{listing(rows)}\nFix: yield batches of one "
-        "shape (drop or pad an incomplete last batch)."
+        "shape (drop or pad an incomplete last batch: a PyTorch DataLoader's "
+        "drop_last=True, Grain's batch(..., drop_remainder=True))."
     )
 
 
