@@ -153,8 +153,10 @@ class History:
                 RuntimeWarning,
                 stacklevel=_caller.user_level(),
             )
-        # (one model's training metric: a float32 start, as it always had)
-        start = done or (self.members is None and not group)
+        # (a metric from the first entry on keeps its dtype: an int or bool
+        # training metric of one model stays one; it was float64, joined to an
+        # empty float32 start)
+        start = bool(done)
         axis = self.axis + 1  # (a metric's own shape after the steps' axis)
         for name in new:
             shape = np.shape(values[name])[axis:]
