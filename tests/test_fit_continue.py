@@ -1019,3 +1019,26 @@ def test_key_parameter_names():
         r"loss_fn\(model, batch, key\)",
     ):
         _fit(eqx_model(), TX, keyword_only, 1)
+
+
+def test_a_call_that_trains_no_step_keeps_the_checkpoint_it_started_from(tmp_path):
+    """An epoch loop whose shared iterator runs out: the third call trains no
+    step. Its end is its start, already on disk: nothing is saved (before:
+    the checkpoint was deleted to be replaced, and the save of an empty
+    history failed inside orbax)."""
+    batches = iter([batch_at(t) for t in range(12)])
+    model, opt = nnx_pair()
+    for _ in range(3):
+        r = scanax.fit(model, opt, nnx_loss, batches, steps=8, progress=False,
+                       callbacks=[scanax.Checkpoint(tmp_path, every=4)])  # fmt: skip
+    assert r.steps == 0 and int(opt.step[...]) == 12
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [
+        4,
+        8,
+        12,
+    ]
+    again, again_opt = nnx_pair()  # (restores its own call's step 8, trains on)
+    scanax.fit(again, again_opt, nnx_loss, [batch_at(t) for t in range(12)],
+               steps=12, progress=False,
+               callbacks=[scanax.Checkpoint(tmp_path, every=4)])  # fmt: skip
+    leaves_equal(nnx.state(again), nnx.state(model))

@@ -166,7 +166,10 @@ class Checkpoints:
         """Save checkpoint ``step``; ``data``: the data iterator's state then
         (``IterSource.state_at``'s meta entries), if it keeps one. A best-only
         store saves whatever it is given (its caller knows what changed)."""
-        if self.keep is None and (step == self.last_saved or step == 0):
+        if self.keep is None and step in (self.last_saved, 0, self.start):
+            # (saved or restored already, or nothing trained: a call that ran
+            # no step, an exhausted iterator's or a first step's NaN, would
+            # replace the checkpoint its model came from with an empty history)
             return
         saved = [jr.key_data(x) if is_key(x) else x for x in leaves]
         # (orbax saves no zero-size array: an empty leaf is rebuilt from its
@@ -347,6 +350,7 @@ class Checkpoints:
                 continue
             self.data_state = meta.get("data_state")
             self.data_skip = int(meta.get("data_skip", 0))
+            self.last_saved = int(meta["step"])  # (on disk: not saved again)
             return int(meta["step"]), restored, new_key, history
         return None
 
