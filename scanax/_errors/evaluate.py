@@ -114,16 +114,18 @@ def optimizer_as_model(call: str) -> TypeError:
     )
 
 
-def own_rngs_drawn(call: str | None, streams: list[str]) -> ValueError:
+def own_rngs_drawn(call: str | None, streams: list[str]) -> str:
     who = f"{call}: the function evaluated" if call else "An evaluation's function"
     names = ", ".join(f"model.{s}" for s in streams)
-    return ValueError(
+    return (
         f"{who} draws random numbers from the model's own RNG stream ({names}) "
-        "in eval mode. Every batch is evaluated on a copy of the model as it was "
-        "passed in, so each batch would draw the same numbers.\nFix: take a key, "
-        "fn(model, batch, key), pass key=... to the call, and reseed from it "
-        "before drawing, e.g. nnx.reseed(model, noise=key): each batch gets its "
-        "own key (fold_in(key, j))."
+        "in eval mode (or moves it: rngs.fork()). Every batch is evaluated on a "
+        "copy of the model as it was passed in, so if those numbers change the "
+        "result, each batch repeats the same ones.\nFix: take a key, "
+        "fn(model, batch, key) (evaluate and predict with key=...; fit's Eval "
+        "when fit has key=...), and reseed from it before drawing, e.g. "
+        "nnx.reseed(model, noise=key): each batch gets its own key "
+        "(fold_in(key, j))."
     )
 
 

@@ -714,11 +714,12 @@ def interrupted_nnx(done: int, start: int, end: int) -> str:
     )
 
 
-def loss_fn_reads_the_model(name: str) -> TypeError:
-    return TypeError(
+def loss_fn_reads_the_model(name: str) -> str:
+    return (
         f"{CALL}: `loss_fn` reads the model being trained as `{name}` from outside "
         "(its closure or globals), not as its first argument. fit differentiates "
-        "the model it passes in, so the loss would not depend on it: gradients of "
-        f"zero, a loss that never moves.\nFix: use the argument, def loss_fn("
-        f"model, batch): ... model(x) ... (not `{name}`)."
+        f"the model it passes in: if the loss calls `{name}`, its gradients are "
+        f"zero and the loss never moves.\nFix: use the argument, def loss_fn("
+        f"model, batch): ... model(x) ... (not `{name}`); reading a static "
+        "attribute of it is harmless."
     )

@@ -5,12 +5,13 @@ record (``Config``): the loop's own arguments and the features of
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-from .. import _nnx, _progress
+from .. import _caller, _nnx, _progress
 from .._errors import (
     execution as execution_errors,
     fit as errors,
@@ -96,7 +97,12 @@ def configure(
         keep = _mesh.Placement(mesh).local
         adapter = _models.adapt(model, optimizer, opt_state, True, keep)
         if adapter.kind == "nnx" and (name := _nnx.reads_itself(loss_fn, model)):
-            raise errors.loss_fn_reads_the_model(name)
+            # (a warning: reading a static attribute of it is no mistake)
+            warnings.warn(
+                errors.loss_fn_reads_the_model(name),
+                RuntimeWarning,
+                stacklevel=_caller.user_level(),
+            )
     else:
         members_per_call = _population_options(
             pop, optimizer, opt_state, members_per_call

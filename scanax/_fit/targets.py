@@ -6,13 +6,14 @@ the compiled program (the user's objects are never switched or written)."""
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .. import _fingerprint, _nnx
+from .. import _caller, _fingerprint, _nnx
 from .._errors import evaluate as errors
 from .._tree import is_array
 from .models import nnx as _models_nnx, population as _population
@@ -58,9 +59,14 @@ def _nnx_target(name: str, model: Any) -> Target:
         def run(leaves, batch, key, hp):
             (copy,) = _nnx.unflatten(graphdef, leaves)
             _nnx.eval_mode(copy)
+            copy = _equinox_inference(copy)  # (an Equinox part of a container)
             out, drawn = _nnx.unseeded_draws(copy, lambda: call(copy, batch, key, hp))
-            if drawn:
-                raise errors.own_rngs_drawn(name, drawn)
+            if drawn:  # (a warning: a fork moves a stream and draws nothing)
+                warnings.warn(
+                    errors.own_rngs_drawn(name, drawn),
+                    RuntimeWarning,
+                    stacklevel=_caller.user_level(),
+                )
             return out
 
         return run
@@ -126,6 +132,19 @@ def _population_target(pop: Any) -> Target:
         runner,
         True,
         pop.updates(),
+    )
+
+
+def _equinox_inference(tree: Any) -> Any:
+    """``eqx.nn.inference_mode`` on each Equinox module in ``tree``, the NNX
+    nodes in it left as they are (the same objects)."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return tree
+    return jtu.tree_map(
+        lambda x: eqx.nn.inference_mode(x) if isinstance(x, eqx.Module) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, eqx.Module) or _nnx.is_node(x),
     )
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
 
-from ... import _nnx
+from ... import _caller, _nnx
 from ..._errors import evaluate as eval_errors, models as errors
 from ..._errors.fit import CALL as _CALL
 from . import step as _step
@@ -157,8 +158,12 @@ class NNXAdapter:
             model, _ = _nnx.unflatten(graphdef, state)
             model.eval()
             out, drawn = _nnx.unseeded_draws(model, lambda: fn(model, *args))
-            if drawn:
-                raise eval_errors.own_rngs_drawn(None, drawn)
+            if drawn:  # (a warning: a fork moves a stream and draws nothing)
+                warnings.warn(
+                    eval_errors.own_rngs_drawn(None, drawn),
+                    RuntimeWarning,
+                    stacklevel=_caller.user_level(),
+                )
             return out
 
         return call
