@@ -1006,6 +1006,22 @@ def test_an_nnx_make_returning_a_model_it_closes_over_is_refused():
     ):
         scanax.population(shared, 2, key=KEY, lr=LRS)
 
+    class Wrap(nnx.Module):  # a new head on the pretrained body, shared
+        def __init__(self, rngs, body):
+            self.body, self.head = body, nnx.Linear(1, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.body(x))
+
+    def wrapped(key, lr):
+        model = Wrap(nnx.Rngs(key), pretrained)
+        return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+    with pytest.raises(
+        ValueError, match=r"`make` returned an NNX model whose model.body was made "
+    ):
+        scanax.population(wrapped, 2, key=KEY, lr=LRS)
+
     def cloned(key, lr):
         model = nnx.clone(pretrained)
         return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)

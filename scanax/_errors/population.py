@@ -95,13 +95,18 @@ def make_result(out: Any) -> TypeError:
     )
 
 
-def make_returned_outer_model() -> ValueError:
+def make_returned_outer_model(part: str) -> ValueError:
+    what = (
+        "an NNX model made outside it"
+        if part == "model"
+        else f"an NNX model whose {part} was made outside it"
+    )
     return ValueError(
-        f"{CALL}: `make` returned an NNX model made outside it (a pretrained "
-        "model it closes over?). NNX models are changed in place, so every member "
-        "would be that one object, each overwriting the others' weights (and "
-        "yours).\nFix: return a copy per member, e.g. m = nnx.clone(pretrained); "
-        "return m, nnx.Optimizer(m, tx, wrt=nnx.Param)."
+        f"{CALL}: `make` returned {what} (a pretrained model it closes over?). "
+        "NNX models are changed in place, so every member would share that one "
+        "object, each overwriting the others' weights (and yours).\nFix: use a "
+        "copy per member, e.g. nnx.clone(pretrained), and build the optimizer "
+        "on the model make returns."
     )
 
 

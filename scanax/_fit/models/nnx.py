@@ -143,10 +143,18 @@ class NNXAdapter:
 
         return step
 
-    def made_outside(self) -> bool:
-        """Whether the model was made outside the trace now running (a
-        population's ``make`` returning a model it closes over)."""
-        return _nnx.maybe_outside([self.objects[0]])
+    def made_outside(self) -> str | None:
+        """Where the model holds a part made outside the trace now running (a
+        population's ``make`` returning a model it closes over, or one holding
+        a pretrained submodule): ``model.enc``; None if none."""
+        found = _nnx.outside([self.objects[0]])
+        if not found:
+            return None
+        path = found[0][0][1:]  # (after the node's index)
+        return "model" + "".join(
+            f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
+            for k in path
+        )
 
     def make_call(self, fn: Callable) -> Callable:
         """``call(state, *args) -> fn(model, *args)`` with the model in eval mode

@@ -312,8 +312,8 @@ def _build(make: Callable, keys: Any, hp: dict) -> tuple[list, Any, str, list]:
 
         def one(key, values):
             adapter = _adapt(make, key, values)
-            if _kind(adapter) == "nnx" and adapter.made_outside():
-                raise errors.make_returned_outer_model()
+            if _kind(adapter) == "nnx" and (part := adapter.made_outside()):
+                raise errors.make_returned_outer_model(part)
             flat, treedef = jtu.tree_flatten(adapter.state)
             found = _static_tracers(treedef)
             if found is not None:
