@@ -705,12 +705,20 @@ def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
     )
 
 
-def interrupted_nnx(done: int, start: int, end: int) -> str:
+def interrupted_nnx(done: int, start: int, end: int, ahead: int = 0) -> str:
+    read = (
+        f" The data iterator had given {ahead} batch(es) past step {done} (read "
+        "ahead for the next call): they were not trained, and the same iterator "
+        "goes on after them."
+        if ahead
+        else ""
+    )
     return (
         f"{CALL}: interrupted; the NNX model and optimizer hold step {done} (the "
         f"last checked call; this call went from step {start} to {end}). Calling "
         f"the same fit(..., steps={end - start}) again trains that many more steps "
         f"from step {done}; to end this run at step {end}, pass steps={end - done}."
+        + read
     )
 
 

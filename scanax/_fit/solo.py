@@ -88,7 +88,9 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         if feed is not None and kind.finished is not None and base.kind == "nnx":
             feed.keep(kind.finished, feats.at_of(feed), run.done)
         if isinstance(err, KeyboardInterrupt) and base.kind == "nnx":
-            note = errors.interrupted_nnx(run.done, start, start + setup.steps)
+            used = (run.done - start) * getattr(source, "micro", 1)
+            ahead = max(0, getattr(source, "consumed", used) - used)
+            note = errors.interrupted_nnx(run.done, start, start + setup.steps, ahead)
             if hasattr(err, "add_note"):  # (Python 3.11+)
                 err.add_note(note)
             else:
