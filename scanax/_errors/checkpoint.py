@@ -239,9 +239,9 @@ def save_failed(
         return OSError(message)
 
 
-def remote_dir(path: str, what: str = "checkpoint_dir") -> ValueError:
+def remote_dir(path: str, what: str = "checkpoint_dir", call: str = CALL) -> ValueError:
     return ValueError(
-        f"{CALL}: {what} {path!r} is a URL; scanax writes checkpoints to local "
+        f"{call}: {what} {path!r} is a URL; scanax writes checkpoints to local "
         "directories only (the index beside them and its checks use Python's os)."
         "\nFix: pass a local directory (copy it to the bucket afterwards), or a "
         "mounted bucket's path (gcsfuse, s3fs)."

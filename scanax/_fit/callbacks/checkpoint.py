@@ -60,9 +60,10 @@ def load_best(
     Raises:
         FileNotFoundError: no best state in ``directory`` (or none for
             ``member``).
-        TypeError: a model of another structure (the leaves that differ named);
-            ``member=`` missing for a population's directory, or given for one
-            model's.
+        ValueError: a model of another structure (the leaves that differ
+            named); a ``scanax.Checkpoint`` directory, not a best state; a URL.
+        TypeError: ``member=`` missing for a population's directory, or given
+            for one model's.
         IndexError: ``member`` out of range.
     """
     from ..models import (
@@ -72,7 +73,10 @@ def load_best(
     adapter = _models.adapt(model, optimizer)
     leaves, treedef = jax.tree_util.tree_flatten(adapter.state)
     leaves = strong(leaves)
-    path = local_directory(os.fspath(directory), errors.remote_dir)
+    path = local_directory(
+        os.fspath(directory),
+        lambda p: errors.remote_dir(p, "directory", "scanax.load_best"),
+    )
     store = Checkpoints(path, None, adapter.names(), BEST, 0, keep=1)
     store.call = "scanax.load_best"
     try:
@@ -148,7 +152,9 @@ class Checkpoint(_feature.Feature):
             path = os.fspath(self.directory)
         except TypeError:
             raise fit_errors.checkpoint_dir_type(self.directory) from None
-        path = local_directory(path, errors.remote_dir)
+        path = local_directory(
+            path, lambda p: errors.remote_dir(p, "directory", "scanax.Checkpoint")
+        )
         if os.path.exists(path) and not os.path.isdir(path):
             raise fit_errors.checkpoint_dir_not_dir(path)
         if self.every is not None:

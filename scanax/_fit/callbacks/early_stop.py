@@ -185,7 +185,8 @@ class EarlyStop(_feature.Feature):
             except TypeError:
                 raise errors.best_dir_type(self.best_dir) from None
             path = local_directory(
-                path, lambda p: ckpt_errors.remote_dir(p, "best_dir")
+                path,
+                lambda p: ckpt_errors.remote_dir(p, "best_dir", "scanax.EarlyStop"),
             )
             if os.path.exists(path) and not os.path.isdir(path):
                 raise errors.best_dir_not_dir(path)

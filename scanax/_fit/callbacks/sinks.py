@@ -84,7 +84,7 @@ class TensorBoard(_feature.Feature):
             raise errors.path_type("scanax.TensorBoard", "logdir", logdir)
         self.every = _every("scanax.TensorBoard", every)
         _tensorboardx()  # fail now, not in the middle of training
-        self.logdir = os.fspath(logdir)
+        self.logdir = os.path.expanduser(os.fspath(logdir))
         self._writer: Any = None
 
     def __repr__(self) -> str:
@@ -260,7 +260,7 @@ class CSV(_feature.Feature):
         if not isinstance(path, (str, os.PathLike)):
             raise errors.path_type("scanax.CSV", "path", path)
         self.every = _every("scanax.CSV", every)
-        self.path = os.fspath(path)
+        self.path = os.path.expanduser(os.fspath(path))
         self._columns: list[str] = []
         self._file: Any = None
 
