@@ -608,14 +608,13 @@ def bn_setup():
     return state, forward
 
 
-def test_trainstate_batch_stats_updated_from_loss_fn():
-    state, forward = bn_setup()
+def bn_loss_and_step(forward):
+    """fit's ``loss_fn`` returning the new ``batch_stats``, and the hand-written
+    step it equals (flax's: ``apply_gradients``, then the new statistics)."""
 
     def loss(state, batch):
         value, new = forward(state, batch)
         return value, {}, {"batch_stats": new["batch_stats"]}
-
-    result = fit_quiet(state, None, loss, (X, Y), **CHUNKED)
 
     @jax.jit
     def step(state, batch):
@@ -624,6 +623,14 @@ def test_trainstate_batch_stats_updated_from_loss_fn():
         )(state.params)
         state = state.apply_gradients(grads=grads)
         return state.replace(batch_stats=new["batch_stats"]), value
+
+    return loss, step
+
+
+def test_trainstate_batch_stats_updated_from_loss_fn():
+    state, forward = bn_setup()
+    loss, step = bn_loss_and_step(forward)
+    result = fit_quiet(state, None, loss, (X, Y), **CHUNKED)
 
     ref, losses = state, []
     for t in range(STEPS):
@@ -657,21 +664,8 @@ def test_trainstate_updates_are_applied_after_apply_gradients():
         apply_fn=base.apply_fn, params=base.params, tx=TX,
         batch_stats=base.batch_stats, seen=base.batch_stats,
     )  # fmt: skip
-
-    def loss(state, batch):
-        value, new = forward(state, batch)
-        return value, {}, {"batch_stats": new["batch_stats"]}
-
+    loss, step = bn_loss_and_step(forward)
     result = fit_quiet(state, None, loss, (X, Y), **CHUNKED)
-
-    @jax.jit
-    def step(state, batch):
-        (value, new), grads = jax.value_and_grad(
-            lambda p: forward(state.replace(params=p), batch), has_aux=True
-        )(state.params)
-        state = state.apply_gradients(grads=grads)
-        return state.replace(batch_stats=new["batch_stats"]), value
-
     ref = state
     for t in range(STEPS):
         ref, _ = step(ref, batch_at(t))

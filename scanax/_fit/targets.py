@@ -6,14 +6,13 @@ the compiled program (the user's objects are never switched or written)."""
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .. import _caller, _fingerprint, _nnx
+from .. import _fingerprint, _nnx
 from .._errors import evaluate as errors
 from .._tree import is_array
 from .models import nnx as _models_nnx, population as _population
@@ -60,14 +59,7 @@ def _nnx_target(name: str, model: Any) -> Target:
             (copy,) = _nnx.unflatten(graphdef, leaves)
             _nnx.eval_mode(copy)
             copy = _equinox_inference(copy)  # (an Equinox part of a container)
-            out, drawn = _nnx.unseeded_draws(copy, lambda: call(copy, batch, key, hp))
-            if drawn:  # (a warning: a fork moves a stream and draws nothing)
-                warnings.warn(
-                    errors.own_rngs_drawn(name, drawn),
-                    RuntimeWarning,
-                    stacklevel=_caller.user_level(),
-                )
-            return out
+            return _models_nnx.evaluated(copy, lambda: call(copy, batch, key, hp), name)
 
         return run
 

@@ -165,14 +165,7 @@ class NNXAdapter:
         def call(state, *args):
             model, _ = _nnx.unflatten(graphdef, state)
             model.eval()
-            out, drawn = _nnx.unseeded_draws(model, lambda: fn(model, *args))
-            if drawn:  # (a warning: a fork moves a stream and draws nothing)
-                warnings.warn(
-                    eval_errors.own_rngs_drawn(None, drawn),
-                    RuntimeWarning,
-                    stacklevel=_caller.user_level(),
-                )
-            return out
+            return evaluated(model, lambda: fn(model, *args))
 
         return call
 
@@ -188,6 +181,21 @@ class NNXAdapter:
             new = _nnx.unflatten(self.graphdef, state)
             _nnx.update(list(self.objects), _nnx.split(new)[1])
         return self.objects
+
+
+def evaluated(model: Any, run: Callable, call: str | None = None) -> Any:
+    """``run()`` (an evaluation of ``model``, a copy in eval mode), warning
+    when it moves the model's own RNG streams: every batch is evaluated on the
+    same copy, so its draws repeat (a warning: a stream forked for a Dropout
+    in eval mode moves and draws nothing)."""
+    out, drawn = _nnx.unseeded_draws(model, run)
+    if drawn:
+        warnings.warn(
+            eval_errors.own_rngs_drawn(call, drawn),
+            RuntimeWarning,
+            stacklevel=_caller.user_level(),
+        )
+    return out
 
 
 def _update_form(optimizer: Any) -> tuple[bool, bool]:
