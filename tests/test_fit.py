@@ -1516,6 +1516,30 @@ def test_a_loss_fn_reading_the_trained_model_from_outside_warns(monkeypatch):
         ):
             fit_quiet(model, opt, fn, (X, Y), steps=3, batch_size=BS)
     leaves_equal(nnx.state(model)["l1"], before["l1"])  # (gradients of zero)
+    with warnings.catch_warnings():  # (once per loss function: not again)
+        warnings.simplefilter("error")
+        fit_quiet(model, opt, closed, (X, Y), steps=3, batch_size=BS)
+
+    class Normed(nnx.Module):
+        def __init__(self, rngs):
+            self.lin, self.bn = nnx.Linear(3, 1, rngs=rngs), nnx.BatchNorm(1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    normed = Normed(nnx.Rngs(0))
+    normed_opt = nnx.Optimizer(normed, TX, wrt=nnx.Param)
+
+    def writes(m, batch):  # (calling it writes its BatchNorm statistics)
+        return jnp.mean((normed(batch[0]) - batch[1]) ** 2)
+
+    wrote = r"(?s)reads the model being trained as `normed` from outside.*"
+    wrote += r"changed its state \(BatchNorm statistics\).*Fix: use the argument"
+    with (
+        pytest.warns(RuntimeWarning, match="reads the model being trained"),
+        pytest.raises(TypeError, match=wrote),
+    ):
+        fit_quiet(normed, normed_opt, writes, (X, Y), steps=3, batch_size=BS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model, opt = nnx_pair()

@@ -708,8 +708,7 @@ def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
 def interrupted_nnx(done: int, start: int, end: int, ahead: int = 0) -> str:
     read = (
         f" The data iterator had given {ahead} batch(es) past step {done} (read "
-        "ahead for the next call): they were not trained, and the same iterator "
-        "goes on after them."
+        "ahead for the next call): they were not trained."
         if ahead
         else ""
     )
@@ -730,4 +729,14 @@ def loss_fn_reads_the_model(name: str) -> str:
         f"zero and the loss never moves.\nFix: use the argument, def loss_fn("
         f"model, batch): ... model(x) ... (not `{name}`); reading a static "
         "attribute of it is harmless."
+    )
+
+
+def loss_fn_wrote_the_model(name: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: `loss_fn` reads the model being trained as `{name}` from outside "
+        "(its closure or globals), not as its first argument, and calling it "
+        "changed its state (BatchNorm statistics) from inside fit's compiled "
+        "step, which NNX refuses.\nFix: use the argument, def loss_fn(model, "
+        f"batch): ... model(x) ... (not `{name}`)."
     )

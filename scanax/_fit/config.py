@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,6 +67,30 @@ class Config(NamedTuple):
     eval_takes: Any  # a population's eval_fn arguments, as loss_fn's
 
 
+# loss functions warned of reading the trained model (held weakly: an epoch
+# loop's calls warn once)
+_WARNED_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _warn_reads(loss_fn: Any, reads: str | None) -> None:
+    """Warn that ``loss_fn`` reads the NNX model being trained as ``reads``
+    from outside (a warning: reading a static attribute of it is no mistake),
+    once per loss function."""
+    if reads is None:
+        return
+    try:
+        if reads in _WARNED_READS.get(loss_fn, ()):
+            return
+        _WARNED_READS.setdefault(loss_fn, set()).add(reads)
+    except TypeError:  # (not weakly referenceable: warned every time)
+        pass
+    warnings.warn(
+        errors.loss_fn_reads_the_model(reads),
+        RuntimeWarning,
+        stacklevel=_caller.user_level(),
+    )
+
+
 def configure(
     model, optimizer, loss_fn, data, callbacks, *, steps, epochs, batch_size, key,
     progress, steps_per_call, execution, mesh, shard, opt_state, accumulate,
@@ -88,7 +113,7 @@ def configure(
     takes_hp, takes_key, key_param = _keys.arguments(
         loss_fn, _CALL, "loss_fn", pop is not None
     )
-    adapter = None
+    adapter, reads = None, None
     if pop is None:
         _no_population_options(shared_batches, members_per_call)
         # (the state of constants fit makes is kept for the next fit, but not
@@ -96,13 +121,9 @@ def configure(
         # that runs no step would give back to the user)
         keep = _mesh.Placement(mesh).local
         adapter = _models.adapt(model, optimizer, opt_state, True, keep)
-        if adapter.kind == "nnx" and (name := _nnx.reads_itself(loss_fn, model)):
-            # (a warning: reading a static attribute of it is no mistake)
-            warnings.warn(
-                errors.loss_fn_reads_the_model(name),
-                RuntimeWarning,
-                stacklevel=_caller.user_level(),
-            )
+        if adapter.kind == "nnx":
+            reads = _nnx.reads_itself(loss_fn, model)
+            _warn_reads(loss_fn, reads)
     else:
         members_per_call = _population_options(
             pop, optimizer, opt_state, members_per_call
@@ -177,7 +198,11 @@ def configure(
         steps,
         # (an error while the loss is traced names it and the batch it got)
         _evaluate.guarded(
-            loss_fn, _CALL, "loss_fn", hp=_keys.hp_param(loss_fn) if takes_hp else None
+            loss_fn,
+            _CALL,
+            "loss_fn",
+            hp=_keys.hp_param(loss_fn) if takes_hp else None,
+            reads=reads,
         ),
         takes_hp,
         takes_key,

@@ -22,8 +22,13 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _caller, _fingerprint
-from .._errors import evaluate as errors, keys as key_errors, short_type
+from .. import _caller, _fingerprint, _nnx
+from .._errors import (
+    evaluate as errors,
+    fit as fit_errors,
+    keys as key_errors,
+    short_type,
+)
 from .._tree import as_int, is_array
 from . import (
     keys as _keys,
@@ -317,6 +322,7 @@ class Guarded:
     name: str
     data: str  # the data's argument name
     hp: str | None = None  # the parameter a population member's hp go to
+    reads: str | None = None  # the name it reads the trained NNX model by
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -325,7 +331,15 @@ class Guarded:
     def __call__(self, *args: Any) -> Any:
         try:
             return self.fn(*args)
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+        except Exception as err:
+            if self.reads is not None and _nnx.is_trace_level_error(err):
+                # (the model read from outside, written while traced: flax's
+                # TraceContextError, from a BatchNorm's statistics)
+                raise fit_errors.loss_fn_wrote_the_model(self.reads) from err
+            if not isinstance(
+                err, (TypeError, ValueError, KeyError, IndexError, AttributeError)
+            ):
+                raise
             if len(args) < 2 or not _caller.about_the_input(err):
                 raise
             raise errors.fn_failed(
@@ -334,12 +348,18 @@ class Guarded:
 
 
 def guarded(
-    fn: Callable, call: str, name: str, data: str = "data", hp: str | None = None
+    fn: Callable,
+    call: str,
+    name: str,
+    data: str = "data",
+    hp: str | None = None,
+    reads: str | None = None,
 ) -> Guarded:
     """``fn`` as a ``Guarded`` (``data``: the name of the argument whose
     batches it is given; ``hp``: the parameter that gets a population member's
-    hyperparameters, named in its messages)."""
-    return Guarded(fn, call, name, data, hp)
+    hyperparameters, named in its messages; ``reads``: the name by which it
+    reads the NNX model being trained from outside, named if that fails)."""
+    return Guarded(fn, call, name, data, hp, reads)
 
 
 # Whether an evaluation uses the key it takes, by what is evaluated and the
