@@ -191,3 +191,52 @@ def test_a_loader_whose_state_applies_to_its_next_iterator(whole, tmp_path):
     run(Loader(0), 20, tmp_path)
     resumed = run(Loader(5), job.STEPS, tmp_path)
     np.testing.assert_array_equal(resumed.history["loss"], whole.history["loss"])
+
+
+class Interrupted(job.Stream):
+    """``Stream(seed)`` raising KeyboardInterrupt (once) when batch ``at`` is
+    asked for, as Ctrl-C while the next call's batches are read."""
+
+    def __init__(self, seed, at):
+        super().__init__(seed)
+        self.at = at
+
+    def __next__(self):
+        if self.pos == self.at:
+            self.at = None
+            raise KeyboardInterrupt
+        return super().__next__()
+
+
+def test_ctrl_c_sets_a_resumable_iterator_back_to_the_step_the_model_holds():
+    """Ctrl-C at batch 23 of calls of 6 steps: the NNX objects hold step 18 and
+    the iterator, which had given batches 18..22 to a read that never
+    trained, is set back to batch 18 (before: left at 23, so the same
+    iterator given again trained on other batches); the same fit given it
+    again ends as an uninterrupted run does."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    def pair():
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
+
+    def loss(model, batch):
+        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+    def run(model, opt, stream, steps):
+        return scanax.fit(model, opt, loss, stream, steps=steps, steps_per_call=6,
+                          progress=False)  # fmt: skip
+
+    model, opt = pair()
+    stream = Interrupted(0, at=23)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run(model, opt, stream, 40)
+    assert int(opt.step[...]) == 18 and stream.pos == 18
+    if hasattr(caught.value, "__notes__"):
+        assert "was set back to step 18" in caught.value.__notes__[0]
+    run(model, opt, stream, 22)
+    ref, ref_opt = pair()
+    run(ref, ref_opt, job.Stream(0), 40)
+    np.testing.assert_array_equal(model.kernel[...], ref.kernel[...])
+    np.testing.assert_array_equal(opt.opt_state[0].mu["kernel"][...],
+                                  ref_opt.opt_state[0].mu["kernel"][...])  # fmt: skip

@@ -705,13 +705,21 @@ def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
     )
 
 
-def interrupted_nnx(done: int, start: int, end: int, ahead: int = 0) -> str:
-    read = (
-        f" The data iterator had given {ahead} batch(es) past step {done} (read "
-        "ahead for the next call): they were not trained."
-        if ahead
-        else ""
-    )
+def interrupted_nnx(
+    done: int, start: int, end: int, ahead: int = 0, rewound: bool = False
+) -> str:
+    if rewound:
+        read = (
+            f" The data iterator (resumable) was set back to step {done}: given "
+            "again, it goes on from there."
+        )
+    elif ahead:
+        read = (
+            f" The data iterator had given {ahead} batch(es) past step {done} "
+            "(read ahead for the next call): they were not trained."
+        )
+    else:
+        read = ""
     return (
         f"{CALL}: interrupted; the NNX model and optimizer hold step {done} (the "
         f"last checked call; this call went from step {start} to {end}). Calling "

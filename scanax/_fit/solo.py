@@ -87,10 +87,20 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         # (NNX objects keep the last checked state in place: the feed with it)
         if feed is not None and kind.finished is not None and base.kind == "nnx":
             feed.keep(kind.finished, feats.at_of(feed), run.done)
+        if base.kind == "nnx":
+            # (the NNX objects hold run.done: a resumable iterator given again
+            # continues there; an Equinox or TrainState result is not returned)
+            source.rewind(run.done - start)
         if isinstance(err, KeyboardInterrupt) and base.kind == "nnx":
             used = (run.done - start) * getattr(source, "micro", 1)
             ahead = max(0, getattr(source, "consumed", used) - used)
-            note = errors.interrupted_nnx(run.done, start, start + setup.steps, ahead)
+            note = errors.interrupted_nnx(
+                run.done,
+                start,
+                start + setup.steps,
+                ahead,
+                getattr(source, "rewound", False),
+            )
             if hasattr(err, "add_note"):  # (Python 3.11+)
                 err.add_note(note)
             else:

@@ -127,6 +127,9 @@ class ArraySource:
             out["accumulate"] = self.micro
         return out
 
+    def rewind(self, steps: int) -> None:
+        """(nothing to set back: step ``t``'s batch is found from ``t``)"""
+
     def skip(self, count: int, state: Any = None, then: int = 0) -> None:
         """Nothing to skip: step ``t``'s batch is a function of ``t``."""
 

@@ -64,6 +64,11 @@ class IterSource:
             self.resumable = _resumable(data)
             self.restart = None if self.resumable is None else data
         self.states: dict[int, Any] | None = None  # kept with checkpoints only
+        # A resumable iterator's own states before the last chunks, by the
+        # batches taken by then: to set it back to the step a run stopped at
+        # (``rewind``).
+        self.raw: dict[int, Any] = {}
+        self.rewound: bool = False
 
     def length(self, steps: int, steps_per_call: int | None) -> int:
         """Host batches are stacked per call, so the buffers are as long as a
@@ -137,6 +142,28 @@ class IterSource:
         self.consumed += skipped
         return skipped
 
+    def rewind(self, steps: int) -> None:
+        """After an interrupted or failed run: a resumable iterator set back
+        to just after the batches of this call's first ``steps`` steps (those
+        read ahead for a call that did not train, and those drawn by a read
+        that failed midway, are given again by the same iterator); ``rewound``
+        says whether it was. Any failure leaves it as it is (the run's own
+        error goes on)."""
+        taken = steps * self.micro
+        before = [n for n in self.raw if n <= taken]
+        if self.resumable is None or not before:
+            return
+        at = max(before)
+        try:
+            self.resumable[1](self.raw[at])
+            if self.restart is not None:  # (PyTorch's StatefulDataLoader)
+                self.iterator = iter(self.restart)
+            for _ in itertools.islice(self.iterator, taken - at):
+                pass
+        except Exception:  # noqa: BLE001 - (not set back: said so by rewound)
+            return
+        self.consumed, self.rewound = taken, True
+
     def keep_states(self) -> None:
         """Keep the iterator's states for checkpoints (a resumable one's)."""
         if self.resumable is not None:
@@ -164,10 +191,14 @@ class IterSource:
     def take(self, count: int, length: int) -> tuple[Any, int] | None:
         """Up to ``count`` batches stacked on a new leading axis (host arrays),
         padded to ``length`` with zeros, and how many are real; None when done."""
-        if self.states is not None:  # (before drawing: a checkpoint may need it)
-            self.states[self.consumed] = encode_state(self.resumable[0]())
-            for old in sorted(self.states)[:-3]:
-                del self.states[old]
+        if self.resumable is not None:  # (before drawing: see rewind, state_at)
+            self.raw[self.consumed] = state = self.resumable[0]()
+            for old in sorted(self.raw)[:-3]:
+                del self.raw[old]
+            if self.states is not None:  # (a checkpoint may need it)
+                self.states[self.consumed] = encode_state(state)
+                for old in sorted(self.states)[:-3]:
+                    del self.states[old]
         batches = list(itertools.islice(self.iterator, count))
         if not batches:
             return None

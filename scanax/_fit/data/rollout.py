@@ -174,6 +174,9 @@ class RolloutSource:
         r = self.rollout
         return {"kind": "rollout", "epochs": r.epochs, "minibatches": r.minibatches}
 
+    def rewind(self, steps: int) -> None:
+        """(nothing to set back: step ``t``'s batch is found from ``t``)"""
+
     def skip(self, count: int, state: Any = None, then: int = 0) -> None:
         """(the feed is restored with the state)"""
 
