@@ -706,7 +706,7 @@ def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
 
 
 def interrupted_nnx(
-    done: int, start: int, end: int, ahead: int = 0, rewound: bool = False
+    done: int, start: int, end: int, rewound: bool = False, ahead: int = 0
 ) -> str:
     if rewound:
         read = (

@@ -335,6 +335,7 @@ class Logs:
 
     def __init__(self, logger: Any):
         self.logger = logger
+        self.ended = False  # (the run's end wrote the last window)
 
     def start(self, run: Any) -> None:
         self.logger.open(*run.replay())
@@ -351,7 +352,7 @@ class Logs:
         self.ended = True
 
     def close(self, run: Any) -> None:
-        if not getattr(self, "ended", False):
+        if not self.ended:
             # Interrupted or failed: the steps checked so far end a window, as
             # at a run's end (a continued call's windows then follow them);
             # their rows were dropped, and the continued call's first window

@@ -90,21 +90,10 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         if base.kind == "nnx":
             # (the NNX objects hold run.done: a resumable iterator given again
             # continues there; an Equinox or TrainState result is not returned)
-            source.rewind(run.done - start)
-        if isinstance(err, KeyboardInterrupt) and base.kind == "nnx":
-            used = (run.done - start) * getattr(source, "micro", 1)
-            ahead = max(0, getattr(source, "consumed", used) - used)
-            note = errors.interrupted_nnx(
-                run.done,
-                start,
-                start + setup.steps,
-                ahead,
-                getattr(source, "rewound", False),
-            )
-            if hasattr(err, "add_note"):  # (Python 3.11+)
-                err.add_note(note)
-            else:
-                warnings.warn(note, RuntimeWarning, stacklevel=_caller.user_level())
+            rewound = source.rewind(run.done - start)
+            if isinstance(err, KeyboardInterrupt):
+                _note(err, run.done, start, start + setup.steps, rewound,
+                      source.past(run.done - start))  # fmt: skip
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
@@ -113,6 +102,16 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     for logger in setup.loggers:
         logger.sinks.raise_pending(result)
     return result
+
+
+def _note(err: BaseException, done: int, start: int, end: int, *read: Any) -> None:
+    """Ctrl-C on an NNX fit: which step the objects hold, the ``steps=`` that
+    ends the run, and what became of the batches read ahead."""
+    note = errors.interrupted_nnx(done, start, end, *read)
+    if hasattr(err, "add_note"):  # (Python 3.11+)
+        err.add_note(note)
+    else:
+        warnings.warn(note, RuntimeWarning, stacklevel=_caller.user_level())
 
 
 def _model_program(

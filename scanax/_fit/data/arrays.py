@@ -127,8 +127,13 @@ class ArraySource:
             out["accumulate"] = self.micro
         return out
 
-    def rewind(self, steps: int) -> None:
+    def rewind(self, steps: int) -> bool:
         """(nothing to set back: step ``t``'s batch is found from ``t``)"""
+        return False
+
+    def past(self, steps: int) -> int:
+        """(nothing read ahead)"""
+        return 0
 
     def skip(self, count: int, state: Any = None, then: int = 0) -> None:
         """Nothing to skip: step ``t``'s batch is a function of ``t``."""

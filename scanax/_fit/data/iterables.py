@@ -63,12 +63,11 @@ class IterSource:
         if self.resumable is None:
             self.resumable = _resumable(data)
             self.restart = None if self.resumable is None else data
-        self.states: dict[int, Any] | None = None  # kept with checkpoints only
-        # A resumable iterator's own states before the last chunks, by the
-        # batches taken by then: to set it back to the step a run stopped at
-        # (``rewind``).
-        self.raw: dict[int, Any] = {}
-        self.rewound: bool = False
+        # A resumable iterator's states before the last chunks, by the batches
+        # taken by then: for checkpoints (``state_at``) and to set it back to
+        # the step a run stopped at (``rewind``).
+        self.states: dict[int, Any] = {}
+        self.saved = False  # (checkpoints keep them: each one checked as taken)
 
     def length(self, steps: int, steps_per_call: int | None) -> int:
         """Host batches are stacked per call, so the buffers are as long as a
@@ -142,32 +141,38 @@ class IterSource:
         self.consumed += skipped
         return skipped
 
-    def rewind(self, steps: int) -> None:
+    def rewind(self, steps: int) -> bool:
         """After an interrupted or failed run: a resumable iterator set back
         to just after the batches of this call's first ``steps`` steps (those
         read ahead for a call that did not train, and those drawn by a read
-        that failed midway, are given again by the same iterator); ``rewound``
-        says whether it was. Any failure leaves it as it is (the run's own
-        error goes on)."""
+        that failed midway, are given again by the same iterator); whether it
+        was. Any failure leaves it as it is (the run's own error goes on)."""
         taken = steps * self.micro
-        before = [n for n in self.raw if n <= taken]
+        before = [n for n in self.states if n <= taken]
         if self.resumable is None or not before:
-            return
+            return False
         at = max(before)
         try:
-            self.resumable[1](self.raw[at])
+            self.resumable[1](self.states[at])
             if self.restart is not None:  # (PyTorch's StatefulDataLoader)
                 self.iterator = iter(self.restart)
             for _ in itertools.islice(self.iterator, taken - at):
                 pass
-        except Exception:  # noqa: BLE001 - (not set back: said so by rewound)
-            return
-        self.consumed, self.rewound = taken, True
+        except Exception:  # noqa: BLE001 - (not set back: the caller says so)
+            return False
+        self.consumed = taken
+        return True
+
+    def past(self, steps: int) -> int:
+        """The batches taken past this call's first ``steps`` steps (read
+        ahead for a call that did not train)."""
+        return max(0, self.consumed - steps * self.micro)
 
     def keep_states(self) -> None:
-        """Keep the iterator's states for checkpoints (a resumable one's)."""
-        if self.resumable is not None:
-            self.states = {}
+        """Keep the iterator's states for checkpoints (a resumable one's):
+        each is checked as it is taken, so that one a checkpoint cannot hold
+        is refused before the first step."""
+        self.saved = self.resumable is not None
 
     def state_at(self, steps: int) -> dict | None:
         """For a checkpoint's meta: the iterator's state after the batches of
@@ -176,7 +181,7 @@ class IterSource:
         the chunk that step is in and the batches to draw after it
         (``"data_skip"``: a step inside a chunk, where a non-finite step
         stopped the call); None when it keeps none."""
-        if self.resumable is None or self.states is None:
+        if not self.saved:
             return None
         taken = steps * self.micro
         if taken == self.consumed:
@@ -185,20 +190,18 @@ class IterSource:
         if not before:
             return None
         at = max(before)
-        found = {"data_state": self.states[at]}
+        found = {"data_state": encode_state(self.states[at])}
         return {**found, "data_skip": taken - at} if taken > at else found
 
     def take(self, count: int, length: int) -> tuple[Any, int] | None:
         """Up to ``count`` batches stacked on a new leading axis (host arrays),
         padded to ``length`` with zeros, and how many are real; None when done."""
         if self.resumable is not None:  # (before drawing: see rewind, state_at)
-            self.raw[self.consumed] = state = self.resumable[0]()
-            for old in sorted(self.raw)[:-3]:
-                del self.raw[old]
-            if self.states is not None:  # (a checkpoint may need it)
-                self.states[self.consumed] = encode_state(state)
-                for old in sorted(self.states)[:-3]:
-                    del self.states[old]
+            self.states[self.consumed] = state = self.resumable[0]()
+            if self.saved:  # (one a checkpoint cannot hold: refused now)
+                encode_state(state)
+            for old in sorted(self.states)[:-3]:
+                del self.states[old]
         batches = list(itertools.islice(self.iterator, count))
         if not batches:
             return None

@@ -174,8 +174,13 @@ class RolloutSource:
         r = self.rollout
         return {"kind": "rollout", "epochs": r.epochs, "minibatches": r.minibatches}
 
-    def rewind(self, steps: int) -> None:
+    def rewind(self, steps: int) -> bool:
         """(nothing to set back: step ``t``'s batch is found from ``t``)"""
+        return False
+
+    def past(self, steps: int) -> int:
+        """(nothing read ahead)"""
+        return 0
 
     def skip(self, count: int, state: Any = None, then: int = 0) -> None:
         """(the feed is restored with the state)"""
