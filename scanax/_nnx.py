@@ -110,15 +110,15 @@ def unseeded_draws(tree: Any, run: Callable[[], Any]) -> tuple[Any, list[str]]:
         key0, count0 = before[p]
         moved = count is not None and count.get_raw_value() is not count0
         if moved and (key is None or key.get_raw_value() is key0):
-            drawn.append(_attribute_path(p))
+            drawn.append(attribute_path(p).lstrip("."))
     return out, drawn
 
 
-def _attribute_path(path: tuple) -> str:
-    parts = [
+def attribute_path(path: tuple) -> str:
+    """``.enc.layers[0]`` for a graph path ``("enc", "layers", 0)``."""
+    return "".join(
         f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path
-    ]
-    return "".join(parts).lstrip(".") or "rngs"
+    )
 
 
 def update(nodes: list[Any], state: Any) -> None:
@@ -191,45 +191,39 @@ def reachable_nodes(f: Any) -> list[str]:
     """Names of NNX objects that ``f`` reaches through closure cells or globals."""
     if _nnx() is None:
         return []
-    names: list[str] = []
+    return [
+        f"`{name}` ({type(value).__name__})"
+        for name, value in _outer_reads(f)
+        if contains_node(value)
+    ]
+
+
+def _outer_reads(f: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of what ``f``'s own code reads from outside: its
+    closure cells, and its globals as ``LOAD_GLOBAL`` reads them (an
+    attribute of that name is no read)."""
     fn = getattr(f, "__func__", f)
     code = getattr(fn, "__code__", None)
     if code is None:
-        return names
+        return []
+    out = []
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
-            value = cell.cell_contents
-        except ValueError:
+            out.append((name, cell.cell_contents))
+        except ValueError:  # (a cell not yet filled)
             continue
-        if contains_node(value):
-            names.append(f"`{name}` ({type(value).__name__})")
     globs = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        if name in globs and contains_node(globs[name]):
-            names.append(f"`{name}` ({type(globs[name]).__name__})")
-    return names
+    names = dict.fromkeys(
+        ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"
+    )
+    out += [(name, globs[name]) for name in names if name in globs]
+    return out
 
 
 def reads_itself(f: Any, node: Any) -> str | None:
     """The name under which ``f`` reads ``node`` itself from its closure or
-    its globals (not through its arguments), or None; ``f``'s own code only,
-    its globals as ``LOAD_GLOBAL`` reads them (an attribute of that name is
-    no read)."""
-    fn = getattr(f, "__func__", f)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        try:
-            if cell.cell_contents is node:
-                return name
-        except ValueError:  # (a cell not yet filled)
-            continue
-    globs = getattr(fn, "__globals__", {})
-    for ins in dis.get_instructions(code):
-        if ins.opname == "LOAD_GLOBAL" and globs.get(ins.argval) is node:
-            return ins.argval
-    return None
+    its globals (not through its arguments), or None (``_outer_reads``)."""
+    return next((name for name, value in _outer_reads(f) if value is node), None)
 
 
 def graphdef_fingerprint(graphdef: Any) -> Any:

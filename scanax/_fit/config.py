@@ -110,7 +110,7 @@ def configure(
     found = sort(callbacks)
     pop = model if _population.is_population(model) else None
     _data.check_key(key, pop is not None)
-    takes_hp, takes_key, key_param = _keys.arguments(
+    takes_hp, takes_key, key_param, hp_param = _keys.arguments(
         loss_fn, _CALL, "loss_fn", pop is not None
     )
     adapter, reads = None, None
@@ -201,7 +201,7 @@ def configure(
             loss_fn,
             _CALL,
             "loss_fn",
-            hp=_keys.hp_param(loss_fn) if takes_hp else None,
+            hp=hp_param,
             reads=reads,
         ),
         takes_hp,

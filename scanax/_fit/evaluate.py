@@ -146,8 +146,7 @@ def evaluate(
         b,
         place.mesh,
     )
-    hp = _keys.hp_param(eval_fn) if takes.hp else None
-    call = _call(guarded(eval_fn, _CALL, "eval_fn", hp=hp), *takes[:2])
+    call = _call(guarded(eval_fn, _CALL, "eval_fn", hp=takes.hp_param), *takes[:2])
 
     def build():
         run = target.runner(call)
@@ -236,8 +235,7 @@ def predict(
     if takes.key and key is None:  # refused if the outputs depend on it
         key = unused_key(_PREDICT, "fn", target, fn, takes, data, b)
     identity = _fit_program.identity(target.identity, fn, _PREDICT, n, b, takes[:2])
-    hp = _keys.hp_param(fn) if takes.hp else None
-    call = _call(guarded(fn, _PREDICT, "fn", hp=hp), *takes[:2])
+    call = _call(guarded(fn, _PREDICT, "fn", hp=takes.hp_param), *takes[:2])
 
     def build():
         run = target.runner(call)

@@ -36,18 +36,7 @@ class Takes(NamedTuple):
     hp: bool
     key: bool
     param: str = "key"
-
-
-def hp_param(fn: Callable) -> str | None:
-    """The name of ``fn``'s third positional parameter (a population's
-    hyperparameters), or None (``*args``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p.name for p in params if p.kind in kinds]
-    return positional[2] if len(positional) > 2 else None
+    hp_param: str | None = None  # (the hyperparameters' parameter, by name)
 
 
 def arguments(
@@ -88,8 +77,9 @@ def arguments(
         return Takes(False, _is_key(third, call, name), third.name)
     fourth = extra[1:2]
     if not fourth:
-        return Takes(third.default is third.empty or varargs, varargs)
-    return Takes(True, _is_key(fourth[0], call, name), fourth[0].name)
+        hp = third.default is third.empty or varargs
+        return Takes(hp, varargs, "key", third.name if hp else None)
+    return Takes(True, _is_key(fourth[0], call, name), fourth[0].name, third.name)
 
 
 def _is_key(p: inspect.Parameter, call: str, name: str) -> bool:

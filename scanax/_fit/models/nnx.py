@@ -150,11 +150,7 @@ class NNXAdapter:
         found = _nnx.outside([self.objects[0]])
         if not found:
             return None
-        path = found[0][0][1:]  # (after the node's index)
-        return "model" + "".join(
-            f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
-            for k in path
-        )
+        return "model" + _nnx.attribute_path(found[0][0][1:])  # (past its index)
 
     def make_call(self, fn: Callable) -> Callable:
         """``call(state, *args) -> fn(model, *args)`` with the model in eval mode
