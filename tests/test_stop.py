@@ -292,6 +292,29 @@ def test_monitored_value_must_be_scalar():
         stop.update(stop.init(), jnp.ones(3), 1)
 
 
+@pytest.mark.parametrize("rule", ["EarlyStop", "Plateau"])
+def test_a_monitored_training_metric_must_be_scalar(rule):
+    """Named while fit traces its step (before any step), as a validation
+    metric is; not JAX's error about the loop's carry."""
+    optax = pytest.importorskip("optax")
+
+    def loss_fn(params, batch):
+        loss, metrics = classifier_loss(params, batch)
+        return loss, {**metrics, "per_out": jnp.full((1,), loss)}
+
+    params = {"w": jnp.zeros((3, 1)), "b": jnp.zeros((1,))}
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)^scanax\.{rule}: the monitored metric 'per_out' must be one "
+        r"number per step .*float32\[1\].*from loss_fn",
+    ):
+        scanax.fit(
+            params, optax.sgd(0.05), loss_fn, TRAIN, steps=8, batch_size=8,
+            progress=False, callbacks=[scanax.Eval(VAL, every=4),
+                                       getattr(scanax, rule)("per_out", patience=1)],
+        )  # fmt: skip
+
+
 # ------------------------------------------------------------------ mode="auto"
 
 # Keras's usual spellings and its metric aliases, each naming the metric a model

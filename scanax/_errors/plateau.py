@@ -40,8 +40,8 @@ def unknown_monitor(monitor: str, available: Iterable[str]) -> ValueError:
     return _as_plateau(stop.unknown_monitor(monitor, available))
 
 
-def monitor_not_scalar(monitor: str, value: Any) -> ValueError:
-    return _as_plateau(stop.monitor_not_scalar(monitor, value))
+def monitor_not_scalar(monitor: str, value: Any, per: str = "evaluation") -> ValueError:
+    return _as_plateau(stop.monitor_not_scalar(monitor, value, per))
 
 
 def count_type(name: str, value: Any) -> TypeError:

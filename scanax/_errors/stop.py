@@ -90,11 +90,15 @@ def unknown_monitor(monitor: str, available: Iterable[str]) -> ValueError:
     )
 
 
-def monitor_not_scalar(monitor: str, value: Any) -> ValueError:
+def monitor_not_scalar(monitor: str, value: Any, per: str = "evaluation") -> ValueError:
+    """``per``: what the metric has one value per (an evaluation, a training
+    step, a rollout's collection)."""
+    source = {"step": "loss_fn", "collection": "the Rollout's collect"}
     return ValueError(
         f"{CALL}: the monitored metric {monitor!r} must be one number per "
-        f"evaluation (per member, under jax.vmap), got {short_type(value)}.\nFix: "
-        "return a scalar for it from loss_fn/eval_fn (e.g. a mean)."
+        f"{per} (per member, under jax.vmap), got {short_type(value)}.\nFix: "
+        f"return a scalar for it from {source.get(per, 'loss_fn/eval_fn')} (e.g. a "
+        "mean), or monitor a scalar metric."
     )
 
 

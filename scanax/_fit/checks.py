@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _caller
-from .._errors import fit as errors
+from .._errors import fit as errors, plateau as _plateau_errors, stop as _stop_errors
 from . import scalars as _scalars
 from .callbacks import plateau as _plateau
 from .callbacks.early_stop import EarlyStop, keep_best, kept_init
@@ -144,6 +144,15 @@ class Checks:
     def _rules(self) -> list:
         return [r for r in (self.early, self.plateau) if r is not None]
 
+    def _one_number(self, monitor: str, value: Any, per: str) -> None:
+        """Refuse, while tracing, a monitored training (``per`` "step") or
+        rollout ("collection") metric that is not a scalar: the rules sum it
+        into a scalar carry."""
+        if jnp.ndim(value) != 0:
+            rule = self.early if self.early and self.early.monitor == monitor else None
+            errors = _stop_errors if rule is not None else _plateau_errors
+            raise errors.monitor_not_scalar(monitor, value, per)
+
     def accumulate(
         self, leaves: list, out: dict, take: Any, carry: StopCarry | None
     ) -> tuple[list, StopCarry | None]:
@@ -158,6 +167,7 @@ class Checks:
             value = out["metrics"].get(monitor, out["loss"])
             if isinstance(value, Ratio):  # (a step's value: its num / den)
                 value = value.value
+            self._one_number(monitor, value, "step")
             added = total + jnp.asarray(value, jnp.float32)
             return jnp.where(take, added, total), jnp.where(take, count + 1, count)
 
@@ -191,6 +201,7 @@ class Checks:
         def add(monitor: str, total: Any, count: Any) -> tuple:
             if monitor not in names:
                 return total, count
+            self._one_number(monitor, names[monitor], "collection")
             took = got & ~jnp.isnan(names[monitor])
             value = jnp.where(took, names[monitor], 0.0)
             return total + value.astype(jnp.float32), count + took.astype(count.dtype)
