@@ -96,3 +96,36 @@ def test_evaluation_defaults_to_every_epoch_with_epochs():
     assert stopped.steps in (6, 12, 18)  # checked at epoch ends only
     with pytest.raises(TypeError, match="eval_every"):  # steps=: no default
         _fit(steps=18, eval_data=(X[:10], Y[:10]))
+
+
+def test_an_eval_per_epoch_needs_an_epoch_of_whole_steps():
+    """6 batches an epoch, 4 per step: 12 batches train 3 steps (as without
+    the evaluation), but no step ends an epoch, so there is no per-epoch
+    evaluation to default to: said so, before anything runs (the message had
+    said to train by epochs=, which this call does)."""
+    assert _fit(epochs=2, accumulate=4).steps == 3
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)an epoch of 6 batches is not a whole number of optimizer steps "
+        r"of accumulate=4.*every=N.*divides 6 \(1, 2, 3, 6\)",
+    ):
+        _fit(epochs=2, accumulate=4, callbacks=[scanax.Eval((X[:10], Y[:10]))])
+    given = _fit(epochs=2, accumulate=4, eval_data=(X[:10], Y[:10]), eval_every=1)
+    np.testing.assert_array_equal(given.history["val_step"], [1, 2, 3])
+
+
+def test_a_metric_named_epoch_is_refused_with_epochs():
+    """Under epochs= the history's "epoch" is fit's, and a loss_fn metric of
+    that name was overwritten there while log sinks got the user's value:
+    refused by name before any step. With steps= the name is the user's."""
+
+    def with_epoch(p, batch):
+        return loss_fn(p, batch), {"epoch": jnp.float32(123.0)}
+
+    kw = {"batch_size": 8, "key": jr.key(1), "progress": False}
+    mine = scanax.fit(P, optax.sgd(0.1), with_epoch, (X, Y), steps=6, **kw)
+    np.testing.assert_array_equal(mine.history["epoch"], np.full(6, 123.0))
+    with pytest.raises(
+        ValueError, match="(?s)loss_fn returns a metric named 'epoch'.*'my_epoch'"
+    ):
+        scanax.fit(P, optax.sgd(0.1), with_epoch, (X, Y), epochs=1, **kw)

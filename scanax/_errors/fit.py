@@ -328,6 +328,18 @@ def eval_every_missing(has_data: bool) -> TypeError:
     )
 
 
+def epoch_not_whole_steps(per_epoch: int, accumulate: int) -> ValueError:
+    divisors = [d for d in range(1, per_epoch + 1) if per_epoch % d == 0]
+    return ValueError(
+        f"{CALL}: with epochs=, an evaluation or rule given without `every` runs "
+        f"once per epoch, but an epoch of {per_epoch} batches is not a whole "
+        f"number of optimizer steps of accumulate={accumulate} batches each: no "
+        "step ends an epoch.\nFix: pass scanax.Eval(..., every=N) in steps; or an "
+        f"accumulate that divides {per_epoch} ({', '.join(map(str, divisors))}); "
+        "or a batch_size that makes the epoch a multiple of accumulate."
+    )
+
+
 def eval_without_data() -> TypeError:
     return TypeError(
         f"{CALL}: scanax.Eval is given without data, and no scanax.EarlyStop or "
@@ -576,6 +588,14 @@ def precision_value(precision: Any, call: str = CALL) -> ValueError:
         "bfloat16, float32 parameters and optimizer state) or "
         "scanax.Precision('float16') (the same in float16, with dynamic loss "
         "scaling); for float32 give no Precision (precision=None)."
+    )
+
+
+def metric_name_owned(fn: str, name: str) -> ValueError:
+    return ValueError(
+        f"{CALL}: {fn} returns a metric named {name!r}, the name under which "
+        f"fit(epochs=...) records each step's {name} in the history.\n"
+        f"Fix: rename that metric, e.g. {name!r} -> 'my_{name}'."
     )
 
 

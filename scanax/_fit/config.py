@@ -143,7 +143,9 @@ def configure(
             raise errors.epochs_need_arrays(epochs, data)
         steps = source.steps_for(epochs)
         checked = evaluation is not None or stop is not None or plateau is not None
-        if checked and every is None and source.per_epoch % source.micro == 0:
+        if checked and every is None:
+            if source.per_epoch % source.micro:  # (no step ends an epoch)
+                raise errors.epoch_not_whole_steps(source.per_epoch, source.micro)
             every = source.per_epoch // source.micro  # (Keras: every epoch)
     shared = False
     if pop is not None:
@@ -203,6 +205,8 @@ def configure(
             "loss_fn",
             hp=hp_param,
             reads=reads,
+            # (fit records each step's epoch under that name)
+            owned=() if epochs is None else ("epoch",),
         ),
         takes_hp,
         takes_key,

@@ -321,6 +321,7 @@ class Guarded:
     data: str  # the data's argument name
     hp: str | None = None  # the parameter a population member's hp go to
     reads: str | None = None  # the name it reads the trained NNX model by
+    owned: tuple = ()  # metric names the call records itself ("epoch")
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -328,7 +329,7 @@ class Guarded:
 
     def __call__(self, *args: Any) -> Any:
         try:
-            return self.fn(*args)
+            out = self.fn(*args)
         except Exception as err:
             if self.reads is not None and _nnx.is_trace_level_error(err):
                 # (the model read from outside, written while traced: flax's
@@ -343,6 +344,11 @@ class Guarded:
             raise errors.fn_failed(
                 self.call, self.name, self.data, describe(args[1]), err, self.hp
             ) from err
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            for name in self.owned:
+                if name in out[1]:
+                    raise fit_errors.metric_name_owned(self.name, name)
+        return out
 
 
 def guarded(
@@ -352,12 +358,14 @@ def guarded(
     data: str = "data",
     hp: str | None = None,
     reads: str | None = None,
+    owned: tuple = (),
 ) -> Guarded:
     """``fn`` as a ``Guarded`` (``data``: the name of the argument whose
     batches it is given; ``hp``: the parameter that gets a population member's
     hyperparameters, named in its messages; ``reads``: the name by which it
-    reads the NNX model being trained from outside, named if that fails)."""
-    return Guarded(fn, call, name, data, hp, reads)
+    reads the NNX model being trained from outside, named if that fails;
+    ``owned``: metric names the call records itself, refused in its result)."""
+    return Guarded(fn, call, name, data, hp, reads, owned)
 
 
 # Whether an evaluation uses the key it takes, by what is evaluated and the
