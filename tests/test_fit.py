@@ -874,6 +874,21 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
             ValueError,
             r"batch_size=64 is larger than the data \(48 examples",
         ),
+        (  # (review 2026-12-07: "batch_size=8 is larger ... pass batch_size <= 0")
+            nnx_loss,
+            (X[:0], Y[:0]),
+            ARRAYS,
+            ValueError,
+            r"`data` \(the training data\) has no examples \(float32\[0, 3\], "
+            r"float32\[0, 1\]\).\nFix: pass at least one example",
+        ),
+        (
+            nnx_loss,
+            (X, Y),
+            dict(ARRAYS, callbacks=[scanax.Eval((X[:0], Y[:0]), every=1)]),
+            ValueError,
+            r"`eval_data` \(scanax.Eval's data\) has no examples",
+        ),
         *[
             (nnx_loss, (X, Y), dict(steps=steps, batch_size=BS), err, msg)
             for steps, err, msg in [

@@ -110,6 +110,15 @@ def batch_size_missing(n: int) -> TypeError:
     )
 
 
+def data_empty(name: str, data: Any) -> ValueError:
+    shapes = ", ".join(short_type(x) for x in jtu.tree_leaves(data))
+    what = "scanax.Eval's data" if name == "eval_data" else "the training data"
+    return ValueError(
+        f"{CALL}: `{name}` ({what}) has no examples ({shapes}).\nFix: pass at "
+        "least one example along axis 0."
+    )
+
+
 def batch_size_too_large(batch_size: int, n: int) -> ValueError:
     return ValueError(
         f"{CALL}: batch_size={batch_size} is larger than the data "

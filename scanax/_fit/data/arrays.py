@@ -57,6 +57,8 @@ class ArraySource:
             flat = jtu.tree_flatten_with_path(data)[0]
             raise errors.data_leading_axes(flat, name)
         self.n = sizes[0]
+        if self.n == 0:
+            raise errors.data_empty(name, data)
         if batch_size is None:
             raise errors.batch_size_missing(self.n)
         self.batch_size = positive_int("batch_size", batch_size)
