@@ -70,6 +70,22 @@ def test_population_one_thin_line_per_member():
     ]
 
 
+@pytest.mark.parametrize("members", [None, 3])
+def test_array_metrics_are_left_out(members):
+    """A metric of more than one number per step (here 2 per step, as fit's
+    history keeps it: ``[T, 2]``, a population's ``[members, T, 2]``) has no
+    curve: left out, the other panels as without it (it had failed, saying
+    to pass the history unchanged: review 2026-12-07)."""
+    h = history(members)
+    per_class = np.stack([h["acc"], 1 - h["acc"]], -1)
+    val_per_class = np.stack([h["val_acc"], 1 - h["val_acc"]], -1)
+    drawn = plot({**h, "per_class": per_class, "val_per_class": val_per_class})
+    plain = plot(h)
+    got = [labels(ax) for ax in drawn.axes if ax.get_visible()]
+    assert got == [labels(ax) for ax in plain.axes if ax.get_visible()]
+    assert len(got) == 2  # loss and acc
+
+
 def test_saves_to_path(tmp_path):
     path = tmp_path / "curves.png"
     plot({"step": np.arange(1, 11), "loss": np.linspace(1, 0.1, 10)}, path)

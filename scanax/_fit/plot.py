@@ -55,6 +55,17 @@ def _rows(
     return steps, values.reshape(-1, len(steps))
 
 
+def _scalar(history: Mapping[str, Any], name: str) -> bool:
+    """Whether ``history[name]`` holds one number per step (per member): an
+    array metric (``[T, ...]`` for one model, ``[members, T, ...]`` for a
+    population, whose loss is ``[members, T]``) has no curve to draw."""
+    shape = np.shape(history[name])
+    if "loss" in history:
+        return len(shape) <= np.ndim(history["loss"])
+    steps = "val_step" if name.startswith("val_") else "step"
+    return steps not in history or shape[-1:] == np.shape(history[steps])[-1:]
+
+
 def _draw(
     ax: Any, steps: np.ndarray, rows: np.ndarray, label: str, **style: Any
 ) -> None:
@@ -94,7 +105,11 @@ def plot(history: Mapping[str, Any], path: str | os.PathLike | None = None) -> A
         ) from err
     if not isinstance(history, Mapping):
         raise errors.history_type(history)
-    vals = sorted(k for k in history if k.startswith("val_") and k != "val_step")
+    vals = sorted(
+        k
+        for k in history
+        if k.startswith("val_") and k != "val_step" and _scalar(history, k)
+    )
     if "loss" not in history and not vals:
         raise errors.nothing_to_plot(history)
     panels = ["loss"] if "loss" in history or "val_loss" in vals else []
@@ -107,7 +122,7 @@ def plot(history: Mapping[str, Any], path: str | os.PathLike | None = None) -> A
         ax.set_visible(False)
     for ax, name in zip(axes, panels):
         positive = []
-        if name in history:
+        if name in history and _scalar(history, name):
             steps, rows = _rows(history, name, "step")
             thin = len(rows) > 1
             if name == "loss":
