@@ -169,6 +169,27 @@ def test_an_update_that_overflows_stops_before_it(monkeypatch):
     np.testing.assert_array_equal(out.model["p"], p0["p"])
 
 
+def test_an_overflowing_update_a_later_loss_shows_is_found(plan):
+    """Finite gradients whose update makes the parameter infinite, and the
+    next loss shows it. Off CPU the marks stop before that step; on CPU the
+    next loss stopped the loop, and fit had returned the infinite parameter
+    as "the state after the last good step" (review 2026-12-07): now the
+    parameters are tested on the host and the same step is found."""
+    p0 = {"p": jnp.zeros((1,))}
+
+    def linear(p, batch):
+        return jnp.sum(batch * p["p"])
+
+    data = [jnp.full((1,), v) for v in (1e-30, 2e-30, 1e10, 1.0)]
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"step 3 gave non-finite gradients or parameters.*state after step 2 ",
+    ):
+        out = scanax.fit(p0, optax.sgd(1e30), linear, data, steps=4, progress=False)
+    assert out.steps == 2 and len(out.history["loss"]) == 2
+    np.testing.assert_array_equal(out.model["p"], [-3.0])  # -1e30 * (1e-30 + 2e-30)
+
+
 def test_stepwise_equals_fused_through_a_bad_gradient(monkeypatch):
     """Both executions find the same step and end with the same state, bit
     for bit (chunks: the GPU's plan)."""

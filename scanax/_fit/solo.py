@@ -19,6 +19,7 @@ from . import (
     engine as _fit_loop,
     feature as _feature,
     hooks as _fit_hooks,
+    plan as _fit_plan,
     program as _fit_program,
     schedule as _fit_schedule,
 )
@@ -308,22 +309,32 @@ class Model:
         at the call's start, the last state known good (``found`` False)."""
         applied, stopped = int(report.applied), bool(report.stopped)
         outs: dict[int, Any] = {}  # steps replayed: the output, where good
+        tried: set[int] = set()
+        marks = _fit_plan.chunked()  # (else the program does not test them)
 
         def good(c: int) -> bool:
+            if c in tried:
+                return c in outs
+            tried.add(c)
             out = self._replay(run, args, c)
             got = Report.read(jax.device_get(out.report))
             expected = min(c, applied) if stopped else c
             if int(got.applied) != expected:
                 raise _Differs
-            if bool(got.intact) and c == expected:
+            kept = bool(got.intact) and (marks or self._intact(args, out))
+            if kept and c == expected:
                 outs[c] = out
             return c in outs
 
         try:
             if bool(report.intact):
-                if not good(applied):
+                if good(applied):
+                    return applied, outs[applied], True
+                if marks:  # (the run's parameters were intact, the replay's not)
                     raise _Differs
-                return applied, outs[applied], True
+                # On CPU: an update made a parameter non-finite from finite
+                # gradients, and a later loss stopped the loop: found as a
+                # marked parameter is, by the parameters.
             # Each replay runs from the call's start: about log2 of its steps.
             lo, hi, tries = 0, applied + 1 if stopped else applied, 0
             while hi - lo > 1:
@@ -336,6 +347,14 @@ class Model:
         except _Differs:  # (no step: the call's input, as it came in)
             good(0)
             return 0, outs[0], False
+
+    def _intact(self, args: Chunk, out: Any) -> bool:
+        """Whether no trained parameter element finite at the call's start is
+        non-finite in ``out`` (on the host, once per replay of a bad call: the
+        program tests it off CPU only, where gradients mark parameters)."""
+        trained = self.base.trained()
+        before = [args.leaves[j] for j in trained]
+        return bool(_fit_program.intact(before, [out.leaves[j] for j in trained]))
 
     def _replay(self, run: Any, args: Chunk, count: int) -> Any:
         """The call of ``args`` replayed for its first ``count`` steps."""
