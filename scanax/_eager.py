@@ -98,6 +98,13 @@ def active() -> bool:
     return _trace_state_clean() and not _local.plain and not jax.config.jax_disable_jit
 
 
+def _value(leaf: Any) -> Any:
+    """An NNX graph leaf's value: a Variable's, or the leaf itself (an array
+    attribute of a module is data in flax 0.12, flattened as it is)."""
+    get = getattr(leaf, "get_value", None)
+    return leaf if get is None else get()
+
+
 def _plain(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` as without this module: nothing inside is cached."""
     before = _local.plain
@@ -131,7 +138,7 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
             variables = None
         if variables is None:
             return _plain(fn, args, kwargs)
-        values = [v.get_value() for v in variables]
+        values = [_value(v) for v in variables]
         var_idx = [k for k, v in enumerate(values) if _is_input(v)]
         inputs += [values[k] for k in var_idx]
     else:
@@ -165,9 +172,11 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
             if after != graphdef:
                 raise _Fallback  # Variables added or removed: let scanax say so
             for k, (old, var) in enumerate(zip(vals, new_vars)):
-                value = var.get_value()
+                value = _value(var)
                 if value is old:
                     continue
+                if value is var:  # (an array attribute set anew: no Variable
+                    raise _Fallback  # to write it back into)
                 if isinstance(value, _Tracer):
                     changed.append(k)
                     arrays.append(value)

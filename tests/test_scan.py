@@ -219,6 +219,40 @@ def test_eager_nnx_carry_updates_in_place_and_reuses_the_program():
     assert int(optimizer.step[...]) == 8
 
 
+def test_eager_nnx_module_with_an_array_attribute():
+    """A plain array attribute is data in flax 0.12 (no Variable around it):
+    the eager call had failed on it ('ArrayImpl' has no 'get_value'), carried
+    or broadcast; and one the step sets anew is kept, as a Python loop does.
+    (review 2026-12-07)"""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Scaled(nnx.Module):
+        def __init__(self, s):
+            self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+            self.s = jnp.asarray(s)
+            self.n = jnp.zeros(())
+
+        def __call__(self, x):
+            return self.lin(x) * self.s
+
+    model, xs = Scaled(2.0), jr.normal(jr.key(0), (4, 2, 3))
+    step = lambda m, x: (m, m(x))
+    got_model, ys = scanax.scan(step, model, xs)
+    assert got_model is model
+    close(ys, jnp.stack([model(x) for x in xs]))
+    cross = lambda c, xm: (c + xm[1](xm[0]).sum(), None)
+    c, _ = scanax.scan(cross, jnp.zeros(()), (xs, model), in_axes=(0, None))
+    close(c, sum(model(x).sum() for x in xs))
+
+    def count(m, x):
+        m.n = m.n + x.sum()
+        return m, m.n
+
+    _, ns = scanax.scan(count, model, xs)
+    close(ns, jnp.cumsum(xs.sum((1, 2))))
+    close(model.n, xs.sum())
+
+
 def test_eager_caching_changes_nothing_under_transformations():
     f = lambda c, x: (c * x + 1.0, jnp.sin(c))
     args = (jnp.float32(1.0), jnp.arange(6.0))

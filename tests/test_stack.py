@@ -841,6 +841,27 @@ def test_eager_nnx_state_updates_are_written_back_each_call():
         )
 
 
+def test_eager_nnx_layers_with_an_array_attribute():
+    """A plain array attribute (data in flax 0.12, no Variable): stacked per
+    layer, eagerly as under nnx.jit (the eager call had failed on it: review
+    2026-12-07)."""
+
+    class Scaled(nnx.Module):
+        def __init__(self, s):
+            self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+            self.s = jnp.asarray(s)
+
+        def __call__(self, x):
+            return self.lin(x) * self.s
+
+    def layers():
+        return [Scaled(s) for s in (1.0, 2.0, 0.5)]
+
+    stack, want = scanax.Stack(layers()), loop(layers(), X)
+    close(stack(X), want)
+    close(nnx.jit(lambda s, x: s(x))(stack, X), want)
+
+
 # ---------------------------------------------------------------------------- errors
 
 
