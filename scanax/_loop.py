@@ -115,6 +115,24 @@ class CarryCodec:
         self._check_types(dynamic_in, out)
         return out
 
+    def check_places(self, given: Any, returned: Any) -> None:
+        """Refuse a carry whose NNX objects ``f`` returns at other places than
+        it was given them (a swap): each place's state is written back into the
+        object passed there. (After ``encode``: the structures match.)"""
+        if not self.nodes:
+            return
+        ins = jtu.tree_leaves(given, is_leaf=_nnx.is_node)
+        outs = jtu.tree_leaves(returned, is_leaf=_nnx.is_node)
+        for i in self.node_idx:
+            if outs[i] is ins[i]:
+                continue
+            j = next((j for j in self.node_idx if ins[j] is outs[i]), None)
+            if j is not None:
+                path = "carry" + jtu.keystr(self.paths[j])
+                raise _errors.nnx_carry_moved(
+                    self.call, path, "carry" + jtu.keystr(self.paths[i])
+                )
+
     def _refuse_outside(self, err: Exception | None = None) -> None:
         """Raise if NNX objects of the carry are from outside the current trace
         (closed over by a jitted function, passed beside the differentiated
@@ -342,14 +360,21 @@ def prepare(
         raise _errors.not_callable(call, f)
     plan = _plan_xs(call, xs, in_axes, length)
     codec = CarryCodec(call, init)
+    if codec.nodes and (plan.bcast_nodes or plan.scan_nodes):
+        carried = _nnx.variable_ids(codec.nodes)
+        for i, name, *_ in plan.bcast_nodes + plan.scan_nodes:
+            if carried & _nnx.variable_ids([plan.leaves[i]]):
+                raise _errors.nnx_carried_and_in_xs(call, name)
 
     def body(dynamic, x_slices):
         x, x_leaves = plan.decode(x_slices)
-        out = f(codec.decode(dynamic), x)
+        given = codec.decode(dynamic)
+        out = f(given, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise _errors.not_a_pair(call, out)
         new_carry, y = out
         new_dynamic = codec.encode(new_carry, dynamic)
+        codec.check_places(given, new_carry)
         if plan.bcast_nodes or plan.scan_nodes:
             plan.check_unchanged(call, x_leaves, x_slices)
         if not all(map(is_arraylike, jtu.tree_leaves(y, is_leaf=_nnx.is_node))):

@@ -167,6 +167,14 @@ def maybe_outside(nodes: list[Any]) -> bool:
     return False
 
 
+def variable_ids(nodes: list[Any]) -> set[int]:
+    """The ids of the Variables in ``nodes`` (what two objects share)."""
+    nnx = _nnx()
+    return {
+        id(v) for _, v in nnx.graph.iter_graph(nodes) if isinstance(v, nnx.Variable)
+    }
+
+
 def outside(nodes: list[Any]) -> list[tuple[tuple, Any]]:
     """``(path, object)`` of the outermost objects in ``nodes`` that hold a
     Variable NNX will not let the current trace write (it belongs to an outer

@@ -553,6 +553,101 @@ def test_error_nnx_closure_mutation_names_object_and_changes_nothing():
     close(nnx.state((model, optimizer)), before)
 
 
+def test_error_nnx_objects_returned_at_other_places():
+    """A step that swaps two NNX objects of the carry (double Q-learning's
+    online and target networks): each place's state was written back into
+    the object passed there, so the user's objects ended with each other's
+    weights (a silent wrong answer: review 2026-12-07). Refused before
+    anything runs; the fix it gives (swap the states) is a Python loop's
+    result place by place."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(()))
+
+    def swapping(carry, x):
+        online, target = carry
+        online.w[...] = online.w[...] + x
+        return (target, online), online.w[...]
+
+    xs = jnp.array([1.0, 10.0, 100.0])
+    a, b = Net(), Net()
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax\.scan: `f` returns the carry's NNX object passed as "
+        r"carry\[1\] at carry\[0\].*Fix: .*nnx\.clone\(nnx\.state\(a\)\)",
+    ):
+        scanax.scan(swapping, (a, b), xs)
+    assert float(a.w[...]) == float(b.w[...]) == 0.0  # nothing changed
+
+    def swapping_states(carry, x):
+        online, target = carry
+        online.w[...] = online.w[...] + x
+        sa, sb = nnx.clone(nnx.state(online)), nnx.clone(nnx.state(target))
+        nnx.update(online, sb)
+        nnx.update(target, sa)
+        return (online, target), target.w[...]
+
+    a, b = Net(), Net()
+    _, ys = scanax.scan(swapping_states, (a, b), xs)
+    ra, rb = Net(), Net()
+    want = [swapping_states((ra, rb), x)[1] for x in xs]
+    close(ys, jnp.stack(want))
+    close((a.w[...], b.w[...]), (ra.w[...], rb.w[...]))
+
+
+def test_error_nnx_carried_object_read_another_way():
+    """A carried NNX object also read from a helper's global, or also
+    broadcast in xs: that read saw the values from before the scan, where a
+    Python loop sees each step's (silently [0, 0, 0] against [1, 4, 9]:
+    review 2026-12-07). Both refused before anything runs; read through the
+    carry, it is the Python loop."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(()))
+
+    model = Net()
+
+    def penalty():  # (reads the global)
+        return model.w[...] ** 2
+
+    def step(m, x):
+        m.w[...] = m.w[...] + x
+        return m, penalty()
+
+    with pytest.raises(
+        TypeError, match=r"(?s)^scanax\.scan: `f` reads `Net\.w` from outside its"
+    ):
+        scanax.scan(step, model, jnp.ones(3))
+    assert float(model.w[...]) == 0.0  # nothing ran
+
+    def broadcast(m, xm):
+        x, other = xm
+        m.w[...] = m.w[...] + x
+        return m, other.w[...]
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax\.scan: xs\[1\] shares Variables with an NNX object of "
+        r"the carry.*nnx\.clone",
+    ):
+        scanax.scan(broadcast, model, (jnp.ones(3), model), in_axes=(0, None))
+
+    def through_the_carry(m, x):
+        m.w[...] = m.w[...] + x
+        return m, m.w[...] ** 2
+
+    _, ys = scanax.scan(through_the_carry, model, jnp.ones(3))
+    close(ys, jnp.array([1.0, 4.0, 9.0]))
+    _, ys = scanax.scan(
+        broadcast, model, (jnp.ones(3), nnx.clone(model)), in_axes=(0, None)
+    )
+    close(ys, jnp.full(3, 3.0))  # the copy: the values from before this scan
+
+
 @pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
 def test_error_nnx_carry_graph_changed_names_the_variables():
     nnx = pytest.importorskip("flax.nnx")

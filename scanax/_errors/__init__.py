@@ -294,6 +294,41 @@ def nnx_graph_changed(
     )
 
 
+def nnx_carry_moved(call: str, passed: str, returned: str) -> TypeError:
+    return TypeError(
+        f"{call}: `f` returns the carry's NNX object passed as {passed} at "
+        f"{returned}. Each place of the carry keeps its own state, written back "
+        "after the scan into the object passed there: the objects would end with "
+        "each other's states, where a Python loop moves the objects themselves.\n"
+        "Fix: return each NNX object at the place it was passed. To swap the roles "
+        "of two objects of one structure, swap their states in place: `sa, sb = "
+        "nnx.clone(nnx.state(a)), nnx.clone(nnx.state(b)); nnx.update(a, sb); "
+        "nnx.update(b, sa)`."
+    )
+
+
+def nnx_carried_and_in_xs(call: str, name: str) -> TypeError:
+    return TypeError(
+        f"{call}: {name} shares Variables with an NNX object of the carry: the "
+        f"carry changes them each step, while `f` gets {name} as it was before "
+        "the scan, where a Python loop sees each step's values.\nFix: read the "
+        "object from the carry only; to use its values from before the scan, "
+        "pass a copy in xs: nnx.clone(...)."
+    )
+
+
+def nnx_stale_read(call: str, names: list[str]) -> TypeError:
+    listed = ", ".join(f"`{n}`" for n in names)
+    return TypeError(
+        f"{call}: `f` reads {listed} from outside its arguments (a closure or a "
+        "global), and the same object is passed in and changed by the call: that "
+        "read sees the value from before the call, where a Python loop sees each "
+        "step's. Nothing was run.\nFix: read the object through the argument `f` "
+        "is given (the carry), e.g. pass it on to a helper: `penalty(model)` "
+        "instead of a helper that reads a global `model`."
+    )
+
+
 def nnx_made_outside(call: str, names: list[str]) -> TypeError:
     """NNX objects in the carry from outside the trace now running: NNX forbids
     writing them there, so the scan could not update them in place."""
