@@ -98,6 +98,14 @@ def active() -> bool:
     return _trace_state_clean() and not _local.plain and not jax.config.jax_disable_jit
 
 
+def transformed() -> bool:
+    """Whether the caller runs inside a JAX transformation (``jit``, ``vmap``,
+    ``grad``...): there every operation gives a tracer."""
+    if _trace_state_clean is not None:
+        return not _trace_state_clean()
+    return isinstance(jax.numpy.zeros(()), _Tracer)  # pragma: no cover - another JAX
+
+
 def _refuse_stale_reads(
     fn: Callable,
     consts: list,

@@ -1075,6 +1075,39 @@ def test_error_fit_under_disable_jit():
     )
 
 
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
+def test_error_fit_and_evaluate_inside_a_transformation(transform):
+    """fit inside jax.jit/vmap/grad had failed on a traced array's sharding,
+    and then left a tracer in a cached placeholder key, so every later fit
+    without key= in the process failed (review 2026-12-07). Named before
+    anything runs; the fit after it equals one in a fresh process's state."""
+    p = {"w": jnp.zeros((3, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    def inside(x):
+        out = scanax.fit(p, optax.sgd(0.1), loss, (x, Y), steps=2, batch_size=BS,
+                         progress=False)  # fmt: skip
+        return out.history["loss"].sum()
+
+    with pytest.raises(
+        TypeError, match=r"(?s)^scanax\.fit: cannot run inside jax\.jit.*top level"
+    ):
+        getattr(jax, transform)(inside)(X)
+    with pytest.raises(TypeError, match=r"^scanax\.evaluate: cannot run inside"):
+        getattr(jax, transform)(lambda x: scanax.evaluate(p, loss, (x, Y))["loss"])(X)
+    out = scanax.fit(p, optax.sgd(0.1), loss, (X, Y), steps=2, batch_size=BS,
+                     progress=False)  # fmt: skip
+    w = p["w"]
+    for t in range(2):
+        g = jax.grad(loss)(
+            {"w": w}, (X[t * BS : (t + 1) * BS], Y[t * BS : (t + 1) * BS])
+        )
+        w = w - 0.1 * g["w"]
+    np.testing.assert_allclose(out.model["w"], w, rtol=1e-6)
+
+
 def test_error_loss_fn_failing_on_the_training_batches():
     """A loss that fails while it is traced on the training batches (data of
     another width than the model's: JAX's own shape error from inside it) is

@@ -495,6 +495,17 @@ def epochs_accumulate(epochs: int, per_epoch: int, k: int) -> ValueError:
     )
 
 
+def under_transformation(call: str) -> TypeError:
+    return TypeError(
+        f"{call}: cannot run inside jax.jit, jax.vmap, jax.grad or another JAX "
+        "transformation: it compiles and runs its own programs and returns its "
+        "results on the host.\nFix: call it at the top level, outside the "
+        "transformed function. To train inside your own jitted function, write "
+        "the step yourself and loop it with scanax.scan over (model, optimizer); "
+        "to evaluate there, call your eval function on the data."
+    )
+
+
 def under_disable_jit() -> ValueError:
     return ValueError(
         f"{CALL}: cannot run under jax.disable_jit(): fit compiles its training "

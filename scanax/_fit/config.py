@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .. import _caller, _nnx, _progress
+from .. import _caller, _eager, _nnx, _progress
 from .._errors import (
     execution as execution_errors,
     fit as errors,
@@ -99,6 +99,8 @@ def configure(
     """``fit``'s arguments checked (``callbacks``: the feature objects)."""
     if jax.config.jax_disable_jit:
         raise errors.under_disable_jit()
+    if _eager.transformed():
+        raise errors.under_transformation(_CALL)
     if epochs is None:
         if steps is None:
             raise errors.steps_missing()

@@ -22,7 +22,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _caller, _fingerprint, _nnx
+from .. import _caller, _eager, _fingerprint, _nnx
 from .._errors import (
     evaluate as errors,
     fit as fit_errors,
@@ -126,6 +126,8 @@ def evaluate(
         >>> scanax.evaluate({"w": jnp.array(1.0)}, eval_fn, x, batch_size=4)
         {'loss': 28.5, 'mae': 4.5}
     """
+    if _eager.transformed():
+        raise fit_errors.under_transformation(_CALL)
     target = _targets.of(_CALL, model)
     _check_callable(_CALL, "eval_fn", eval_fn, target.members)
     n = _check_data(_CALL, data)
