@@ -88,6 +88,17 @@ def eval_mode(tree: Any) -> None:
             x.eval()
 
 
+def dropout_off(tree: Any) -> list[str]:
+    """Attribute paths of the ``nnx.Dropout`` layers in ``tree`` with a rate
+    above 0 that are in eval mode (``deterministic``): ``[".drop"]``."""
+    nnx = _nnx()
+    return [
+        attribute_path(path) or "(the model)"
+        for path, x in nnx.graph.iter_graph(tree)
+        if isinstance(x, nnx.Dropout) and x.deterministic and x.rate > 0
+    ]
+
+
 def unseeded_draws(tree: Any, run: Callable[[], Any]) -> tuple[Any, list[str]]:
     """``run()``'s result and the RNG streams in ``tree`` it drew from without
     reseeding them (the stream's count moved, its key did not), named by

@@ -1108,6 +1108,47 @@ def test_error_fit_and_evaluate_inside_a_transformation(transform):
     np.testing.assert_allclose(out.model["w"], w, rtol=1e-6)
 
 
+def test_dropout_left_in_eval_mode_is_warned_and_trained_as_found():
+    """A model left in eval mode (model.eval() for a validation by hand, as
+    PyTorch users do) trained silently without dropout (review 2026-12-07):
+    now a warning naming the layer; the training is still the mode's, equal
+    to a Python loop in that mode."""
+
+    class Dropped(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 1, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.lin(self.drop(x))
+
+    def pair():
+        m = Dropped(nnx.Rngs(0))
+        return m, nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+
+    model, opt = pair()
+    model.eval()
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"(?s)Dropout \(model\.drop\) is in eval mode.*model\.train\(\)",
+    ):
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS)
+    ref, ref_opt = pair()
+    ref.eval()
+    for t in range(2):
+        batch = (X[t * BS : (t + 1) * BS], Y[t * BS : (t + 1) * BS])
+        ref_opt.update(ref, nnx.grad(nnx_loss, has_aux=True)(ref, batch)[0])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        nnx.state(model, nnx.Param),
+        nnx.state(ref, nnx.Param),
+    )
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=1, batch_size=BS, key=KEY)
+
+
 def test_error_loss_fn_failing_on_the_training_batches():
     """A loss that fails while it is traced on the training batches (data of
     another width than the model's: JAX's own shape error from inside it) is

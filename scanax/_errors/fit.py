@@ -495,6 +495,18 @@ def epochs_accumulate(epochs: int, per_epoch: int, k: int) -> ValueError:
     )
 
 
+def dropout_in_eval_mode(paths: list[str]) -> str:
+    listed = ", ".join(f"model{p}" if p.startswith((".", "[")) else p for p in paths)
+    return (
+        f"{CALL}: the model's Dropout ({listed}) is in eval mode "
+        "(deterministic=True), so fit trains it without dropout: fit trains an "
+        "NNX model in the mode it finds it in, as a Python loop does (a model.eval() "
+        "before fit, for a validation by hand, leaves it there).\nFix: call "
+        "model.train() before fit. To train without dropout on purpose, give it "
+        "rate=0."
+    )
+
+
 def under_transformation(call: str) -> TypeError:
     return TypeError(
         f"{call}: cannot run inside jax.jit, jax.vmap, jax.grad or another JAX "

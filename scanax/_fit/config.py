@@ -126,6 +126,13 @@ def configure(
         if adapter.kind == "nnx":
             reads = _nnx.reads_itself(loss_fn, model)
             _warn_reads(loss_fn, reads)
+            off = _nnx.dropout_off(model)
+            if off:
+                warnings.warn(
+                    errors.dropout_in_eval_mode(off),
+                    RuntimeWarning,
+                    stacklevel=_caller.user_level(),
+                )
     else:
         members_per_call = _population_options(
             pop, optimizer, opt_state, members_per_call
