@@ -80,7 +80,7 @@ def dtypes(a: Any, b: Any, h0: Any, acc_dtype: Any) -> Dtypes:
     is_complex = [jnp.issubdtype(dt, jnp.complexfloating) for dt in given]
     if any(is_complex):
         acc = _complex_of(acc)
-    out = np.dtype(b.dtype)
+    out = jax.dtypes.canonicalize_dtype(b.dtype)  # (float64 NumPy input, x64 off)
     if any(is_complex) and not jnp.issubdtype(out, jnp.complexfloating):
         out = _complex_of(out)
     return Dtypes(acc, out)

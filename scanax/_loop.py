@@ -86,6 +86,10 @@ class CarryCodec:
             )
         for i, (before, after) in enumerate(zip(self.leaves, leaves)):
             if i in self.carried:
+                if not _nnx.is_node(after) and not is_arraylike(after):
+                    raise _errors.carry_leaf_not_array(
+                        self.call, "carry" + jtu.keystr(self.paths[i]), before, after
+                    )
                 if _nnx.is_node(before) != _nnx.is_node(after):
                     raise _errors.carry_structure(
                         self.call,
@@ -377,8 +381,10 @@ def prepare(
         codec.check_places(given, new_carry)
         if plan.bcast_nodes or plan.scan_nodes:
             plan.check_unchanged(call, x_leaves, x_slices)
-        if not all(map(is_arraylike, jtu.tree_leaves(y, is_leaf=_nnx.is_node))):
-            for path, leaf in jtu.tree_flatten_with_path(y, is_leaf=_nnx.is_node)[0]:
+        # (NNX Variables and modules are pytrees of arrays here, as lax.scan
+        # stacks them)
+        if not all(map(is_arraylike, jtu.tree_leaves(y))):
+            for path, leaf in jtu.tree_flatten_with_path(y)[0]:
                 if not is_arraylike(leaf):
                     raise _errors.bad_output_leaf(call, jtu.keystr(path), leaf)
         return new_dynamic, y

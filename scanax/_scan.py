@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
+
 from . import _eager, _long
 from ._loop import call_lowering, check_unroll, move_out_axes, prepare, run_lax
+from ._tree import as_int
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -117,6 +120,8 @@ def scan(
     # Un-jitted: compile once per distinct program. Not with a progress bar: each
     # call has its own bar for the program to report to (so its own program).
     if progress is False and _eager.active():
+        if isinstance(length, jax.Array):  # (concrete here: static, as lax.scan's)
+            length = length if as_int(length) is None else as_int(length)
         return _eager.call(
             scan,
             f,

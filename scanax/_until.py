@@ -44,6 +44,7 @@ from jax.extend.core import jaxprs_in_params
 from . import _caller, _eager, _long, _progress, _remat, _thin, _until_grad
 from ._errors import long as errors
 from ._loop import call_lowering, move_out_axes, prepare
+from ._tree import as_int
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -141,6 +142,8 @@ def scan_until(
     # Un-jitted: compile once per distinct program; not with a bar (each call has
     # its own bar for the program to report to), as in scanax.scan.
     if progress is False and _eager.active():
+        if isinstance(length, jax.Array):  # (concrete here: static, as lax.scan's)
+            length = length if as_int(length) is None else as_int(length)
         return _eager.call(
             scan_until,
             f,

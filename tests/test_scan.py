@@ -686,6 +686,51 @@ def test_error_nnx_carry_graph_changed_names_the_variables():
     np.testing.assert_array_equal(model.w[...], jnp.ones(2))
 
 
+def test_nnx_state_in_ys_is_stacked_as_lax_scan_does():
+    """NNX Variables and States in `y` (per-step gradients of an NNX step):
+    pytrees of arrays, stacked as lax.scan stacks them (they had been refused
+    as 'not an array': review 2026-12-07)."""
+    nnx = pytest.importorskip("flax.nnx")
+    params = nnx.state(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def step(h, x):
+        return h + x, jtu.tree_map(lambda p: p * x, params)
+
+    close(
+        scanax.scan(step, 0.0, jnp.arange(4.0)),
+        jax.lax.scan(step, 0.0, jnp.arange(4.0)),
+    )
+
+
+def test_error_carry_leaf_returned_as_no_array():
+    """A carried leaf that comes back as a string or a function: named by its
+    path (it had been JAX's 'not a valid JAX type' without one)."""
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax\.scan: carry\['status'\] is carried \(in `init` it is "
+        r"int 0\), but `f` returns str there, not an array",
+    ):
+        scanax.scan(
+            lambda c, x: ({"h": c["h"] + x, "status": "done"}, None),
+            {"h": jnp.zeros(()), "status": 0},
+            jnp.ones(3),
+        )
+
+
+def test_length_as_a_concrete_jax_integer():
+    """`length=jnp.int32(4)` outside jit is concrete, as lax.scan takes it (it
+    had been refused eagerly as 'a traced value')."""
+    f = lambda c, x: (c + x, c)
+    want = jax.lax.scan(f, 0.0, jnp.ones(4), length=jnp.int32(4))
+    close(scanax.scan(f, 0.0, jnp.ones(4), length=jnp.int32(4)), want)
+    stop = lambda c: c > 10
+    c, ys, steps = scanax.scan_until(
+        f, 0.0, jnp.ones(4), length=jnp.int32(4), until=stop
+    )
+    close((c, ys), want)
+    assert int(steps) == 4
+
+
 def test_error_lengths_differ_names_each_leaf():
     xs = {"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}
     with pytest.raises(

@@ -147,7 +147,10 @@ def not_scannable(call: str, path: str, leaf: Any, axis: int) -> TypeError:
     return TypeError(
         f"{call}: {path} is a {short_type(leaf)}, not an array, so it cannot be "
         f"scanned over (in_axes {axis}).\nFix: broadcast it with in_axes=None (it "
-        "then reaches `f` unchanged at every step), or make it an array."
+        "then reaches `f` unchanged at every step), or make it an array. A leaf "
+        "inside a module (an Equinox layer stacked by filter_vmap) takes an "
+        "in_axes tree of the module's shape: `jax.tree.map(lambda x: 0 if "
+        "eqx.is_array(x) else None, xs)`."
     )
 
 
@@ -275,6 +278,15 @@ def carry_structure(call: str, path: str, init_desc: str, out_desc: str) -> Type
         f"{out_desc}\nFix: return "
         "a carry built like `init` (same containers, keys and fields); keep values "
         "that change kind out of the carry."
+    )
+
+
+def carry_leaf_not_array(call: str, path: str, before: Any, after: Any) -> TypeError:
+    return TypeError(
+        f"{call}: {path} is carried (in `init` it is {short_type(before)}), but "
+        f"`f` returns {short_type(after)} there, not an array.\nFix: return an "
+        "array there (e.g. jnp.asarray(...)); keep values that are not arrays, "
+        "such as strings and functions, out of the carry or unchanged as in `init`."
     )
 
 
