@@ -1149,6 +1149,33 @@ def test_dropout_left_in_eval_mode_is_warned_and_trained_as_found():
         fit_quiet(model, opt, nnx_loss, (X, Y), steps=1, batch_size=BS, key=KEY)
 
 
+def test_an_iterator_used_up_by_a_call_before_is_said_so():
+    """An epoch loop over one generator: the second call gets no batch and had
+    returned 0 steps silently (Keras warns, review 2026-12-07). Warned, with
+    the fix; a new generator per call trains each call."""
+    p = {"w": jnp.zeros((3, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    def loader():
+        return ((X[i : i + BS], Y[i : i + BS]) for i in range(0, 4 * BS, BS))
+
+    once = loader()
+    first = scanax.fit(p, optax.sgd(0.1), loss, once, steps=4, progress=False)
+    assert first.steps == 4
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"(?s)`data` gave no batch, so none of the 4 steps ran.*Fix: pass a new",
+    ):
+        again = scanax.fit(first.model, optax.sgd(0.1), loss, once, steps=4,
+                           progress=False)  # fmt: skip
+    assert again.steps == 0
+    fresh = scanax.fit(first.model, optax.sgd(0.1), loss, loader(), steps=4,
+                       progress=False)  # fmt: skip
+    assert fresh.steps == 4
+
+
 def test_error_loss_fn_failing_on_the_training_batches():
     """A loss that fails while it is traced on the training batches (data of
     another width than the model's: JAX's own shape error from inside it) is
@@ -1373,6 +1400,9 @@ def _unchanged_after(call, model):
     return info.value
 
 
+# (trained with Dropout deterministic on purpose: its warning silenced, as a user
+# who means it would)
+@pytest.mark.filterwarnings("ignore:scanax.fit. the model's Dropout:RuntimeWarning")
 def test_fits_evaluation_uses_no_key_unless_the_model_draws_one_in_eval_mode():
     """fit's evaluation of a key-taking function without ``key=`` gets a
     placeholder: fine when the result does not depend on it (Dropout in eval

@@ -316,9 +316,10 @@ def test_a_state_fit_gives_back_unchanged_is_the_users_to_donate(on_mesh):
         return jnp.sum((p["w"] - b) ** 2)
 
     def batches():
-        given = scanax.fit(
-            p, optax.adam(0.1), loss, iter([]), steps=5, progress=False, **mesh
-        )
+        with pytest.warns(RuntimeWarning, match="`data` gave no batch"):
+            given = scanax.fit(
+                p, optax.adam(0.1), loss, iter([]), steps=5, progress=False, **mesh
+            )
         assert given.steps == 0
         _same_state(given.optimizer, optax.adam(0.1).init(p))
         for x in jax.tree.leaves(given.optimizer):
@@ -1028,9 +1029,13 @@ def test_a_call_that_trains_no_step_keeps_the_checkpoint_it_started_from(tmp_pat
     history failed inside orbax)."""
     batches = iter([batch_at(t) for t in range(12)])
     model, opt = nnx_pair()
-    for _ in range(3):
-        r = scanax.fit(model, opt, nnx_loss, batches, steps=8, progress=False,
-                       callbacks=[scanax.Checkpoint(tmp_path, every=4)])  # fmt: skip
+    for i in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            r = scanax.fit(model, opt, nnx_loss, batches, steps=8, progress=False,
+                           callbacks=[scanax.Checkpoint(tmp_path, every=4)])  # fmt: skip
+        # (the third: no batch left, said so)
+        assert ["gave no batch" in str(w.message) for w in caught] == [i == 2]
     assert r.steps == 0 and int(opt.step[...]) == 12
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [
         4,

@@ -110,6 +110,16 @@ def batch_size_missing(n: int) -> TypeError:
     )
 
 
+def data_gave_no_batch(steps: int) -> str:
+    return (
+        f"{CALL}: `data` gave no batch, so none of the {steps} steps ran: it is "
+        "empty, or an iterator used up before this call (a generator or "
+        "iter(loader) makes one pass).\nFix: pass a new iterator to each call "
+        "(make the generator again, or pass the loader itself, whose iter() "
+        "starts a new pass), or a list of batches."
+    )
+
+
 def data_empty(name: str, data: Any) -> ValueError:
     shapes = ", ".join(short_type(x) for x in jtu.tree_leaves(data))
     what = "scanax.Eval's data" if name == "eval_data" else "the training data"

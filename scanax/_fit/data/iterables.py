@@ -10,6 +10,7 @@ import base64
 import functools
 import itertools
 import json
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
+from ... import _caller
 from ..._errors import fit as errors, short_type
 from ..._tree import is_array
 
@@ -105,6 +107,7 @@ class IterSource:
         ``schedule.length``) and put on the devices (for the next call, while
         the previous one trains)."""
         k = self.micro  # batches per step (accumulate)
+        first = True
         while start < end:
             taken = self.take(
                 place.fewest(schedule.want(start, end)) * k, schedule.length * k
@@ -112,7 +115,14 @@ class IterSource:
             # Across processes: as many steps as the shortest iterable gave.
             count = place.fewest(0 if taken is None else taken[1] // k)
             if not count:
+                if first:  # (no step at all: an iterator used up by a call before)
+                    warnings.warn(
+                        errors.data_gave_no_batch(end - start),
+                        RuntimeWarning,
+                        stacklevel=_caller.user_level(),
+                    )
                 return
+            first = False
             xs = taken[0]
             if k > 1:  # [length * k, ...] -> [length, k, ...]
                 xs = jtu.tree_map(lambda a: a.reshape(-1, k, *a.shape[1:]), xs)
