@@ -921,10 +921,10 @@ ARRAYS = dict(steps=2, batch_size=BS)  # the valid options for (X, Y)
         ),
         (
             nnx_loss,
-            [batch_at(0), (X[:4], Y[:4])],
+            [batch_at(0), (X[:8, :2], Y[:8])],
             dict(steps=2, steps_per_call=2),
             TypeError,
-            r"(?s)batch 1 of `data` differs.*batch\[0\]\s+float32\[4, 3\]",
+            r"(?s)batch 1 of `data` differs.*batch\[0\]\s+float32\[8, 2\]",
         ),
         (
             _bad_metrics,
@@ -1174,6 +1174,33 @@ def test_an_iterator_used_up_by_a_call_before_is_said_so():
     fresh = scanax.fit(first.model, optax.sgd(0.1), loss, loader(), steps=4,
                        progress=False)  # fmt: skip
     assert fresh.steps == 4
+
+
+def test_an_incomplete_last_batch_ends_training_before_it():
+    """A loader's incomplete last batch (drop_last=False) had raised after
+    training, losing an Equinox or optax result (review 2026-12-07): it ends
+    the run as running out does, with a warning, the steps before it those
+    of the whole batches alone."""
+    p = {"w": jnp.zeros((3, 1))}
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
+    def loader(n):
+        return ((X[i : min(i + BS, n)], Y[i : min(i + BS, n)]) for i in range(0, n, BS))
+
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"(?s)batch 5 of `data` has 4 examples where the first had 8.*"
+        r"training ended before it.*drop_last=True",
+    ):
+        got = scanax.fit(p, optax.sgd(0.1), loss, loader(5 * BS + 4), steps=20,
+                         steps_per_call=3, progress=False)  # fmt: skip
+    want = scanax.fit(p, optax.sgd(0.1), loss, loader(5 * BS), steps=20,
+                      steps_per_call=3, progress=False)  # fmt: skip
+    assert got.steps == want.steps == 5
+    leaves_equal(got.model, want.model)
+    np.testing.assert_array_equal(got.history["loss"], want.history["loss"])
 
 
 def test_error_loss_fn_failing_on_the_training_batches():

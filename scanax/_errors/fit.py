@@ -110,6 +110,17 @@ def batch_size_missing(n: int) -> TypeError:
     )
 
 
+def short_batch_ends(index: int, n: int, first: int) -> str:
+    return (
+        f"{CALL}: batch {index} of `data` has {n} examples where the first had "
+        f"{first} (an incomplete last batch: a PyTorch DataLoader's default "
+        "drop_last=False): training ended before it, as when data runs out (one "
+        "compiled program takes one batch shape).\nFix: drop it at the source "
+        "(DataLoader(..., drop_last=True), Grain's batch(..., drop_remainder=True))"
+        " to end without this warning."
+    )
+
+
 def data_gave_no_batch(steps: int) -> str:
     return (
         f"{CALL}: `data` gave no batch, so none of the {steps} steps ran: it is "

@@ -52,6 +52,7 @@ class IterSource:
         self.from_list = isinstance(data, list) and all(is_array(b) for b in data)
         self.consumed = 0  # batches taken from the iterator so far
         self.treedef = None
+        self.short = False  # an incomplete last batch was met: the data's end
         self.types: list[tuple[tuple[int, ...], Any]] = []
         self.paths: list[str] = []
         self.impls: list[Any] = []  # per leaf: the PRNG impl of a key leaf, or None
@@ -212,14 +213,22 @@ class IterSource:
                 encode_state(state)
             for old in sorted(self.states)[:-3]:
                 del self.states[old]
-        batches = list(itertools.islice(self.iterator, count))
+        batches = [] if self.short else list(itertools.islice(self.iterator, count))
+        columns = []
+        for k, b in enumerate(batches):
+            try:
+                columns.append(self._leaves(b, self.consumed + k))
+            except _Short as short:  # (an incomplete last batch: the data's end)
+                warnings.warn(
+                    errors.short_batch_ends(self.consumed + k, *short.args),
+                    RuntimeWarning,
+                    stacklevel=_caller.user_level(),
+                )
+                self.short, batches = True, batches[:k]
+                break
         if not batches:
             return None
         self.consumed += len(batches)
-        columns = [
-            self._leaves(b, self.consumed - len(batches) + k)
-            for k, b in enumerate(batches)
-        ]
         stacked = []
         for j, (shape, dtype) in enumerate(self.types):
             col = np.empty((length, *shape), dtype)
@@ -269,9 +278,20 @@ class IterSource:
             for p, x, (s, d) in zip(self.paths, leaves, self.types)
             if x.shape != s or x.dtype != d
         ]
+        if rows and not self.from_list:
+            sizes = {x.shape[:1] for x in leaves}
+            if len(sizes) == 1 and all(
+                x.ndim and x.dtype == d and x.shape[1:] == s[1:] and x.shape[0] < s[0]
+                for x, (s, d) in zip(leaves, self.types)
+            ):  # fewer examples, nothing else changed
+                raise _Short(leaves[0].shape[0], self.types[0][0][0])
         if rows:
             raise errors.batch_shape_changed(index, rows, self.from_list)
         return leaves
+
+
+class _Short(Exception):
+    """A batch like the first but with fewer examples: ``(n, first's n)``."""
 
 
 def _resumable(obj: Any) -> tuple[Any, Any] | None:
