@@ -313,6 +313,24 @@ def test_an_unknown_keyword_names_the_nearest():
         fit(params0(), optax.adam(1e-2), eval_evry=5)
 
 
+@pytest.mark.parametrize(
+    "name, answer",
+    [
+        ("shuffle", r"key=jax\.random\.key\(seed\)"),
+        ("verbose", r"progress=False"),
+        ("validation_data", r"callbacks=\[scanax\.Eval\(\(x_val, y_val\), every=N\)\]"),
+        ("max_epochs", r"epochs=N"),
+    ],
+)
+def test_a_keras_or_lightning_keyword_names_fits_own(name, answer):
+    """Keras's and Lightning's keywords get fit's own for what they do (the
+    nearest spelling had sent `validation_data` to the old `eval_data`)."""
+    with pytest.raises(
+        TypeError, match=rf"keyword argument '{name}'\. In scanax\.fit that is {answer}"
+    ):
+        fit(params0(), optax.adam(1e-2), **{name: 1})
+
+
 def test_callbacks_hold_features_once_each():
     with pytest.raises(TypeError, match=r"callbacks\[0\] is .*scanax.Log\(fn"):
         fit(params0(), optax.adam(1e-2), [sink])

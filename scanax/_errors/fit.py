@@ -720,9 +720,30 @@ def callbacks_type(given: Any) -> TypeError:
     )
 
 
+# Keywords of Keras's `model.fit` and Lightning's `Trainer`, and fit's own for
+# what they do (checked before close spellings: `validation_data` is close to
+# `eval_data`, the old shorthand, where scanax.Eval is the answer).
+_PEERS = {
+    "shuffle": "key=jax.random.key(seed) (shuffles each epoch; key=None: in order)",
+    "verbose": "progress=False (no bar) or progress=True",
+    "validation_data": "callbacks=[scanax.Eval((x_val, y_val), every=N)]",
+    "validation_split": "callbacks=[scanax.Eval((x_val, y_val), every=N)] with "
+    "data you split off yourself",
+    "validation_freq": "scanax.Eval(..., every=N) (N in steps)",
+    "max_steps": "steps=N",
+    "max_epochs": "epochs=N",
+    "steps_per_execution": "steps_per_call=N",
+    "initial_epoch": "nothing: a later call continues from the optimizer's step",
+    "accumulate_grad_batches": "accumulate=N",
+}
+
+
 def unexpected_keyword(name: str, known: list[str]) -> TypeError:
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
+    if name in _PEERS:
+        hint = f" In scanax.fit that is {_PEERS[name]}."
+    else:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
     return TypeError(
         f"{CALL}() got an unexpected keyword argument {name!r}.{hint}\nFix: "
         "pass one of fit's keywords (see help(scanax.fit)), or a feature object "
