@@ -95,6 +95,23 @@ def test_resume_is_exact_and_needs_the_rng_state(tmp_path):
     )
 
 
+def test_a_resume_given_another_key_is_said_and_goes_on_from_the_saved_one(tmp_path):
+    """A second experiment pointed at the first one's directory (a new seed)
+    resumed it silently (review 2026-12-07): warned, naming the step. The run
+    goes on from the saved key, exactly as the first run's own resume."""
+    k0, k1 = jax.random.key(0), jax.random.key(1)
+    kw = dict(checkpoint_dir=tmp_path, checkpoint_every=6)
+    fit(*make(), 12, key=k0, **kw)
+    other_model, other_opt = make()
+    with pytest.warns(
+        RuntimeWarning, match=r"resumed from step 12 in .*a run given another key="
+    ):
+        fit(other_model, other_opt, 18, key=k1, **kw)
+    straight_model, straight_opt = make()
+    fit(straight_model, straight_opt, 18, key=k0)
+    leaves_equal(nnx.state(other_model), nnx.state(straight_model))
+
+
 def test_checkpoint_without_rng_state_is_refused(tmp_path):
     # A checkpoint that lacks the dropout RNG stream (here: written by a model with
     # deterministic dropout) cannot silently resume a model that has one.

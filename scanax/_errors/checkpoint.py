@@ -152,6 +152,16 @@ def checkpoint_at_end(directory: Any, end: int) -> str:
     )
 
 
+def checkpoint_other_key(directory: Any, step: int) -> str:
+    return (
+        f"{CALL}: resumed from step {step} in {directory}, a run given another "
+        "key=: its data order and randomness go on from the saved key, not from "
+        "the one given. If this is another experiment (a new seed, learning rate "
+        "or data), give it its own checkpoint directory: a directory resumes "
+        "whatever run of the same shapes saved there."
+    )
+
+
 def later_checkpoints_kept(directory: Any, later: list[int], end: int) -> str:
     return (
         f"{CALL}: the checkpoint directory {directory} also holds later step(s) "

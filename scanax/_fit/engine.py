@@ -209,6 +209,8 @@ class Run:
         if found is None or found[0] <= self.start:
             return
         step, saved, key, history = found
+        if not _same_key(key, self.key):  # (the saved one goes on: the run's)
+            self.warn(ckpt_errors.checkpoint_other_key(ckpt.directory, step))
         self.state = self.kind.load(self, saved)
         self.inputs = (self.inputs[0], self.kind.use_key(self, key))
         ckpt.last_saved = step
@@ -408,3 +410,19 @@ class Run:
         # cuts a chunk, and a cut chunk runs the rest of its window masked
         k = self.program.k
         return -(-every // k) * k
+
+
+def _same_key(saved: Any, given: Any) -> bool:
+    """Whether a checkpoint's key is the one this call was given (by value;
+    no key, or none saved: nothing to compare)."""
+    if saved is None or given is None:
+        return True
+    data = [
+        np.asarray(
+            jax.random.key_data(k)
+            if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)
+            else k
+        )
+        for k in (saved, given)
+    ]
+    return data[0].shape == data[1].shape and bool((data[0] == data[1]).all())
