@@ -15,7 +15,10 @@ CALL = "scanax.Stack"
 def not_sequence(layers: Any) -> TypeError:
     return TypeError(
         f"{CALL}: `layers` must be a sequence (list or tuple) of layers, got "
-        f"{short_type(layers)}.\nFix: pass Stack([layer_0, layer_1, ...])."
+        f"{short_type(layers)}.\nFix: pass Stack([layer_0, layer_1, ...]). Layers "
+        "already stacked into one (nnx.vmap, eqx.filter_vmap: each parameter with "
+        "a leading layer axis) are unstacked with `[jax.tree.map(lambda a: a[i], "
+        "stacked) for i in range(n)]`."
     )
 
 
