@@ -90,13 +90,21 @@ def eval_mode(tree: Any) -> None:
 
 def dropout_off(tree: Any) -> list[str]:
     """Attribute paths of the ``nnx.Dropout`` layers in ``tree`` with a rate
-    above 0 that are in eval mode (``deterministic``): ``[".drop"]``."""
+    above 0 that are in eval mode (``deterministic``), when the whole model is
+    as ``model.eval()`` leaves it (every Dropout deterministic, every BatchNorm
+    on its running averages): ``[".drop"]``. A model with one of them in train
+    mode was set up so on purpose: ``[]``."""
     nnx = _nnx()
-    return [
-        attribute_path(path) or "(the model)"
-        for path, x in nnx.graph.iter_graph(tree)
-        if isinstance(x, nnx.Dropout) and x.deterministic and x.rate > 0
-    ]
+    found = []
+    for path, x in nnx.graph.iter_graph(tree):
+        if isinstance(x, nnx.BatchNorm) and not x.use_running_average:
+            return []
+        if isinstance(x, nnx.Dropout):
+            if not x.deterministic:
+                return []
+            if x.rate > 0:
+                found.append(attribute_path(path) or "(the model)")
+    return found
 
 
 def unseeded_draws(tree: Any, run: Callable[[], Any]) -> tuple[Any, list[str]]:

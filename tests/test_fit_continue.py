@@ -700,8 +700,9 @@ def test_what_fit_gives_back_shares_no_kept_scalar():
         leaves = jax.tree.leaves(init(None))
         assert len({id(x) for x in leaves}) == len(leaves)
         assert leaves[0].weak_type == jnp.asarray(jnp.inf).weak_type
-    empty = [scanax.fit(ts_make(), None, ts_loss, iter([]), steps=3,
-                        progress=False) for _ in range(2)]  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="`data` gave no batch"):
+        empty = [scanax.fit(ts_make(), None, ts_loss, iter([]), steps=3,
+                            progress=False) for _ in range(2)]  # fmt: skip
     assert [r.steps for r in empty] == [0, 0]
     empty = [r.model for r in empty]
     assert empty[0].step is not empty[1].step
@@ -1035,7 +1036,7 @@ def test_a_call_that_trains_no_step_keeps_the_checkpoint_it_started_from(tmp_pat
             r = scanax.fit(model, opt, nnx_loss, batches, steps=8, progress=False,
                            callbacks=[scanax.Checkpoint(tmp_path, every=4)])  # fmt: skip
         # (the third: no batch left, said so)
-        assert ["gave no batch" in str(w.message) for w in caught] == [i == 2]
+        assert any("gave no batch" in str(w.message) for w in caught) == (i == 2)
     assert r.steps == 0 and int(opt.step[...]) == 12
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [
         4,
