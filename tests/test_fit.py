@@ -1203,6 +1203,25 @@ def test_an_incomplete_last_batch_ends_training_before_it():
     np.testing.assert_array_equal(got.history["loss"], want.history["loss"])
 
 
+def test_error_an_optimizer_made_for_another_model():
+    """An nnx.Optimizer kept after a layer of its model was replaced had given
+    lax.scan's carry-type error from inside fit (review 2026-12-07): named,
+    with the leaf and the fix, before any step; the fix trains."""
+    model, opt = nnx_pair()
+    fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS, key=KEY)
+    model.l2 = nnx.Linear(model.l2.in_features, 1, use_bias=False, rngs=nnx.Rngs(3))
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)the optimizer's state does not fit the model it trains: "
+        r"optimizer\.opt_state.*\['l2'\].*Fix: make the optimizer for this model",
+    ):
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS, key=KEY)
+    leaves_equal(nnx.state(model), before)
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    assert fit_quiet(model, opt, nnx_loss, (X, Y), steps=2, batch_size=BS).steps == 2
+
+
 def test_error_loss_fn_failing_on_the_training_batches():
     """A loss that fails while it is traced on the training batches (data of
     another width than the model's: JAX's own shape error from inside it) is

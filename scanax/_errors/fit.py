@@ -528,6 +528,15 @@ def dropout_in_eval_mode(paths: list[str]) -> str:
     )
 
 
+def optimizer_for_another_model(found: str) -> TypeError:
+    return TypeError(
+        f"{CALL}: the optimizer's state does not fit the model it trains: {found}. "
+        "It was made for another model, or the model changed (a layer replaced) "
+        "after the optimizer was made.\nFix: make the optimizer for this model: "
+        "optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)."
+    )
+
+
 def under_transformation(call: str) -> TypeError:
     return TypeError(
         f"{call}: cannot run inside jax.jit, jax.vmap, jax.grad or another JAX "

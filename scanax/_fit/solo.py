@@ -85,6 +85,10 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     try:
         result = run.go()
     except BaseException as err:
+        if run.done == start and isinstance(err, (TypeError, ValueError)):
+            found = getattr(adapter, "state_for_another_model", lambda: None)()
+            if found is not None:  # (failed tracing: nothing ran)
+                raise errors.optimizer_for_another_model(found) from err
         # (NNX objects keep the last checked state in place: the feed with it)
         if feed is not None and kind.finished is not None and base.kind == "nnx":
             feed.keep(kind.finished, feats.at_of(feed), run.done)

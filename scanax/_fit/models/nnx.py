@@ -17,7 +17,7 @@ import jax
 import jax.tree_util as jtu
 
 from ... import _caller, _nnx
-from ..._errors import evaluate as eval_errors, models as errors
+from ..._errors import evaluate as eval_errors, models as errors, short_type
 from ..._errors.fit import CALL as _CALL
 from . import step as _step
 from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
@@ -43,6 +43,34 @@ class NNXAdapter:
             v.get_raw_value() if isinstance(v, nnx.Variable) else v
             for v in self.variables
         ]
+
+    def state_for_another_model(self) -> str | None:
+        """Where the optimizer's state does not fit the model's parameters it
+        trains (an ``nnx.Optimizer`` made for another model, or the model
+        changed since): the first leaf that differs from what ``tx.init``
+        gives for them, described; None when it fits (or cannot be told).
+        Asked only after the step failed to trace: nothing on the normal path."""
+        nnx = sys.modules["flax.nnx"]
+        model, optimizer = self.objects
+        tx, wrt = getattr(optimizer, "tx", None), getattr(optimizer, "wrt", None)
+        if tx is None or wrt is None:
+            return None
+        try:
+            want = jax.eval_shape(tx.init, nnx.state(model, wrt))
+            have = jtu.tree_flatten_with_path(optimizer.opt_state)[0]
+        except Exception:  # noqa: BLE001 - no diagnosis
+            return None
+        want = jtu.tree_leaves(want)
+        for k, (path, x) in enumerate(have):
+            w = want[k] if k < len(want) else None
+            if w is None or (w.shape, w.dtype) != (x.shape, x.dtype):
+                got = f"optimizer.opt_state{jtu.keystr(path)} is {short_type(x)}"
+                return got + (f", the model's needs {short_type(w)}" if w else "")
+        if len(want) != len(have):
+            return (
+                f"the model's parameters need {len(want)} state leaves, not {len(have)}"
+            )
+        return None
 
     def fingerprint(self) -> Any:
         """The graph definition as a fingerprint (``_fingerprint``): equal for
