@@ -39,7 +39,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from . import _errors, _nnx
+from . import _nnx
 from ._tree import splice
 
 try:  # private JAX: the cheapest trace; without it, the public `jax.make_jaxpr`
@@ -106,30 +106,6 @@ def transformed() -> bool:
     return isinstance(jax.numpy.zeros(()), _Tracer)  # pragma: no cover - another JAX
 
 
-def _refuse_stale_reads(
-    fn: Callable,
-    consts: list,
-    nodes: list,
-    values: list,
-    paths: list,
-    changed: list[int],
-) -> None:
-    """Refuse a call that reads, from outside its arguments (a closure or a
-    global), the value of a Variable the call itself changes (an NNX object it
-    carries): that read is the value from before the call, where a Python
-    loop sees each step's. Found exactly: the value is one of the program's
-    closed-over constants."""
-    held = {id(c) for c in consts}
-    stale = [k for k in changed if id(values[k]) in held]
-    if stale:
-        names = []
-        for k in stale:
-            head, *rest = paths[k]
-            names.append(type(nodes[head]).__name__ + "".join(f".{p}" for p in rest))
-        call = "scanax.Stack" if fn.__name__ == "__call__" else f"scanax.{fn.__name__}"
-        raise _errors.nnx_stale_read(call, names)
-
-
 def _value(leaf: Any) -> Any:
     """An NNX graph leaf's value: a Variable's, or the leaf itself (an array
     attribute of a module is data in flax 0.12, flattened as it is)."""
@@ -165,7 +141,7 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     if node_idx:
         nodes = [leaves[i] for i in node_idx]
         try:
-            graphdef, variables, var_paths = _nnx.flatten(nodes)
+            graphdef, variables, _ = _nnx.flatten(nodes)
         except Exception:  # e.g. `nnx.capture`'s attributes next to a list's items
             variables = None
         if variables is None:
@@ -235,8 +211,6 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         plain = True
     if plain:  # outside the `except`: its error is not the context of another
         return _plain(fn, args, kwargs)
-    if found["changed"]:
-        _refuse_stale_reads(fn, consts, nodes, values, var_paths, found["changed"])
     outs = _program(jaxpr)(*consts, *inputs)
     n = len(found["where"])
     out_leaves = splice(found["leaves"], found["where"], outs[:n])

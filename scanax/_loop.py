@@ -119,6 +119,13 @@ class CarryCodec:
         self._check_types(dynamic_in, out)
         return out
 
+    def shared_variables(self, given: Any, paths: dict) -> dict:
+        """``{path: Variable}`` in ``given`` (the carry ``f`` gets) at the
+        paths of ``variables_at`` over the carry's own NNX objects."""
+        leaves = jtu.tree_leaves(given, is_leaf=_nnx.is_node)
+        found = _nnx.variables_at([leaves[i] for i in self.node_idx])
+        return {p: found[p] for p in paths if p in found}
+
     def check_places(self, given: Any, returned: Any) -> None:
         """Refuse a carry whose NNX objects ``f`` returns at other places than
         it was given them (a swap): each place's state is written back into the
@@ -364,21 +371,30 @@ def prepare(
         raise _errors.not_callable(call, f)
     plan = _plan_xs(call, xs, in_axes, length)
     codec = CarryCodec(call, init)
+    # Variables shared by the carry's NNX objects and those in xs: the carry
+    # changing one while `f` reads the xs copy, fixed before the scan, is
+    # refused (checked when `f` is traced: {path in the carry: xs name})
+    shared: dict = {}
     if codec.nodes and (plan.bcast_nodes or plan.scan_nodes):
-        carried = _nnx.variable_ids(codec.nodes)
         for i, name, *_ in plan.bcast_nodes + plan.scan_nodes:
-            if carried & _nnx.variable_ids([plan.leaves[i]]):
-                raise _errors.nnx_carried_and_in_xs(call, name)
+            ids = _nnx.variable_ids([plan.leaves[i]])
+            for path in _nnx.variables_at(codec.nodes, ids):
+                shared.setdefault(path, name)
 
     def body(dynamic, x_slices):
         x, x_leaves = plan.decode(x_slices)
         given = codec.decode(dynamic)
+        watched = codec.shared_variables(given, shared) if shared else {}
+        before = {p: v.get_raw_value() for p, v in watched.items()}
         out = f(given, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise _errors.not_a_pair(call, out)
         new_carry, y = out
         new_dynamic = codec.encode(new_carry, dynamic)
         codec.check_places(given, new_carry)
+        for path, var in watched.items():
+            if var.get_raw_value() is not before[path]:
+                raise _errors.nnx_carried_and_in_xs(call, shared[path])
         if plan.bcast_nodes or plan.scan_nodes:
             plan.check_unchanged(call, x_leaves, x_slices)
         # (NNX Variables and modules are pytrees of arrays here, as lax.scan

@@ -194,6 +194,19 @@ def variable_ids(nodes: list[Any]) -> set[int]:
     }
 
 
+def variables_at(nodes: list[Any], ids: set[int] | None = None) -> dict:
+    """``{path: Variable}`` of ``nodes``' Variables (those whose id is in
+    ``ids``, when given, and not RNG state: an ``nnx.Rngs`` shared by two
+    objects is the common idiom): the paths find the same Variables in a copy."""
+    nnx = _nnx()
+    return {
+        path: v
+        for path, v in nnx.graph.iter_graph(nodes)
+        if isinstance(v, nnx.Variable)
+        and (ids is None or (id(v) in ids and not isinstance(v, nnx.RngState)))
+    }
+
+
 def outside(nodes: list[Any]) -> list[tuple[tuple, Any]]:
     """``(path, object)`` of the outermost objects in ``nodes`` that hold a
     Variable NNX will not let the current trace write (it belongs to an outer

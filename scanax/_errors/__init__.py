@@ -321,23 +321,11 @@ def nnx_carry_moved(call: str, passed: str, returned: str) -> TypeError:
 
 def nnx_carried_and_in_xs(call: str, name: str) -> TypeError:
     return TypeError(
-        f"{call}: {name} shares Variables with an NNX object of the carry: the "
-        f"carry changes them each step, while `f` gets {name} as it was before "
-        "the scan, where a Python loop sees each step's values.\nFix: read the "
-        "object from the carry only; to use its values from before the scan, "
-        "pass a copy in xs: nnx.clone(...)."
-    )
-
-
-def nnx_stale_read(call: str, names: list[str]) -> TypeError:
-    listed = ", ".join(f"`{n}`" for n in names)
-    return TypeError(
-        f"{call}: `f` reads {listed} from outside its arguments (a closure or a "
-        "global), and the same object is passed in and changed by the call: that "
-        "read sees the value from before the call, where a Python loop sees each "
-        "step's. Nothing was run.\nFix: read the object through the argument `f` "
-        "is given (the carry), e.g. pass it on to a helper: `penalty(model)` "
-        "instead of a helper that reads a global `model`."
+        f"{call}: {name} shares Variables with an NNX object of the carry, and "
+        f"`f` changes them through the carry, while {name} holds them as they "
+        "were before the scan, where a Python loop sees each step's values.\n"
+        "Fix: read the object from the carry only; to use its values from before "
+        "the scan, pass a copy in xs: nnx.clone(...)."
     )
 
 

@@ -116,7 +116,9 @@ class IterSource:
             # Across processes: as many steps as the shortest iterable gave.
             count = place.fewest(0 if taken is None else taken[1] // k)
             if not count:
-                if first:  # (no step at all: an iterator used up by a call before)
+                # (no step at all, nothing read before: an iterator used up by
+                # a call before; not after a short batch, or a resume at the end)
+                if first and not self.short and not self.consumed:
                     warnings.warn(
                         errors.data_gave_no_batch(end - start),
                         RuntimeWarning,
