@@ -94,8 +94,8 @@ class CarryCodec:
                     raise _errors.carry_structure(
                         self.call,
                         "carry" + jtu.keystr(self.paths[i]),
-                        _errors.short_type(before),
-                        _errors.short_type(after),
+                        _kind_and_type(before),
+                        _kind_and_type(after),
                     )
                 continue
             if not same_static(before, after):
@@ -210,6 +210,14 @@ class CarryCodec:
                     self._refuse_outside(err)
                 raise
         return self._rebuild(self.nodes, arrays)
+
+
+def _kind_and_type(x: Any) -> str:
+    """``Param float32[2, 2]`` for an NNX object, ``float32[2, 2]`` for an array:
+    what tells a Variable from its value."""
+    if _nnx.is_node(x):
+        return f"{type(x).__name__} {_errors.short_type(x)}"
+    return _errors.short_type(x)
 
 
 def _same_type(ta: Any, tb: Any) -> bool:

@@ -888,6 +888,19 @@ def test_error_carry_changes(new, msg):
         scanax.scan(lambda c, x: (new(c), None), init, jnp.ones(2))
 
 
+def test_error_carry_variable_returned_as_its_value_names_both():
+    """An NNX Variable carried, its value returned: the message had shown
+    `float32[2, 2]` twice (review 2026-12-07)."""
+    nnx = pytest.importorskip("flax.nnx")
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)init:     Param float32\[2, 2\]\n  returned: float32\[2, 2\]",
+    ):
+        scanax.scan(
+            lambda c, x: (c[...] * 1, None), nnx.Param(jnp.ones((2, 2))), jnp.ones(2)
+        )
+
+
 # case: (init, the body's new carry, the message's end, the dtype the fix starts
 # init in, or None where the fix casts the new carry back)
 DTYPE_FIXES = {
