@@ -441,16 +441,17 @@ def test_a_resume_with_another_key_uses_the_saved_key_for_everything(tmp_path):
         **kwargs,
     )
     again, again_opt = nnx_pair()
-    out = fit_quiet(
-        again,
-        again_opt,
-        keyed_loss,
-        (X, Y),
-        steps=8,
-        key=jr.key(2),
-        checkpoint_dir=directory,
-        **kwargs,
-    )
+    with pytest.warns(RuntimeWarning, match="a run given another key="):
+        out = fit_quiet(
+            again,
+            again_opt,
+            keyed_loss,
+            (X, Y),
+            steps=8,
+            key=jr.key(2),
+            checkpoint_dir=directory,
+            **kwargs,
+        )
     leaves_equal(nnx.state(again), nnx.state(model))
     np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
 
@@ -476,16 +477,17 @@ def test_a_population_with_shared_batches_resumes_with_the_saved_shuffle(tmp_pat
         **kwargs,
     )
     again = population()
-    out = fit_quiet(
-        again,
-        None,
-        eqx_loss,
-        (X, Y),
-        steps=8,
-        key=jr.key(2),
-        checkpoint_dir=directory,
-        **kwargs,
-    )
+    with pytest.warns(RuntimeWarning, match="a run given another key="):
+        out = fit_quiet(
+            again,
+            None,
+            eqx_loss,
+            (X, Y),
+            steps=8,
+            key=jr.key(2),
+            checkpoint_dir=directory,
+            **kwargs,
+        )
     leaves_equal(list(again.state), list(whole.state))
     np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
 
