@@ -98,19 +98,29 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, to) == to
+    except ValueError:
+        return False
+
+
 def _check_a(a: Any, b: Any, axis: int) -> None:
     if not _is_array(a) or not _inexact(a):
         raise errors.a_type(a)
-    try:
-        fits = np.broadcast_shapes(a.shape, b.shape) == b.shape
-    except ValueError:
-        fits = False
-    if fits:
+    if _broadcasts(a.shape, b.shape):
         # (aligned on the last axis, an `a` of 2+ axes short of the time axis
         # whose first is T long is read without time: per-batch where T == B)
         t = b.shape[axis]
         if 2 <= a.ndim < b.ndim - axis and a.shape[0] == t > 1:
             raise errors.a_ambiguous(a, b, axis)
+        # (an `a` that lines up with time but, lacking it, would fit b without
+        # its time axis: per sequence where a batch axis is as long as time)
+        if b.ndim - axis <= a.ndim < b.ndim and 2 <= a.ndim:
+            at_time = a.shape[axis - (b.ndim - a.ndim)]
+            timeless = b.shape[:axis] + b.shape[axis + 1 :]
+            if at_time == t > 1 and _broadcasts(a.shape, timeless):
+                raise errors.a_per_step_or_not(a, b, axis)
         return
     d = b.shape[-1]
     square = a.ndim >= 2 and a.shape[-2:] == (d, d)

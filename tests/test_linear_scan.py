@@ -547,5 +547,32 @@ def test_a_per_batch_decay_as_long_as_time_is_refused_as_ambiguous():
         h = a[i] * h + b[i]
         np.testing.assert_allclose(step[i], h, rtol=1e-5, atol=1e-6)
     linear_scan(a[None], b)  # (per batch row, said so)
-    linear_scan(a, jnp.swapaxes(b, 0, 1), axis=1)  # (batch-major: [T, D] per step)
+    linear_scan(a, jnp.swapaxes(b, 0, 1)[:3], axis=1)  # (batch-major, B != T: per step)
     del d
+
+
+def test_a_per_sequence_decay_on_batch_major_b_as_long_as_time_is_refused():
+    """b [B, T, D] with B == T: an a of [B, D] meant per sequence lines up
+    with [T, D] (per step) on the last axis: refused, naming both; each fix
+    equals its loop. B != T keeps [T, D] per step (review 2026-12-07: read
+    silently as per step)."""
+    t, d = 4, 3
+    b = jax.random.normal(jax.random.key(0), (t, t, d))
+    a = jax.nn.sigmoid(jax.random.normal(jax.random.key(1), (t, d)))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)is ambiguous.*may be meant per sequence.*Fix: per step, "
+        r"`a\[None\]` \(\[1, 4, 3\]\); the same at every step, `a\[:, None\]` "
+        r"\(\[4, 1, 3\]\)",
+    ):
+        linear_scan(a, b, axis=1)
+    step, _ = linear_scan(a[None], b, axis=1, method="sequential")
+    per_seq, _ = linear_scan(a[:, None], b, axis=1, method="sequential")
+    h_step = h_seq = jnp.zeros((t, d))
+    for i in range(t):  # both readings, by a loop
+        h_step = a[i] * h_step + b[:, i]
+        h_seq = a * h_seq + b[:, i]
+        np.testing.assert_allclose(step[:, i], h_step, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(per_seq[:, i], h_seq, rtol=1e-5, atol=1e-6)
+    other, _ = linear_scan(a, b[:3], axis=1, method="sequential")  # B != T
+    np.testing.assert_allclose(other, step[:3], rtol=1e-6)

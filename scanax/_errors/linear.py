@@ -74,6 +74,22 @@ def a_ambiguous(a: Any, b: Any, axis: int) -> ValueError:
     )
 
 
+def a_per_step_or_not(a: Any, b: Any, axis: int) -> ValueError:
+    lead = b.ndim - a.ndim  # (the axes a lacks in front)
+    at = axis - lead  # (a's axis that lines up with time)
+    full = (*(1,) * lead, *a.shape)
+    idx = ", ".join([":"] * (at + 1) + ["None"])
+    timeless = (*a.shape[: at + 1], 1, *a.shape[at + 1 :])
+    return ValueError(
+        f"{_CALL}: `a` {short_type(a)} against b {short_type(b)} (time on axis "
+        f"{axis}) is ambiguous: aligned on the last axis its axis {at} lines up "
+        f"with time (a decay per step), yet it also fits b without its time axis "
+        f"(b's axis {axis - 1} is as long as time, {b.shape[axis]}), so it may be "
+        f"meant per sequence.\nFix: per step, `a[{', '.join(['None'] * lead)}]` "
+        f"({_shape(full)}); the same at every step, `a[{idx}]` ({_shape(timeless)})."
+    )
+
+
 def a_shape(a: Any, b: Any, axis: int) -> ValueError:
     return ValueError(
         f"{_CALL}: `a` {short_type(a)} does not broadcast to b {short_type(b)} "
