@@ -116,7 +116,7 @@ def _check_a(a: Any, b: Any, axis: int) -> None:
             raise errors.a_ambiguous(a, b, axis)
         # (an `a` that lines up with time but, lacking it, would fit b without
         # its time axis: per sequence where a batch axis is as long as time)
-        if b.ndim - axis <= a.ndim < b.ndim and 2 <= a.ndim:
+        if b.ndim - axis <= a.ndim < b.ndim and a.ndim >= 2:
             at_time = a.shape[axis - (b.ndim - a.ndim)]
             timeless = b.shape[:axis] + b.shape[axis + 1 :]
             if at_time == t > 1 and _broadcasts(a.shape, timeless):

@@ -1126,3 +1126,163 @@ def test_ctrl_c_while_batches_are_read_keeps_the_call_in_flight_and_its_log_rows
     assert [s for s, _ in rows] == [5, 10, 15, 18, 20, 25, 30, 35, 40]
     np.testing.assert_allclose(np.array(rows), np.array(want), rtol=1e-6)
     leaves_equal(nnx.state(model), nnx.state(ref))
+
+
+# ------------------------------------------- errors and interrupts around saves
+
+
+def _csv_steps(path):
+    return [int(r["step"]) for r in read_csv(path)]
+
+
+def test_an_interrupted_save_leaves_the_log_rows_of_the_steps_the_objects_hold(
+    tmp_path, monkeypatch
+):
+    """Ctrl-C while checkpoint 40 is written: the objects hold step 40, and the
+    log has its rows up to 40 (before: the save ran before the log sinks, so
+    rows 35 and 40 were never written and the continued call went on at 45).
+    The continued call's rows and state equal an uninterrupted run's."""
+    from scanax._fit import checkpoint as ckpt_module
+
+    save = ckpt_module.Checkpoints.save
+    fire = [40]
+
+    def interrupted_save(self, step, *args, **kwargs):
+        if step == fire[0]:
+            fire[0] = None
+            raise KeyboardInterrupt
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.Checkpoints, "save", interrupted_save)
+
+    def run(model, opt, steps, tag):
+        callbacks = [
+            scanax.Checkpoint(tmp_path / f"ck{tag}", every=20),
+            scanax.CSV(tmp_path / f"{tag}.csv", every=5),
+        ]
+        return fit_quiet(model, opt, nnx_loss, (X, Y), steps=steps, batch_size=BS,
+                         key=KEY, steps_per_call=10, callbacks=callbacks)  # fmt: skip
+
+    model, opt = nnx_pair()
+    with pytest.raises(KeyboardInterrupt):
+        run(model, opt, 60, "cut")
+    assert int(opt.step[...]) == 40
+    assert _csv_steps(tmp_path / "cut.csv") == list(range(5, 41, 5))
+    run(model, opt, 20, "cut")
+    ref, ref_opt = nnx_pair()
+    run(ref, ref_opt, 60, "whole")
+    assert _csv_steps(tmp_path / "cut.csv") == list(range(5, 61, 5))
+    np.testing.assert_allclose(
+        [float(r["loss"]) for r in read_csv(tmp_path / "cut.csv")],
+        [float(r["loss"]) for r in read_csv(tmp_path / "whole.csv")],
+        rtol=1e-6,
+    )
+    leaves_equal(nnx.state(model), nnx.state(ref))
+
+
+def test_a_failed_save_says_which_step_the_nnx_objects_hold(tmp_path, monkeypatch):
+    """A checkpoint save that fails (the directory made read-only) after steps
+    ran: the error's note names the step the NNX objects hold and the steps=
+    that ends the run (before: only "run the same call again", which in the
+    same session trained 60 steps past the planned end). Following it ends as
+    the uninterrupted run; the failed save is not tried again."""
+    from scanax._fit import checkpoint as ckpt_module
+
+    write = ckpt_module._write_index
+    tried = []
+
+    def refused(directory, starts):
+        if 40 in starts:
+            tried.append(40)
+            raise PermissionError(13, "Permission denied", str(directory))
+        return write(directory, starts)
+
+    monkeypatch.setattr(ckpt_module, "_write_index", refused)
+    model, opt = nnx_pair()
+    kwargs = dict(batch_size=BS, key=KEY, steps_per_call=10)
+    with pytest.raises(PermissionError, match="saving checkpoint 40") as caught:
+        fit_quiet(model, opt, nnx_loss, (X, Y), steps=60,
+                  callbacks=[scanax.Checkpoint(tmp_path / "ck", every=20)], **kwargs)  # fmt: skip
+    assert tried == [40] and int(opt.step[...]) == 40
+    text = "".join(getattr(caught.value, "__notes__", []))
+    if sys.version_info >= (3, 11):
+        assert re.search(
+            r"stopped by this error; the NNX model and optimizer hold step 40 .*"
+            r"to end this run at step 60, pass steps=20\.",
+            text,
+        )
+    monkeypatch.setattr(ckpt_module, "_write_index", write)
+    fit_quiet(model, opt, nnx_loss, (X, Y), steps=20, **kwargs)
+    ref, ref_opt = nnx_pair()
+    fit_quiet(ref, ref_opt, nnx_loss, (X, Y), steps=60, **kwargs)
+    leaves_equal(nnx.state(model), nnx.state(ref))
+
+
+def _stream(fail_at=None, start=0, error=KeyboardInterrupt):
+    """Batches ``start``, ``start + 1``, ... of (X, Y) in order, raising
+    ``error`` when batch ``fail_at`` is asked for."""
+    x, y = np.asarray(X), np.asarray(Y)
+    n = len(x) // BS
+    for i in range(start, 1000):
+        if i == fail_at:
+            raise error
+        j = i % n
+        yield x[j * BS : (j + 1) * BS], y[j * BS : (j + 1) * BS]
+
+
+def test_ctrl_c_before_a_resumed_call_is_read_says_the_objects_are_as_given(tmp_path):
+    """A restarted job restores checkpoint 20, then Ctrl-C while its first
+    batches are read: the NNX objects are as given (no call was read), and the
+    note says so and that the same call resumes from checkpoint 20 (before: it
+    said they held step 20, and following its steps=20 ended the run 20 steps
+    short). The same call again ends as the uninterrupted run."""
+
+    def run(model, opt, data, steps):
+        return fit_quiet(model, opt, nnx_loss, data, steps=steps, steps_per_call=5,
+                         callbacks=[scanax.Checkpoint(tmp_path, every=10)])  # fmt: skip
+
+    run(*nnx_pair(), _stream(), 20)  # (the first job: died after step 20)
+    model, opt = nnx_pair()
+    given = jax.device_get(nnx.state((model, opt)))
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run(model, opt, _stream(22), 40)
+    leaves_equal(nnx.state((model, opt)), given)
+    if sys.version_info >= (3, 11):
+        text = "".join(getattr(caught.value, "__notes__", []))
+        assert re.search(
+            r"hold step 0, as given: checkpoint 20 was restored, but no call of it "
+            r"was read\. The same fit\(\.\.\., steps=40\) again resumes from "
+            r"checkpoint 20 and ends at step 40\.",
+            text,
+        )
+    run(model, opt, _stream(), 40)
+    ref, ref_opt = nnx_pair()
+    fit_quiet(ref, ref_opt, nnx_loss, _stream(), steps=40, steps_per_call=5)
+    leaves_equal(nnx.state(model), nnx.state(ref))
+
+
+@pytest.mark.parametrize("every", [None, 20])
+def test_a_failing_data_iterator_saves_the_last_checked_state_of_an_equinox_fit(
+    tmp_path, every
+):
+    """An Equinox fit's result is not returned when its data iterator raises:
+    with a Checkpoint, the last checked state (step 30) is saved before the
+    error goes on (before: nothing without every=, only step 20 with it, while
+    the log had rows up to 30), and the same call resumes there to end as the
+    uninterrupted run."""
+
+    def run(data):
+        return fit_quiet(eqx_model(), TX, eqx_loss, data, steps=50, steps_per_call=10,
+                         callbacks=[scanax.Checkpoint(tmp_path, every=every)])  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="loader died"):
+        run(_stream(30, error=RuntimeError("loader died")))
+    assert max(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == 30
+    resumed = run(_stream())  # (a resumed call skips the 30 batches used)
+    ref = fit_quiet(eqx_model(), TX, eqx_loss, _stream(), steps=50, steps_per_call=10)
+    import equinox as eqx
+
+    leaves_equal(
+        eqx.filter(resumed.model, eqx.is_array), eqx.filter(ref.model, eqx.is_array)
+    )
+    np.testing.assert_allclose(resumed.history["loss"], ref.history["loss"], rtol=1e-6)

@@ -808,23 +808,45 @@ def sinks_share_a_path(first: str, second: str, path: Any) -> ValueError:
     )
 
 
+def save_after_error_failed(step: int, err: BaseException) -> str:
+    cause = f"{type(err).__name__}: {err}".split("\n", 1)[0][:300]
+    return (
+        f"{CALL}: saving the last checked state (step {step}) after this error "
+        f"failed too: {cause}. The checkpoints before it are kept."
+    )
+
+
 def interrupted_nnx(
-    done: int, start: int, end: int, rewound: bool = False, ahead: int = 0
+    done: int,
+    start: int,
+    end: int,
+    rewound: bool = False,
+    ahead: int = 0,
+    restored: int | None = None,
+    how: str = "interrupted",
 ) -> str:
+    at = done if restored is None else restored  # (where the data stands)
     if rewound:
         read = (
-            f" The data iterator (resumable) was set back to step {done}: given "
+            f" The data iterator (resumable) was set back to step {at}: given "
             "again, it goes on from there."
         )
     elif ahead:
         read = (
-            f" The data iterator had given {ahead} batch(es) past step {done} "
+            f" The data iterator had given {ahead} batch(es) past step {at} "
             "(read ahead for the next call): they were not trained."
         )
     else:
         read = ""
+    if restored is not None and restored != done:
+        return (
+            f"{CALL}: {how}; the NNX model and optimizer hold step {done}, as "
+            f"given: checkpoint {restored} was restored, but no call of it was "
+            f"read. The same fit(..., steps={end - start}) again resumes from "
+            f"checkpoint {restored} and ends at step {end}." + read
+        )
     return (
-        f"{CALL}: interrupted; the NNX model and optimizer hold step {done} (the "
+        f"{CALL}: {how}; the NNX model and optimizer hold step {done} (the "
         f"last checked call; this call went from step {start} to {end}). Calling "
         f"the same fit(..., steps={end - start}) again trains that many more steps "
         f"from step {done}; to end this run at step {end}, pass steps={end - done}."

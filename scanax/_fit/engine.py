@@ -256,9 +256,11 @@ class Run:
         out: list = []
         if self.spec is not None:
             out.append(_fit_hooks.Bar(self.spec, self.kind.label))
+        # (the logs before the checkpoint: a save that fails or is interrupted
+        # leaves the rows of the steps the objects hold written)
+        out += [_fit_logs.Logs(logger) for logger in self.extras.loggers]
         if self.ckpt is not None:
             out.append(_fit_hooks.Saver(self.ckpt))
-        out += [_fit_logs.Logs(logger) for logger in self.extras.loggers]
         if self.extras.best is not None:
             out.append(self.extras.best)
         return out
@@ -275,8 +277,10 @@ class Run:
             self._loop(hooks, calls, first)
             for hook in hooks:
                 hook.end(self)
-        except BaseException:
+        except BaseException as err:
             self.kind.interrupted(self)
+            for hook in started:
+                hook.failed(self, err)
             raise
         finally:
             for hook in reversed(started):

@@ -38,6 +38,9 @@ class Hook(Protocol):
     def end(self, run: Any) -> None:
         """After the last call (not after an error or an interrupt)."""
 
+    def failed(self, run: Any, err: BaseException) -> None:
+        """After an error or an interrupt ended the run (before ``close``)."""
+
     def close(self, run: Any) -> None:
         """Always, last (also after an error)."""
 
@@ -90,6 +93,9 @@ class Bar:
                 self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.refresh()
 
+    def failed(self, run: Any, err: BaseException) -> None:
+        """(the bar closes as it stands)"""
+
     def close(self, run: Any) -> None:
         self.stack.close()
 
@@ -100,6 +106,7 @@ class Saver:
 
     def __init__(self, ckpt: Any):
         self.ckpt = ckpt
+        self.saving = False  # (a save under way: one that failed is not redone)
 
     def start(self, run: Any) -> None:
         """(the directory is only read until the first save)"""
@@ -107,14 +114,33 @@ class Saver:
     def after_call(self, run: Any, call: Collected) -> None:
         every = self.ckpt.every
         if call.complete and every and call.end % every == 0:
-            saved = run.kind.saved(run, call.state)
-            data = run.source.state_at(call.end - run.start)
-            self.ckpt.save(call.end, saved, run.key, run.history.result(), data)
+            self._save(run, call.end, call.state)
 
     def end(self, run: Any) -> None:
-        saved = run.kind.saved(run, run.state)
-        data = run.source.state_at(run.done - run.start)
-        self.ckpt.save(run.done, saved, run.key, run.history.result(), data)
+        self._save(run, run.done, run.state)
+
+    def failed(self, run: Any, err: BaseException) -> None:
+        """An error or Ctrl-C ended the run: the last checked state is saved
+        (an Equinox or TrainState result is not returned then), unless a save
+        was what failed or the newest checkpoint holds it already. A failure
+        of this save is added to ``err`` as a note."""
+        done = run.done
+        if self.saving or done == run.start or done == self.ckpt.last_saved:
+            return
+        if run.state.leaves is not run.good:  # (a call not yet checked)
+            return
+        try:
+            self._save(run, done, run.state)
+        except Exception as second:  # noqa: BLE001 - the run's own error goes on
+            if hasattr(err, "add_note"):
+                err.add_note(errors.save_after_error_failed(done, second))
+
+    def _save(self, run: Any, step: int, state: Carry) -> None:
+        saved = run.kind.saved(run, state)
+        data = run.source.state_at(step - run.start)
+        self.saving = True
+        self.ckpt.save(step, saved, run.key, run.history.result(), data)
+        self.saving = False
 
     def close(self, run: Any) -> None:
         """(the run closes its checkpoints: also when it was refused before

@@ -351,6 +351,9 @@ class Logs:
         self.logger.write(final=True)
         self.ended = True
 
+    def failed(self, run: Any, err: BaseException) -> None:
+        """(``close`` writes the last window)"""
+
     def close(self, run: Any) -> None:
         if not self.ended:
             # Interrupted or failed: the steps checked so far end a window, as

@@ -96,9 +96,12 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
             # (the NNX objects hold run.done: a resumable iterator given again
             # continues there; an Equinox or TrainState result is not returned)
             rewound = source.rewind(run.done - start)
-            if isinstance(err, KeyboardInterrupt):
-                _note(err, run.done, start, start + setup.steps, rewound,
-                      source.past(run.done - start))  # fmt: skip
+            if isinstance(err, KeyboardInterrupt) or run.done != start:
+                # (a checkpoint restored, no call of it read: the objects are
+                # as given, and the same call resumes from it)
+                held = run.done if kind.finished is not None else start
+                _note(err, held, start, start + setup.steps, rewound,
+                      source.past(run.done - start), run.done)  # fmt: skip
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
@@ -110,9 +113,13 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
 
 
 def _note(err: BaseException, done: int, start: int, end: int, *read: Any) -> None:
-    """Ctrl-C on an NNX fit: which step the objects hold, the ``steps=`` that
-    ends the run, and what became of the batches read ahead."""
-    note = errors.interrupted_nnx(done, start, end, *read)
+    """Ctrl-C on an NNX fit, or an error after steps ran (a failed save, the
+    data): which step the objects hold, the ``steps=`` that ends the run, and
+    what became of the batches read ahead."""
+    how = "stopped by this error"
+    if isinstance(err, KeyboardInterrupt):
+        how = "interrupted"
+    note = errors.interrupted_nnx(done, start, end, *read, how=how)
     if hasattr(err, "add_note"):  # (Python 3.11+)
         err.add_note(note)
     else:

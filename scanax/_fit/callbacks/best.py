@@ -229,5 +229,8 @@ class BestSaver:
     def end(self, run: Any) -> None:
         self.writer.flush()
 
+    def failed(self, run: Any, err: BaseException) -> None:
+        """(``close`` ends the writer: the best state offered so far)"""
+
     def close(self, run: Any) -> None:
         self.writer.close()
