@@ -362,44 +362,68 @@ def _run(
     remat: Any,
     unroll: int | bool,
 ) -> Any:
-    """One scan over a run's blocks, or a Python loop if they change ``x``'s type."""
-    start, _, repeats = piece
+    """One scan over a run's blocks; if they change ``x``'s type, the first
+    block called on its own and the rest scanned (a first layer that casts,
+    say bfloat16 input to float32 layers), else a Python loop."""
+    start, period, repeats = piece
     in_run = run_remat(remat)
 
-    def block(x, arrays, per_j, kw, looped):
+    def block(x, arrays, per_j, kw, looped, j):
         layers = run.block(arrays)
         for k, layer in enumerate(layers):
             kw_k = layer_kwargs(kw, per_j, k)
-            x = _called(adapter, layer, x, kw_k, in_run, start + k, looped)
+            i = start + j * period + k
+            x = _called(adapter, layer, x, kw_k, in_run, i, looped)
         return x, run.changes(layers, arrays)
 
     looped = _remat.in_loop(unroll, repeats)
 
-    def step(x, inp):
-        y, new = block(x, *inp, looped=looped)
-        check_carry(piece, x, y)
-        return y, new
+    def scanned(x, first):
+        """Blocks ``first`` on as one scan (``ShapeChange`` if they change x)."""
 
-    try:
+        def step(x, inp):
+            y, new = block(x, *inp, looped=looped, j=first)
+            check_carry(piece, x, y)
+            return y, new
+
+        def rest(a):
+            return a[first:] if _is_stacked(a) else a
+
+        arrays = [a[first:] for a in run.arrays]
         with jax.named_scope(f"scanax.Stack.{span(piece)}"):
-            x, new = scan(
+            return scan(
                 step,
                 x,
-                (run.arrays, per, kwargs),
-                length=repeats,
+                (arrays, jtu.tree_map(rest, per), kwargs),
+                length=repeats - first,
                 unroll=unroll,
                 in_axes=(0, 0, None),
                 remat=scan_remat(remat),
             )
+
+    def called(x, j):
+        # (straight-line code: the checkpoints keep CSE prevention)
+        arrays = [a[j] for a in run.arrays]
+        return block(x, arrays, pytree_view(per, j), kwargs, looped=False, j=j)
+
+    try:
+        x, new = scanned(x, 0)
     except ShapeChange:
-        # The layers change x's shape: no scan carry can hold it; loop instead.
-        news = []
-        for j in range(repeats):
-            arrays = [a[j] for a in run.arrays]
-            # (straight-line code: the checkpoints keep CSE prevention)
-            x, new_j = block(x, arrays, pytree_view(per, j), kwargs, looped=False)
-            news.append(new_j)
-        new = [jnp.stack(v) for v in zip(*news, strict=True)]
+        x, first = called(x, 0)
+        try:
+            if repeats < 3:  # (one block left: no scan for it)
+                raise ShapeChange(piece) from None
+            x, rest = scanned(x, 1)
+            new = [
+                jnp.concatenate([a[None], b]) for a, b in zip(first, rest, strict=True)
+            ]
+        except ShapeChange:
+            # The blocks change x's type each time: no scan carry can hold it.
+            news = [first]
+            for j in range(1, repeats):
+                x, new_j = called(x, j)
+                news.append(new_j)
+            new = [jnp.stack(v) for v in zip(*news, strict=True)]
     run.write_back(new)
     return x
 

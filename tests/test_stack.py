@@ -696,6 +696,49 @@ def test_identical_layers_that_change_static_parts_of_x_fall_back_to_a_loop():
     assert scans(lambda h: stack((h, ""))[0], x[0]) == []
 
 
+@pytest.mark.standard_promotion("bfloat16 input to float32 layers, on purpose")
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+def test_a_first_block_that_casts_x_is_called_alone_and_the_rest_scanned(kind):
+    """bfloat16 input to float32 layers: only the first layer changes x's
+    dtype, so it is called on its own and the other 7 are one scan (before:
+    the whole run fell back to a Python loop, 8 layers traced). Values and
+    gradients are the loop's."""
+    keys = jr.split(jr.key(0), 8)
+    if kind == "eqx":
+        layers = [eqx.nn.Linear(4, 4, key=k) for k in keys]
+    else:
+        layers = [nnx.Linear(4, 4, rngs=nnx.Rngs(int(i))) for i in range(8)]
+    stack = scanax.Stack(layers)
+    x = jr.normal(jr.key(1), (3, 4), jnp.bfloat16)
+    if kind == "eqx":
+        x = x[0]
+    assert scans(stack, x) == [7]
+    got, want = stack(x), loop(layers, x)
+    assert got.dtype == want.dtype == jnp.float32
+    close(got, want)
+    if kind == "eqx":
+        loss = lambda m, x: jnp.sum(jnp.sin(m(x)))
+        g = jit(jax.grad(loss))(stack, x)
+        ref = jax.grad(lambda ls, x: jnp.sum(jnp.sin(loop(ls, x))))(layers, x)
+        close([(layer.weight, layer.bias) for layer in g],
+              [(layer.weight, layer.bias) for layer in ref])  # fmt: skip
+
+
+def test_a_layer_failing_in_a_looped_run_is_named_by_its_own_index():
+    """Layers that change x's shape run as a loop; the one that fails (the
+    4th halving of 8) is named by its index with the layer before it as the
+    fix (before: layers[0], "must take the Stack's input")."""
+    layers = [Halving(jnp.float32(1.0 + i)) for i in range(4)]
+    stack = scanax.Stack(layers)
+    with pytest.raises(
+        (TypeError, ValueError),
+        match=r"(?s)scanax.Stack: layers\[3\] \(Halving\) raised .* on its input "
+        r"x float32\[1\].*Fix: layers\[3\] must take the output of layers\[2\]",
+    ):
+        stack(jnp.ones(8))
+    close(stack(jnp.ones(16)), loop(layers, jnp.ones(16)))
+
+
 # ---------------------------------------------------------------------------- why not
 
 
