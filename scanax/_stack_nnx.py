@@ -20,8 +20,10 @@ def _signature(layer: Any) -> Any:
     if not nnx.graph.is_graph_node(layer):
         return pytree_signature(layer)
     graphdef, state = nnx.split(layer)
+    # (a Variable's Python number is data, stacked as the array it becomes)
     return graphdef, [
-        ("array", tuple(x.shape), x.dtype) for x in jtu.tree_leaves(state)
+        ("array", tuple(jax.numpy.shape(x)), jax.numpy.result_type(x))
+        for x in jtu.tree_leaves(state)
     ]
 
 
@@ -50,12 +52,13 @@ def _check_owned(layers: list[Any]) -> None:
             continue
         for path, var in nnx.graph.iter_graph(layer):
             if isinstance(var, nnx.Variable):
+                _check_value(i, path, var)
                 key = id(var)
                 if key in seen and seen[key][0] != i:
                     j, _ = seen[key]
-                    raise errors.shared(
-                        j, i, jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
-                    )
+                    name = jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
+                    rng = isinstance(var, nnx.RngState)
+                    raise errors.shared(j, i, name, rng)
                 seen.setdefault(key, (i, ""))
 
 
@@ -186,6 +189,16 @@ def _errors_named(stack: Any, kwargs: dict):
         if nodes and mutation:
             raise errors.kwarg_mutated(nodes, stack.n) from err
         raise
+
+
+def _check_value(i: int, path: tuple, var: Any) -> None:
+    """A Variable's leaves are stacked as arrays: numbers or arrays only."""
+    for leaf in jtu.tree_leaves(var.get_value()):
+        if not isinstance(leaf, (bool, int, float, complex)) and not hasattr(
+            leaf, "dtype"
+        ):
+            name = jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
+            raise errors.variable_not_an_array(i, name, var, leaf)
 
 
 class NNXLayers(_stack.Layers):

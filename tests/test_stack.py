@@ -739,6 +739,73 @@ def test_a_layer_failing_in_a_looped_run_is_named_by_its_own_index():
     close(stack(jnp.ones(16)), loop(layers, jnp.ones(16)))
 
 
+class NNXScaled(nnx.Module):
+    """A Python number in a Variable (a scale), and a counter from 0."""
+
+    def __init__(self, scale, seed):
+        self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(seed))
+        self.scale = nnx.Variable(scale)
+        self.count = nnx.BatchStat(0)
+
+    def __call__(self, x):
+        self.count.set_value(self.count.get_value() + 1)
+        return jnp.tanh(self.lin(x)) * self.scale.get_value()
+
+
+@pytest.mark.standard_promotion("a Python int counter in a Variable, as NNX has it")
+def test_nnx_variables_holding_python_numbers_are_stacked_as_arrays():
+    """Variables holding a Python float and an int counter are stacked as
+    the arrays NNX makes of them (before: AttributeError 'float' object has
+    no attribute 'shape' at construction): the loop's values and counts; a
+    Variable holding a string is refused by its path."""
+    layers = [NNXScaled(0.5 + i, i) for i in range(3)]
+    ref = [NNXScaled(0.5 + i, i) for i in range(3)]
+    stack = scanax.Stack(layers)
+    assert stack.plan == ((0, 1, 3),)  # (one run of 3: stacked)
+    x = jnp.ones((2, 4))
+    close(stack(x), loop(ref, x))
+    assert [int(layer.count.get_value()) for layer in stack] == [1, 1, 1]
+    assert [layer.count.get_value() for layer in ref] == [1, 1, 1]
+
+    class Named(nnx.Module):
+        def __init__(self, seed):
+            self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(seed))
+            self.name = nnx.Variable("block")
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)scanax.Stack: layers\[0\]\.name \(Variable\) holds str;.*Fix: "
+        "keep a value that is not an array as a plain attribute",
+    ):
+        scanax.Stack([Named(i) for i in range(3)])
+
+
+def test_nnx_layers_sharing_one_rngs_are_told_to_fork_it():
+    """Blocks that keep the same nnx.Rngs share its count: the fix named is
+    rngs.fork() per layer (before: "share weights explicitly"), and it works."""
+
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.rngs = rngs
+
+        def __call__(self, x):
+            return self.lin(x) + 0.1 * self.rngs.normal(x.shape)
+
+    rngs = nnx.Rngs(0)
+    with pytest.raises(
+        ValueError, match=r"(?s)share the Variable at \.rngs.*rngs\.fork\(\)"
+    ):
+        scanax.Stack([Noisy(rngs) for _ in range(3)])
+    layers = [Noisy(rngs.fork()) for _ in range(3)]
+    ref = nnx.clone(layers)
+    stack = scanax.Stack(layers)
+    close(stack(jnp.ones(4)), loop(ref, jnp.ones(4)))
+
+
 # ---------------------------------------------------------------------------- why not
 
 

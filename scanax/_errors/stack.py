@@ -69,11 +69,27 @@ def bad_index_type(i: Any) -> TypeError:
     )
 
 
-def shared(i: int, j: int, path: str) -> ValueError:
+def shared(i: int, j: int, path: str, rng: bool = False) -> ValueError:
+    fix = (
+        "give each layer its own random stream: build it with `rngs.fork()` (e.g. "
+        "`[Block(rngs.fork()) for _ in range(n)]`), or pass keys per layer with "
+        "per_layer="
+        if rng
+        else "build each layer with its own Variables (share weights explicitly, "
+        "outside the Stack)"
+    )
     return ValueError(
         f"{CALL}: layers[{i}] and layers[{j}] share the Variable at {path}; stacked "
-        "layers must own their Variables.\nFix: build each layer with its own "
-        "Variables (share weights explicitly, outside the Stack)."
+        f"layers must own their Variables.\nFix: {fix}."
+    )
+
+
+def variable_not_an_array(i: int, path: str, var: Any, leaf: Any) -> TypeError:
+    return TypeError(
+        f"{CALL}: layers[{i}]{path} ({type(var).__name__}) holds "
+        f"{short_type(leaf)}; a Stack stacks the values of Variables as arrays, so "
+        "they must be arrays or numbers.\nFix: keep a value that is not an array "
+        "as a plain attribute (static, not a Variable), or store it as an array."
     )
 
 
