@@ -208,8 +208,16 @@ def check_carry(piece: Piece, x: Any, out: Any) -> None:
     if types(x) != types(out):
         raise ShapeChange(piece)
     for a, b in zip(jtu.tree_leaves(x), jtu.tree_leaves(out), strict=True):
-        if not is_arraylike(a) and not same_static(a, b):
+        if is_arraylike(a):
+            # (under a mesh of explicit axes, a sharding is part of the type)
+            if _sharding(a) != _sharding(b):
+                raise ShapeChange(piece)
+        elif not same_static(a, b):
             raise ShapeChange(piece)
+
+
+def _sharding(x: Any) -> Any:
+    return getattr(jax.typeof(x), "sharding", None)
 
 
 def check_per_layer(per_layer: Any, n: int) -> dict:

@@ -90,19 +90,27 @@ class Run(_stack.Run):
     would no longer line up with the stacked ones.
     """
 
-    def __init__(self, node: Any, name: Callable[[tuple], str]):
+    def __init__(self, node: Any, name: Callable[[tuple], str], stacked: bool = False):
         self.node, self.name = node, name
         self.graphdef, state = nnx.split(node)
         self.arrays, self.treedef = jtu.tree_flatten(state)
+        # (a block's Variables: a stacked run's without the layer axis in
+        # their sharding annotations)
+        self.block_graph, self.block_def = self.graphdef, self.treedef
+        if stacked:
+            one = nnx.clone(node)
+            _layer_axis(nnx.state(one), add=False)
+            self.block_graph, state = nnx.split(one)
+            self.block_def = jtu.tree_structure(state)
         self.changed: list[int] = []
 
     def block(self, arrays: list[Any]) -> Any:
-        return nnx.merge(self.graphdef, jtu.tree_unflatten(self.treedef, arrays))
+        return nnx.merge(self.block_graph, jtu.tree_unflatten(self.block_def, arrays))
 
     def changes(self, block: Any, arrays: list[Any]) -> list[Any]:
         graphdef, after = nnx.split(block)
-        if graphdef != self.graphdef or jtu.tree_structure(after) != self.treedef:
-            before = _leaf_paths(jtu.tree_unflatten(self.treedef, arrays))
+        if graphdef != self.block_graph or jtu.tree_structure(after) != self.block_def:
+            before = _leaf_paths(jtu.tree_unflatten(self.block_def, arrays))
             now = _leaf_paths(after)
             raise errors.graph_changed(
                 [self.name(p) for p in now if p not in before],
@@ -191,6 +199,42 @@ def _errors_named(stack: Any, kwargs: dict):
         raise
 
 
+def _stacked_leaf(*xs: Any) -> Any:
+    """The layers' values of one leaf stacked; arrays placed on a mesh stay
+    placed as they were, with the new leading (layer) axis not split."""
+    out = jax.numpy.stack(xs)
+    sharding = getattr(xs[0], "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
+        out, jax.core.Tracer
+    ):
+        spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+        out = jax.device_put(out, jax.sharding.NamedSharding(sharding.mesh, spec))
+    return out
+
+
+def _layer_axis(state: Any, add: bool) -> Any:
+    """``state``'s Variables (stacked values) with the layer axis added to, or
+    removed from, their sharding annotation (``out_sharding``), as
+    ``nnx.vmap`` with ``transform_metadata={nnx.PARTITION_NAME: None}`` does;
+    the Variables' own axis hooks are called. In place; returns ``state``."""
+
+    def fix(var: Any) -> Any:
+        if not isinstance(var, nnx.Variable):
+            return var
+        names = var.get_metadata().get("out_sharding")
+        value = var.get_value()
+        if isinstance(names, (tuple, list)) and names and hasattr(value, "ndim"):
+            ndim = value.ndim
+            if add and len(names) == ndim - 1:
+                var.set_metadata(out_sharding=(None, *names))
+            elif not add and len(names) == ndim and names[0] is None:
+                var.set_metadata(out_sharding=tuple(names[1:]))
+        (var.add_axis if add else var.remove_axis)(0, None)
+        return var
+
+    return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def _check_value(i: int, path: tuple, var: Any) -> None:
     """A Variable's leaves are stacked as arrays: numbers or arrays only."""
     for leaf in jtu.tree_leaves(var.get_value()):
@@ -219,7 +263,7 @@ class NNXLayers(_stack.Layers):
     def stacked(self, blocks: list[tuple]) -> Any:
         graphdef, _ = nnx.split(blocks[0])
         states = [nnx.split(b)[1] for b in blocks]
-        stacked = jtu.tree_map(lambda *xs: jax.numpy.stack(xs), *states)
+        stacked = _layer_axis(jtu.tree_map(_stacked_leaf, *states), add=True)
         return nnx.List(list(nnx.merge(graphdef, stacked)))
 
     def store(self, pieces: list[Any]) -> Any:
@@ -227,7 +271,8 @@ class NNXLayers(_stack.Layers):
 
     def open(self, data: Any, start: int) -> Run:
         # A path in the run's first block: its first key is the layer in the block.
-        return Run(data, lambda path: _layer_name(start + path[0])(path[1:]))
+        name = lambda path: _layer_name(start + path[0])(path[1:])  # noqa: E731
+        return Run(data, name, stacked=True)
 
     def call(
         self, layer: Any, x: Any, kwargs: dict, remat: Any, i: int, looped: bool

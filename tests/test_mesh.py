@@ -354,3 +354,50 @@ def test_fsdp_leaves_a_size_0_parameter_replicated_across_calls():
     assert result.model["z"].sharding.is_fully_replicated
     assert result.model["w"].sharding.spec == P(None, "data")
     np.testing.assert_allclose(result.model["w"], alone.model["w"], rtol=1e-6)
+
+
+class StackedMLP(nnx.Module):
+    """Annotated layers in a Stack, and one outside it."""
+
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        layers = [nnx.Linear(8, 8, kernel_init=init, rngs=rngs) for _ in range(3)]
+        self.blocks = scanax.Stack(layers)
+        self.plain = nnx.Linear(8, 8, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.sum(self.plain(self.blocks(x)), axis=-1)
+
+
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_stacked_layers_keep_their_sharding_annotations_with_the_layer_axis(axes):
+    """Stacking adds the layer axis to each annotation, as nnx.vmap with
+    transform_metadata={nnx.PARTITION_NAME: None} does: a stacked kernel
+    [3, in, out] is split on its output axis, as its layers were (before:
+    (None, 'model') kept, so fit(mesh=) split the input axis); a layer taken
+    out of the Stack has its own annotation back. Under a mesh of explicit
+    axes, a first layer that shards x is called on its own (x's type changed:
+    before, JAX's scan error). Values equal the same layers looped."""
+    kind = getattr(jax.sharding.AxisType, axes.capitalize())
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(kind,) * 2)
+    x = jr.normal(jr.key(0), (8, 8))
+    with jax.set_mesh(mesh):  # (flax places annotated Variables eagerly)
+        model = StackedMLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+        kernel = model.blocks.pieces[0][0].kernel
+        assert kernel.get_metadata()["out_sharding"] == (None, None, "model")
+        assert kernel[...].sharding.spec == P(None, None, "model")
+        assert model.blocks[1].kernel.get_metadata()["out_sharding"] == (None, "model")
+        got = model.blocks(x)
+        want = x
+        for layer in model.blocks:
+            want = layer(want)
+    close(got, want)
+    if axes == "explicit":
+        return
+    loss = lambda m, b: jnp.mean(m(b) ** 2)  # noqa: E731
+    scanax.fit(model, opt, loss, x, steps=2, batch_size=4, key=KEY, progress=False,
+               mesh=mesh)  # fmt: skip
+    kernel = model.blocks.pieces[0][0].kernel
+    assert kernel[...].sharding.spec == P(None, None, "model")
+    assert model.plain.kernel[...].sharding.spec == P(None, "model")
