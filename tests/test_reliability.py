@@ -520,6 +520,27 @@ def test_a_resume_with_a_key_of_another_implementation_is_refused(tmp_path):
     assert int(optimizer.step[...]) == 0
 
 
+@pytest.mark.parametrize("saved, given", [("typed", "raw"), ("raw", "typed")])
+def test_a_resume_with_a_raw_key_of_a_typed_one_is_the_same_run(tmp_path, saved, given):
+    """jax.random.PRNGKey(1) and jax.random.key(1) hold the same bits: a run
+    saved with one resumes with the other and ends as the run never stopped
+    (before: refused as "another PRNG implementation")."""
+    make = {"typed": lambda: jr.key(1), "raw": lambda: jr.PRNGKey(1)}
+    kwargs = dict(batch_size=BS, checkpoint_dir=tmp_path / "ck")
+    fit_quiet(*nnx_pair(), keyed_loss, (X, Y), steps=4, key=make[saved](), **kwargs)
+    model, optimizer = nnx_pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no other-key warning either)
+        out = fit_quiet(
+            model, optimizer, keyed_loss, (X, Y), steps=8, key=make[given](), **kwargs
+        )
+    ref_model, ref_opt = nnx_pair()
+    ref = fit_quiet(ref_model, ref_opt, keyed_loss, (X, Y), steps=8, batch_size=BS,
+                    key=make[saved]())  # fmt: skip
+    np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
+    leaves_equal(nnx.state(model), nnx.state(ref_model))
+
+
 # ------------------------------------------------------------------ 7. keys as jax's
 
 

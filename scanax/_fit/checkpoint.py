@@ -86,6 +86,15 @@ def describe(x: Any) -> list:
     return [list(x.shape), np.dtype(x.dtype).name]
 
 
+def _same_kind_of_key(saved: list, given: list) -> bool:
+    """Two keys' descriptions: equal, or a raw key (``jax.random.PRNGKey``) and
+    a typed key of the default implementation (``jax.random.key``) with key
+    data of its shape: the same bits, the same shuffle and per-step keys."""
+    typed = describe(jr.key(0))
+    raw = [typed[0], "uint32"]
+    return saved == given or [saved, given] in ([typed, raw], [raw, typed])
+
+
 def _short(desc: list) -> str:
     shape, dtype = desc
     return f"{dtype}[{', '.join(map(str, shape))}]"
@@ -429,7 +438,7 @@ class Checkpoints:
             raise errors.checkpoint_mismatch(
                 at, "order", ", ".join(saved), ", ".join(self.names)
             )
-        if "key" in meta and meta["key"] != describe(key):
+        if "key" in meta and not _same_kind_of_key(meta["key"], describe(key)):
             raise errors.checkpoint_key_differs(
                 at, _short(meta["key"]), _short(describe(key))
             )
