@@ -384,10 +384,9 @@ def _run(
             x = _called(adapter, layer, x, kw_k, in_run, i, looped)
         return x, run.changes(layers, arrays)
 
-    looped = _remat.in_loop(unroll, repeats)
-
     def scanned(x, first):
         """Blocks ``first`` on as one scan (``ShapeChange`` if they change x)."""
+        looped = _remat.in_loop(unroll, repeats - first)
 
         def step(x, inp):
             y, new = block(x, *inp, looped=looped, j=first)

@@ -222,12 +222,10 @@ def _layer_axis(state: Any, add: bool) -> Any:
         if not isinstance(var, nnx.Variable):
             return var
         names = var.get_metadata().get("out_sharding")
-        value = var.get_value()
-        if isinstance(names, (tuple, list)) and names and hasattr(value, "ndim"):
-            ndim = value.ndim
-            if add and len(names) == ndim - 1:
+        if isinstance(names, (tuple, list)) and names:  # (short ones too)
+            if add:
                 var.set_metadata(out_sharding=(None, *names))
-            elif not add and len(names) == ndim and names[0] is None:
+            elif names[0] is None:
                 var.set_metadata(out_sharding=tuple(names[1:]))
         (var.add_axis if add else var.remove_axis)(0, None)
         return var

@@ -401,3 +401,28 @@ def test_stacked_layers_keep_their_sharding_annotations_with_the_layer_axis(axes
     kernel = model.blocks.pieces[0][0].kernel
     assert kernel[...].sharding.spec == P(None, None, "model")
     assert model.plain.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_a_short_sharding_annotation_gets_the_layer_axis_too():
+    """An annotation shorter than the kernel's rank (("model",): its first
+    axis split) is stacked as (None, "model"), as nnx.vmap gives it, and
+    fit(mesh=) keeps the layer axis whole (review: left ("model",), which
+    split the layers over the mesh)."""
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("model",))
+    with jax.set_mesh(mesh):
+        stack = scanax.Stack(
+            [nnx.Linear(8, 8, kernel_init=init, rngs=nnx.Rngs(i)) for i in range(4)]
+        )
+        opt = nnx.Optimizer(stack, TX, wrt=nnx.Param)
+    kernel = stack.pieces[0][0].kernel
+    assert kernel.get_metadata()["out_sharding"] == (None, "model")
+    assert stack[2].kernel.get_metadata()["out_sharding"] == ("model",)
+    x = jr.normal(jr.key(0), (8, 8))
+    loss = lambda m, b: jnp.mean(m(b) ** 2)  # noqa: E731
+    scanax.fit(
+        stack, opt, loss, x, steps=2, batch_size=4, key=KEY, progress=False, mesh=mesh
+    )
+    assert stack.pieces[0][0].kernel[...].sharding.spec == P(None, "model")

@@ -1307,3 +1307,70 @@ def test_a_failing_data_iterator_saves_the_last_checked_state_of_an_equinox_fit(
         eqx.filter(resumed.model, eqx.is_array), eqx.filter(ref.model, eqx.is_array)
     )
     np.testing.assert_allclose(resumed.history["loss"], ref.history["loss"], rtol=1e-6)
+
+
+class _Resumable:
+    """A resumable iterator of (X, Y)'s batches in order (Grain's
+    get_state/set_state), failing once when batch ``fail_at`` is drawn."""
+
+    def __init__(self, fail_at=None):
+        self.i, self.fail_at = 0, fail_at
+        self.x, self.y = np.asarray(X), np.asarray(Y)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError("loader died")
+        j = self.i % (len(self.x) // BS)
+        self.i += 1
+        return self.x[j * BS : (j + 1) * BS], self.y[j * BS : (j + 1) * BS]
+
+    def get_state(self):
+        return {"i": self.i}
+
+    def set_state(self, state):
+        self.i = int(state["i"])
+
+
+def test_a_save_after_a_failed_read_records_the_data_where_training_stopped(tmp_path):
+    """A resumable iterator failing midway through a read (batches 20, 21
+    drawn, 22 failed): the checkpoint saved for step 20 records the iterator
+    at 20, and the resumed run ends as the uninterrupted one (review: it
+    recorded 22, so two batches were never trained)."""
+
+    def run(data, directory=None):
+        callbacks = [] if directory is None else [scanax.Checkpoint(directory)]
+        return fit_quiet(eqx_model(), TX, eqx_loss, data, steps=40, steps_per_call=5,
+                         callbacks=callbacks)  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="loader died"):
+        run(_Resumable(fail_at=22), tmp_path)
+    resumed, ref = run(_Resumable(), tmp_path), run(_Resumable())
+    np.testing.assert_allclose(resumed.history["loss"], ref.history["loss"], rtol=1e-6)
+
+
+def test_a_save_after_an_error_failing_in_the_background_leaves_the_error(
+    tmp_path, monkeypatch
+):
+    """The save after a data error fails while written in the background (a
+    full disk): the data error is what is raised, the failed save a note on
+    it (review: the save's OSError replaced it)."""
+    from scanax._fit import checkpoint as ckpt_module
+
+    finish = ckpt_module.Checkpoints._finish
+
+    def full_disk(self):
+        if self.writing == 30:
+            raise OSError(28, "No space left on device")
+        return finish(self)
+
+    monkeypatch.setattr(ckpt_module.Checkpoints, "_finish", full_disk)
+    with pytest.raises(RuntimeError, match="loader died") as caught:
+        fit_quiet(eqx_model(), TX, eqx_loss, _stream(30, error=RuntimeError("loader died")),
+                  steps=50, steps_per_call=10, callbacks=[scanax.Checkpoint(tmp_path)])  # fmt: skip
+    if sys.version_info >= (3, 11):
+        text = "".join(getattr(caught.value, "__notes__", []))
+        assert "saving checkpoint 30" in text and "No space left" in text

@@ -267,7 +267,7 @@ class Run:
 
     def go(self) -> Any:
         """Train, then the kind's result (``Model``: a ``FitResult``)."""
-        hooks, started = self.hooks(), []
+        hooks, started, failing = self.hooks(), [], None
         self.kind.begin(self)
         try:
             calls, first = self.prepare()
@@ -278,6 +278,7 @@ class Run:
             for hook in hooks:
                 hook.end(self)
         except BaseException as err:
+            failing = err
             self.kind.interrupted(self)
             for hook in started:
                 hook.failed(self, err)
@@ -285,10 +286,24 @@ class Run:
         finally:
             for hook in reversed(started):
                 hook.close(self)
-            if self.ckpt is not None:
-                self.ckpt.close()
+            self._close_checkpoints(failing)
             self.execution.close()
         return self.kind.result(self)
+
+    def _close_checkpoints(self, failing: BaseException | None) -> None:
+        """Wait for the last save; when an error ends the run, a save that
+        failed in the background is added to it as a note (the run's own
+        error goes on)."""
+        if self.ckpt is None:
+            return
+        if failing is None:
+            self.ckpt.close()
+            return
+        try:
+            self.ckpt.close()
+        except Exception as err:  # noqa: BLE001 - (noted, not raised)
+            if hasattr(failing, "add_note"):
+                failing.add_note(str(err))
 
     def args(self, start: int, end: int, xs: Any) -> Chunk:
         """The compiled chunk's arguments for the steps ``start`` to ``end``."""

@@ -197,6 +197,9 @@ class IterSource:
         if not self.saved:
             return None
         taken = steps * self.micro
+        if taken in self.states:  # (kept before the read from there: one that
+            # failed midway has moved the iterator on)
+            return {"data_state": encode_state(self.states[taken])}
         if taken == self.consumed:
             return {"data_state": encode_state(self.resumable[0]())}
         before = [n for n in self.states if n <= taken]
