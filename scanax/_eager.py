@@ -113,6 +113,16 @@ def _value(leaf: Any) -> Any:
     return leaf if get is None else get()
 
 
+def _folded(x: Any) -> Any:
+    """An output the trace folded to a constant (JAX's literal classes: an
+    ``ndarray`` or a Python number subclass with a dtype) as the ``jax.Array``
+    a compiled call returns; anything else (static leaves) as it is."""
+    exact = (np.ndarray, int, float, complex, bool)
+    if isinstance(x, exact) and type(x) not in exact and hasattr(x, "dtype"):
+        return jax.numpy.asarray(x, x.dtype)
+    return x
+
+
 def _plain(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` as without this module: nothing inside is cached."""
     before = _local.plain
@@ -213,7 +223,7 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         return _plain(fn, args, kwargs)
     outs = _program(jaxpr)(*consts, *inputs)
     n = len(found["where"])
-    out_leaves = splice(found["leaves"], found["where"], outs[:n])
+    out_leaves = splice([_folded(x) for x in found["leaves"]], found["where"], outs[:n])
     for i, j in found["node_out"]:
         out_leaves[i] = nodes[j]
     for k, a in zip(found["changed"], outs[n:]):

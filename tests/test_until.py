@@ -82,6 +82,13 @@ def test_length_zero():
         lambda c, x: (c + 1, c), 0.0, length=0, until=lambda c: c > 1
     )
     assert float(carry) == 0.0 and ys.shape == (0,) and int(steps) == 0
+    # (called eagerly, the folded constant comes back as the jax.Array a
+    # compiled call gives: review, a JAX literal class that had no
+    # block_until_ready)
+    for out in (carry, ys, steps):
+        assert isinstance(out, jax.Array)
+        out.block_until_ready()
+    assert steps.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("reverse", [False, True])

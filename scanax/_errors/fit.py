@@ -355,6 +355,12 @@ def eval_every_missing(has_data: bool) -> TypeError:
         "compiled loop.\nFix: pass scanax.Eval((x_val, y_val), every=N) in "
         "callbacks (eval_every=N), e.g. N=100; or train by epochs= (then one "
         "evaluation per epoch)."
+        + (
+            ""
+            if has_data
+            else " To stop on a training or rollout metric (no validation "
+            "data), pass scanax.Eval(None, every=N)."
+        )
     )
 
 
