@@ -1257,6 +1257,9 @@ def test_error_disable_jit_turned_on_by_the_data_while_fit_runs():
 
     with pytest.raises(ValueError, match=r"cannot run under jax.disable_jit\(\)"):
         fit_quiet(p, optax.adam(0.1), loss, batches(), steps=4)
+    # the generator (and its disable_jit block) is freed with the error: fit
+    # keeps no reference cycle to it (one left jit off for later tests)
+    assert not jax.config.jax_disable_jit
 
 
 def test_error_parameters_on_an_explicit_mesh_without_mesh():

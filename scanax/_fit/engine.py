@@ -287,6 +287,8 @@ class Run:
             for hook in reversed(started):
                 hook.close(self)
             self._close_checkpoints(failing)
+            failing = None  # (no cycle through the traceback's frame: the
+            # error, and what its frames hold, are freed when it is)
             self.execution.close()
         return self.kind.result(self)
 
