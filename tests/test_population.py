@@ -261,6 +261,46 @@ def test_a_diverging_member_stops_alone():
         check_member("eqx", result, i, solo("eqx", i, lrs=lrs))
 
 
+def test_a_diverging_member_alone_in_its_group_ends_only_that_group():
+    """members_per_call=2 over 3 members: member 2 (alone in its group, with
+    its padding) stops; the warning says its group ends and the others train
+    as planned (review: "no member is left training, so the call ends")."""
+    lrs = np.array([1e-2, 3e-2, 1e30], np.float32)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"member 2 \(step .*no member of this group \(2\) is left training, "
+        r"so its call ends here; the other groups train as planned",
+    ):
+        _, result = pop_fit("eqx", lrs=lrs, members_per_call=2)
+    assert result.steps[0] == result.steps[1] == STEPS > result.steps[2]
+    for i in (0, 1):
+        check_member("eqx", result, i, solo("eqx", i, lrs=lrs))
+
+
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+def test_an_earlier_results_members_keep_that_results_state(kind):
+    """result.model[i] of a call, read after a later fit of the same
+    population, is that call's member, as a solo result's model is (review:
+    a live view of the population, giving the later call's state); the later
+    result gives the later state. A result's model and optimizer of one member
+    are made together."""
+    pop, first = pop_fit(kind, steps=5)
+    before = [state_of(kind, first.model[i], first.optimizer[i]) for i in range(N)]
+    _, second = pop_fit(kind, steps=5, pop=pop)
+    for i in range(N):
+        got = state_of(kind, first.model[i], first.optimizer[i])
+        allclose(got, before[i])
+        assert first.model[i] is first.model[i]
+        ref = solo(kind, i, steps=5)
+        allclose(got, state_of(kind, ref.model, ref.optimizer))
+    _, whole = pop_fit(kind, steps=10)
+    for i in range(N):
+        allclose(
+            state_of(kind, second.model[i], second.optimizer[i]),
+            state_of(kind, whole.model[i], whole.optimizer[i]),
+        )
+
+
 def test_new_hyperparameter_values_do_not_compile():
     pop_fit("nnx")
     with count_compiles() as c:

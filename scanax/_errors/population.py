@@ -156,16 +156,33 @@ def shared_batches_rollout() -> TypeError:
     )
 
 
+def every_member_stopped(n: int) -> str:
+    return (
+        f"{FIT}: every member of this population ({n}) stopped at a non-finite "
+        "loss or gradient in an earlier call (`pop.stopped`), so this call trains "
+        "none: its history is empty.\nFix: make a new population (with a smaller "
+        "learning rate, say) to train on."
+    )
+
+
 def nonfinite_members(
-    members: list[int], steps: list[int], n: int, training: int | None = None
+    members: list[int],
+    steps: list[int],
+    n: int,
+    training: int | None = None,
+    group: list[int] | None = None,
 ) -> str:
     shown = ", ".join(f"{m} (step {s})" for m, s in list(zip(members, steps))[:10])
     more = f" and {len(members) - 10} more" if len(members) > 10 else ""
-    others = (
-        "no member is left training, so the call ends here"
-        if training == 0
-        else "the other members train on"
-    )
+    if training != 0:
+        others = "the other members train on"
+    elif group is not None:  # (members_per_call: a group of the population)
+        others = (
+            f"no member of this group ({', '.join(map(str, group))}) is left "
+            "training, so its call ends here; the other groups train as planned"
+        )
+    else:
+        others = "no member is left training, so the call ends here"
     return (
         f"{FIT}: {len(members)} of {n} members stopped at a non-finite loss or "
         f"gradient: member {shown}{more}. Each keeps its last good state (its "

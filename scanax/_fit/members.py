@@ -313,12 +313,15 @@ class Group:
         if bad.any():  # (their bad step was not applied)
             self.mask = self.mask | bad
             rows = [m for m in np.flatnonzero(bad) if m < self.real]
+            group = [int(m) for m in self.idx[: self.real]]
+            group = group if len(group) < self.pop.n else None
             run.warn(
                 errors.nonfinite_members(
                     [int(self.idx[m]) for m in rows],
                     [start + int(counts[m]) + 1 for m in rows],
                     self.pop.n,
                     int((~self.mask[: self.real]).sum()),
+                    group,
                 )
             )
         recorded = run.history.add(start, ys, counts, ran)

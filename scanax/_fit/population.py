@@ -52,6 +52,12 @@ def fit_population(
     ``eval_takes``: what ``setup.eval_call`` takes after ``(model, batch)``, as
     ``loss_fn``'s (``(takes_hp, takes_key)``), when it evaluates."""
     start = pop.step  # (the run's first call from 0: ``warn_unreached``)
+    if np.all(pop.stopped):
+        warnings.warn(
+            errors.every_member_stopped(pop.n),
+            RuntimeWarning,
+            stacklevel=_caller.user_level(),
+        )
     sweep = Sweep(pop, setup, shared, eval_takes)
     # members_per_call=None: all at once if the first call fits in memory, else
     # the largest groups that do; decided from the compiled call before anything
@@ -262,8 +268,8 @@ class Sweep:
         if results[0].best_step is not None:
             best = np.concatenate([r.best_step for r in results])
         return FitResult(
-            _population.Members(pop, 0),
-            _population.Members(pop, 1),
+            _population.Members(pop, 0, made := {}),
+            _population.Members(pop, 1, made),
             history,
             np.concatenate([r.applied for r in results]),
             best,

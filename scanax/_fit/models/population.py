@@ -171,17 +171,20 @@ class Population:
         own = jtu.tree_structure(adapter.state)
         return adapter.make_call(fn)(jtu.tree_unflatten(own, leaves), *args)
 
-    def member(self, i: int) -> tuple[Any, Any]:
+    def member(self, i: int, state: list | None = None) -> tuple[Any, Any]:
         """Member ``i`` as an ordinary ``(model, optimizer)`` pair of its kind, built
-        by ``make`` and holding its trained state (made once per state)."""
+        by ``make`` and holding its trained state (made once per state), or the
+        state ``state`` (an earlier result's: made anew)."""
         i = member_index(i, self.n)
+        state = self.state if state is None else state
         found = self._members.get(i)
-        if found is not None and found[0] is self.state:
+        if found is not None and found[0] is state:
             return found[1]
         adapter = self.adapter(i)
         own = jtu.tree_structure(adapter.state)
-        pair = adapter.finish(jtu.tree_unflatten(own, [x[i] for x in self.state]))
-        self._members[i] = (self.state, pair)
+        pair = adapter.finish(jtu.tree_unflatten(own, [x[i] for x in state]))
+        if state is self.state:
+            self._members[i] = (state, pair)
         return pair
 
     def model_of(self, i: int, leaves: list) -> Any:
@@ -201,8 +204,11 @@ class Members(Sequence):
     """``result.model`` / ``result.optimizer`` of a population ``fit``: member ``i``
     (``[i]``) as an ordinary object of its kind, usable without scanax."""
 
-    def __init__(self, pop: Population, part: int):
+    def __init__(self, pop: Population, part: int, made: dict | None = None):
         self._pop, self._part = pop, part
+        self._state = pop.state  # (this result's: a later fit replaces pop's)
+        # members made after that (shared by a result's models and optimizers)
+        self._old: dict[int, Any] = {} if made is None else made
 
     def __len__(self) -> int:
         return self._pop.n
@@ -210,7 +216,12 @@ class Members(Sequence):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._pop.n))]
-        return self._pop.member(i)[self._part]
+        if self._state is self._pop.state:  # (pop.member(i)'s object)
+            return self._pop.member(i)[self._part]
+        i = member_index(i, self._pop.n)
+        if i not in self._old:
+            self._old[i] = self._pop.member(i, self._state)
+        return self._old[i][self._part]
 
     def __repr__(self) -> str:
         what = ("models", "optimizers")[self._part]
