@@ -97,7 +97,7 @@ class Run(_stack.Run):
         # (a block's Variables: a stacked run's without the layer axis in
         # their sharding annotations)
         self.block_graph, self.block_def = self.graphdef, self.treedef
-        if stacked:
+        if stacked and _annotated(state):  # (else a block's are the run's)
             one = nnx.clone(node)
             _layer_axis(nnx.state(one), add=False)
             self.block_graph, state = nnx.split(one)
@@ -212,15 +212,27 @@ def _stacked_leaf(*xs: Any) -> Any:
     return out
 
 
+def _variables(state: Any) -> list:
+    return jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _annotated(state: Any) -> bool:
+    """Whether a Variable of ``state`` has a sharding annotation."""
+    return any(
+        isinstance(var, nnx.Variable) and var.get_metadata().get("out_sharding")
+        for var in _variables(state)
+    )
+
+
 def _layer_axis(state: Any, add: bool) -> Any:
     """``state``'s Variables (stacked values) with the layer axis added to, or
     removed from, their sharding annotation (``out_sharding``), as
     ``nnx.vmap`` with ``transform_metadata={nnx.PARTITION_NAME: None}`` does;
     the Variables' own axis hooks are called. In place; returns ``state``."""
 
-    def fix(var: Any) -> Any:
+    for var in _variables(state):
         if not isinstance(var, nnx.Variable):
-            return var
+            continue
         names = var.get_metadata().get("out_sharding")
         if isinstance(names, (tuple, list)) and names:  # (short ones too)
             if add:
@@ -228,9 +240,7 @@ def _layer_axis(state: Any, add: bool) -> Any:
             elif names[0] is None:
                 var.set_metadata(out_sharding=tuple(names[1:]))
         (var.add_axis if add else var.remove_axis)(0, None)
-        return var
-
-    return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return state
 
 
 def _check_value(i: int, path: tuple, var: Any) -> None:
