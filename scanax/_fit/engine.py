@@ -267,7 +267,7 @@ class Run:
 
     def go(self) -> Any:
         """Train, then the kind's result (``Model``: a ``FitResult``)."""
-        hooks, started, failing = self.hooks(), [], None
+        hooks, started = self.hooks(), []
         self.kind.begin(self)
         try:
             calls, first = self.prepare()
@@ -278,34 +278,31 @@ class Run:
             for hook in hooks:
                 hook.end(self)
         except BaseException as err:
-            failing = err
             self.kind.interrupted(self)
             for hook in started:
                 hook.failed(self, err)
+            self._close(started, err)
             raise
-        finally:
-            for hook in reversed(started):
-                hook.close(self)
-            self._close_checkpoints(failing)
-            failing = None  # (no cycle through the traceback's frame: the
-            # error, and what its frames hold, are freed when it is)
-            self.execution.close()
+        self._close(started, None)
         return self.kind.result(self)
 
-    def _close_checkpoints(self, failing: BaseException | None) -> None:
-        """Wait for the last save; when an error ends the run, a save that
-        failed in the background is added to it as a note (the run's own
-        error goes on)."""
-        if self.ckpt is None:
-            return
-        if failing is None:
-            self.ckpt.close()
-            return
+    def _close(self, started: list, failing: BaseException | None) -> None:
+        """Close the started hooks (last first), the checkpoints (waiting for
+        the last save) and the execution. When an error ends the run, a save
+        that failed in the background is added to it as a note: the run's own
+        error goes on."""
+        for hook in reversed(started):
+            hook.close(self)
         try:
-            self.ckpt.close()
-        except Exception as err:  # noqa: BLE001 - (noted, not raised)
+            if self.ckpt is not None:
+                self.ckpt.close()
+        except Exception as err:
+            if failing is None:
+                raise
             if hasattr(failing, "add_note"):
                 failing.add_note(str(err))
+        finally:
+            self.execution.close()
 
     def args(self, start: int, end: int, xs: Any) -> Chunk:
         """The compiled chunk's arguments for the steps ``start`` to ``end``."""
