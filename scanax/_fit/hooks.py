@@ -122,18 +122,16 @@ class Saver:
     def failed(self, run: Any, err: BaseException) -> None:
         """An error or Ctrl-C ended the run: the last checked state is saved
         (an Equinox or TrainState result is not returned then), unless a save
-        was what failed or the newest checkpoint holds it already. A failure
-        of this save is added to ``err`` as a note."""
-        done = run.done
-        if self.saving or done == run.start or done == self.ckpt.last_saved:
-            return
-        if run.state.leaves is not run.good:  # (a call not yet checked)
+        was what failed or a call is in flight unchecked (``Checkpoints.save``
+        skips a step saved already, and the start). A failure of this save is
+        added to ``err`` as a note."""
+        if self.saving or run.state.leaves is not run.good:
             return
         try:
-            self._save(run, done, run.state)
+            self._save(run, run.done, run.state)
         except Exception as second:  # noqa: BLE001 - the run's own error goes on
             if hasattr(err, "add_note"):
-                err.add_note(errors.save_after_error_failed(done, second))
+                err.add_note(errors.save_after_error_failed(run.done, second))
 
     def _save(self, run: Any, step: int, state: Carry) -> None:
         saved = run.kind.saved(run, state)
