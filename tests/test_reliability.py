@@ -422,72 +422,44 @@ def keyed_loss(model, batch, key):
     return jnp.mean((model(x) - y - noise) ** 2)
 
 
+def resumed(make, loss, saved_key, given_key, directory, **kwargs):
+    """An uninterrupted 8-step run with ``saved_key``, and the same run saved
+    at step 4 then resumed to step 8 by a call given ``given_key``:
+    ``(whole, ref, again, out)``, each run's objects and result (``make()``:
+    a fit's first two arguments)."""
+    whole = make()
+    ref = fit_quiet(*whole, loss, (X, Y), steps=8, key=saved_key, **kwargs)
+    kwargs["checkpoint_dir"] = directory
+    fit_quiet(*make(), loss, (X, Y), steps=4, key=saved_key, **kwargs)
+    again = make()
+    out = fit_quiet(*again, loss, (X, Y), steps=8, key=given_key, **kwargs)
+    return whole, ref, again, out
+
+
 def test_a_resume_with_another_key_uses_the_saved_key_for_everything(tmp_path):
     """Saved at step 4 with key 1, resumed to step 8 with key 2: the shuffle and
     the per-step keys both continue key 1's run (docs/checkpoint.md)."""
-    kwargs = dict(batch_size=BS, steps_per_call=4)
-    model, optimizer = nnx_pair()
-    ref = fit_quiet(
-        model, optimizer, keyed_loss, (X, Y), steps=8, key=jr.key(1), **kwargs
-    )
-    directory = tmp_path / "ck"
-    fit_quiet(
-        *nnx_pair(),
-        keyed_loss,
-        (X, Y),
-        steps=4,
-        key=jr.key(1),
-        checkpoint_dir=directory,
-        **kwargs,
-    )
-    again, again_opt = nnx_pair()
     with pytest.warns(RuntimeWarning, match="a run given another key="):
-        out = fit_quiet(
-            again,
-            again_opt,
-            keyed_loss,
-            (X, Y),
-            steps=8,
-            key=jr.key(2),
-            checkpoint_dir=directory,
-            **kwargs,
-        )
+        (model, _), ref, (again, _), out = resumed(
+            nnx_pair, keyed_loss, jr.key(1), jr.key(2), tmp_path / "ck",
+            batch_size=BS, steps_per_call=4,
+        )  # fmt: skip
     leaves_equal(nnx.state(again), nnx.state(model))
     np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
 
 
 def test_a_population_with_shared_batches_resumes_with_the_saved_shuffle(tmp_path):
     def population():
-        return scanax.population(
+        pop = scanax.population(
             make_member, 2, key=jr.key(0), lr=jnp.array([1e-2, 3e-2])
         )
+        return pop, None
 
-    kwargs = dict(batch_size=BS, shared_batches=True, steps_per_call=4)
-    whole = population()
-    ref = fit_quiet(whole, None, eqx_loss, (X, Y), steps=8, key=jr.key(1), **kwargs)
-    directory = tmp_path / "ck"
-    fit_quiet(
-        population(),
-        None,
-        eqx_loss,
-        (X, Y),
-        steps=4,
-        key=jr.key(1),
-        checkpoint_dir=directory,
-        **kwargs,
-    )
-    again = population()
     with pytest.warns(RuntimeWarning, match="a run given another key="):
-        out = fit_quiet(
-            again,
-            None,
-            eqx_loss,
-            (X, Y),
-            steps=8,
-            key=jr.key(2),
-            checkpoint_dir=directory,
-            **kwargs,
-        )
+        (whole, _), ref, (again, _), out = resumed(
+            population, eqx_loss, jr.key(1), jr.key(2), tmp_path / "ck",
+            batch_size=BS, shared_batches=True, steps_per_call=4,
+        )  # fmt: skip
     leaves_equal(list(again.state), list(whole.state))
     np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
 
@@ -526,19 +498,14 @@ def test_a_resume_with_a_raw_key_of_a_typed_one_is_the_same_run(tmp_path, saved,
     saved with one resumes with the other and ends as the run never stopped
     (before: refused as "another PRNG implementation")."""
     make = {"typed": lambda: jr.key(1), "raw": lambda: jr.PRNGKey(1)}
-    kwargs = dict(batch_size=BS, checkpoint_dir=tmp_path / "ck")
-    fit_quiet(*nnx_pair(), keyed_loss, (X, Y), steps=4, key=make[saved](), **kwargs)
-    model, optimizer = nnx_pair()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no other-key warning either)
-        out = fit_quiet(
-            model, optimizer, keyed_loss, (X, Y), steps=8, key=make[given](), **kwargs
-        )
-    ref_model, ref_opt = nnx_pair()
-    ref = fit_quiet(ref_model, ref_opt, keyed_loss, (X, Y), steps=8, batch_size=BS,
-                    key=make[saved]())  # fmt: skip
+        (model, _), ref, (again, _), out = resumed(
+            nnx_pair, keyed_loss, make[saved](), make[given](), tmp_path / "ck",
+            batch_size=BS,
+        )  # fmt: skip
     np.testing.assert_array_equal(out.history["loss"], ref.history["loss"])
-    leaves_equal(nnx.state(model), nnx.state(ref_model))
+    leaves_equal(nnx.state(again), nnx.state(model))
 
 
 # ------------------------------------------------------------------ 7. keys as jax's
