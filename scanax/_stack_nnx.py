@@ -56,10 +56,14 @@ def _check_owned(layers: list[Any]) -> None:
                 key = id(var)
                 if key in seen and seen[key][0] != i:
                     j, _ = seen[key]
-                    name = jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
                     rng = isinstance(var, nnx.RngState)
-                    raise errors.shared(j, i, name, rng)
+                    raise errors.shared(j, i, _path_name(path), rng)
                 seen.setdefault(key, (i, ""))
+
+
+def _path_name(path: tuple) -> str:
+    """``.block.kernel`` for a graph path ``('block', 'kernel')``."""
+    return jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
 
 
 def _leaf_paths(state: Any) -> list[tuple]:
@@ -249,8 +253,7 @@ def _check_value(i: int, path: tuple, var: Any) -> None:
         if not isinstance(leaf, (bool, int, float, complex)) and not hasattr(
             leaf, "dtype"
         ):
-            name = jtu.keystr(tuple(jtu.GetAttrKey(str(p)) for p in path))
-            raise errors.variable_not_an_array(i, name, var, leaf)
+            raise errors.variable_not_an_array(i, _path_name(path), var, leaf)
 
 
 class NNXLayers(_stack.Layers):
