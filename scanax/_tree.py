@@ -25,6 +25,16 @@ def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def not_numeric(tree: Any) -> list[tuple[Any, Any]]:
+    """``(path, leaf)`` of the arrays in ``tree`` that JAX cannot hold: NumPy
+    arrays of strings, bytes, objects or dates."""
+    return [
+        (path, x)
+        for path, x in jtu.tree_flatten_with_path(tree)[0]
+        if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "OSUVMm"
+    ]
+
+
 def is_arraylike(x: Any) -> bool:
     """What ``lax.scan`` accepts as a carry leaf: arrays and Python numbers."""
     return is_array(x) or isinstance(x, (bool, int, float, complex))

@@ -475,6 +475,10 @@ def test_mesh_splits_the_batches():
     mesh = jax.make_mesh((4,), ("data",))
     got = evaluate(PARAMS, params_eval, (X, Y), batch_size=8, mesh=mesh)
     allclose(got, at_once(params_eval, PARAMS, (X, Y)))
+    # (the default batch size, 30, rounded down to 28 for the mesh: before, a
+    # refusal naming a batch_size never given)
+    got = evaluate(PARAMS, params_eval, (X, Y), mesh=mesh)
+    allclose(got, at_once(params_eval, PARAMS, (X, Y)))
 
 
 # ------------------------------------------------------------------ errors
@@ -603,8 +607,13 @@ def test_an_nnx_optimizer_given_as_the_model_is_named(call):
 @FOUR_DEVICES
 def test_mesh_errors(pop):
     mesh = jax.make_mesh((4,), ("data",))
-    with pytest.raises(ValueError, match="divisible by the mesh's 'data' axis"):
+    with pytest.raises(ValueError, match=r"`batch_size` \(6\) must be divisible by "):
         evaluate(PARAMS, params_eval, (X, Y), batch_size=6, mesh=mesh)
+    small = (X[:3], Y[:3])
+    with pytest.raises(ValueError, match=r"`batch_size` \(by default 3, the dataset's"):
+        evaluate(PARAMS, params_eval, small, mesh=mesh)
+    with pytest.raises(ValueError, match=r"`batch_size` \(3, the dataset's size: 8 is"):
+        evaluate(PARAMS, params_eval, small, batch_size=8, mesh=mesh)
     with pytest.raises(ValueError, match="no 'data' axis"):
         evaluate(PARAMS, params_eval, (X, Y), mesh=jax.make_mesh((4,), ("model",)))
     with pytest.raises(ValueError, match="not supported for a scanax.Population"):
@@ -737,21 +746,66 @@ def test_one_metric_rule_in_evaluate_and_fits_evaluation(metric, found):
         scanax.fit(PARAMS, optax.sgd(0.1), params_eval, (X, Y), eval_fn=eval_fn, **kw)
 
 
-def test_a_per_example_metric_is_refused_naming_it():
+def per_example_eval(params, batch):
+    x, y = batch
+    return params_eval(params, batch)[0], {"pred": x @ params["w"]}
+
+
+@pytest.mark.parametrize(
+    "batch_size, sizes",
+    [(8, (8, 6)), (10, (10, 20)), (30, (30, 60)), (None, (30, 60)), (64, (30, 60))],
+)
+def test_a_per_example_metric_is_refused_naming_it(batch_size, sizes):
     """A metric whose shape follows the batch size cannot be averaged over the
-    dataset (before: a raw broadcasting error of the last, smaller batch)."""
-
-    def eval_fn(params, batch):
-        x, y = batch
-        return params_eval(params, batch)[0], {"pred": x @ params["w"]}
-
+    dataset: refused whether the batches are uneven (before: a raw broadcasting
+    error of the last, smaller batch) or not (before: averaged position by
+    position over the batches, or returned per example from one batch)."""
+    a, b = sizes
     with pytest.raises(
         ValueError,
         match=r"(?s)^scanax.evaluate: `eval_fn` returns metrics whose shape depends "
-        r"on the batch size:\n  metrics\['pred'\]  \[8, 1\] \(batch of 8\), \[6, 1\] "
-        r"\(batch of 6\).*Fix: reduce it over the batch .* scanax.predict",
+        rf"on the batch size:\n  metrics\['pred'\]  \[{a}, 1\] \(batch of {a}\), "
+        rf"\[{b}, 1\] \(batch of {b}\).*Fix: reduce it over the batch .* "
+        "scanax.predict",
     ):
-        evaluate(PARAMS, eval_fn, (X, Y), batch_size=8)
+        evaluate(PARAMS, per_example_eval, (X, Y), batch_size=batch_size)
+
+
+def test_a_per_example_metric_in_fits_evaluation_is_refused_with_even_batches():
+    with pytest.raises(
+        ValueError, match=r"metrics\['pred'\]  \[10, 1\] \(batch of 10\)"
+    ):
+        scanax.fit(
+            PARAMS,
+            optax.sgd(0.1),
+            lambda p, b: params_eval(p, b)[0],
+            (X, Y),
+            steps=2,
+            batch_size=10,
+            key=jr.key(0),
+            progress=False,
+            callbacks=[
+                scanax.Eval((X, Y), every=2, batch_size=10, fn=per_example_eval)
+            ],
+        )
+
+
+def test_a_per_class_metric_and_a_fixed_batch_reshape_pass_with_even_batches():
+    """The second look at another batch size refuses only what changes with it:
+    a metric per class is kept, and a function that only takes its own batch
+    size (a reshape to it) still evaluates."""
+
+    def eval_fn(params, batch):
+        x, y = batch
+        err = (x @ params["w"] - y).reshape(10, 1)  # (only batches of 10)
+        return jnp.mean(err**2), {"per_col": jnp.mean(jnp.abs(x), axis=0)}
+
+    got = evaluate(PARAMS, eval_fn, (X, Y), batch_size=10)
+    want = {
+        "loss": jnp.mean((X @ PARAMS["w"] - Y) ** 2),
+        "per_col": jnp.mean(jnp.abs(X), 0),
+    }
+    allclose(got, want)
 
 
 def test_ratio_refuses_what_is_not_a_real_array():
@@ -871,3 +925,97 @@ def test_an_eval_fn_returning_only_metrics_is_told_to_add_its_loss():
         r"return `\(loss, \{...metrics\}\)`.*val_loss in fit",
     ):
         scanax.evaluate(PARAMS, metrics_only, (X, Y), batch_size=16)
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict", "fit"])
+def test_a_function_reading_the_nnx_model_from_outside_is_named(call):
+    """The user's model (in train mode: Dropout draws, BatchNorm updates) read
+    from the closure, not the eval-mode copy passed in: named with the fix
+    (before: flax's TraceContextError from inside the trace)."""
+    model = trained_net()
+    before = nnx.state(model)
+
+    def fn(m, batch):
+        x, y = batch
+        return model(x) if call == "predict" else jnp.mean((model(x) - y) ** 2)
+
+    name = {"evaluate": "eval_fn", "predict": "fn", "fit": "eval_fn"}[call]
+    with pytest.raises(
+        TypeError,
+        match=rf"(?s)^scanax.{call}: `{name}` reads the model as `model` from outside"
+        rf".*the copy in eval mode.*Fix: use the argument, def {name}\(model, batch\)",
+    ):
+        if call == "fit":
+            opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+            scanax.fit(
+                model, opt, lambda m, b: nnx_eval(m, b)[0], (X, Y), steps=2,
+                batch_size=10, key=jr.key(0), progress=False,
+                callbacks=[scanax.Eval((X, Y), every=2, fn=fn)],
+            )  # fmt: skip
+        else:
+            getattr(scanax, call)(model, fn, (X, Y), batch_size=10)
+    allclose(nnx.state(model), before)
+
+
+def test_ratio_counts_past_int32_are_summed_exactly():
+    """A per-token loss over 3e9 tokens (1e9 a batch): the int32 token counts'
+    sum is past int32's range (before: wrapped round, a negative loss), and
+    an integer numerator keeps its exact count."""
+    x = jnp.arange(3.0)
+
+    def eval_fn(params, batch):
+        tokens = jnp.int32(1_000_000_000) + batch[0].astype(jnp.int32)
+        # (the tokens a batch: 3e9 + 3 over 3 batches)
+        return scanax.Ratio(2.0 * tokens.astype(jnp.float32), tokens), {
+            "per_batch": scanax.Ratio(tokens, jnp.int32(1))
+        }
+
+    got = evaluate(PARAMS, eval_fn, x, batch_size=1)
+    assert got["loss"] == 2.0
+    assert got["per_batch"] == pytest.approx(1e9 + 1, rel=1e-7)
+
+
+def test_float64_metrics_are_kept_in_float64_with_x64():
+    """Under jax_enable_x64, a float64 metric (and a Ratio of int64 counts) is
+    summed and divided in float64 (before: cast to float32 and rounded)."""
+    with jax.enable_x64(True):
+        x = jnp.full((4,), 1 + 1e-12, jnp.float64)
+
+        def eval_fn(params, batch):
+            n = jnp.asarray(batch.shape[0], jnp.int64) * 10**10
+            return jnp.mean(batch), {"r": scanax.Ratio(n, n * 2)}
+
+        got = evaluate({"w": jnp.zeros((), jnp.float64)}, eval_fn, x, batch_size=3)
+    assert got["loss"] - 1 == pytest.approx(1e-12, rel=1e-3)
+    assert got["r"] == 0.5
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict", "fit", "fit eval"])
+def test_data_of_strings_or_objects_is_refused_by_path(call):
+    """A NumPy array JAX cannot hold (strings, objects) in the data: named by
+    its path with the fix (before: JAX's bare "Dtype <U1 is not a valid JAX
+    array type", or an abstract-array error)."""
+    ids = np.array([f"id{i}" for i in range(N)])
+    data = {"x": np.asarray(X), "y": np.asarray(Y), "ids": ids}
+
+    def fn(params, batch):
+        return params_eval(params, (batch["x"], batch["y"]))
+
+    name = "eval_data" if call == "fit eval" else "data"
+    with pytest.raises(
+        TypeError,
+        match=rf"(?s)^scanax.{call.split()[0]}: `{name}` holds arrays JAX cannot put "
+        rf"on a device.*{name}\['ids'\]  <U4 \[30\].*Fix: encode them as numbers",
+    ):
+        if call == "evaluate":
+            evaluate(PARAMS, fn, data)
+        elif call == "predict":
+            predict(PARAMS, lambda p, b: b["x"] @ p["w"], data)
+        else:
+            train = (X, Y) if call == "fit eval" else data
+            loss = params_eval if call == "fit eval" else fn
+            scanax.fit(
+                PARAMS, optax.sgd(0.1), lambda p, b: loss(p, b)[0], train, steps=2,
+                batch_size=10, progress=False,
+                callbacks=[scanax.Eval(data, every=2, fn=fn)] if call == "fit eval" else [],
+            )  # fmt: skip

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import _rollout_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -346,6 +347,72 @@ def test_errors_of_collect():
         _fit(rollout(collect=carry_dtype))
     with pytest.raises(TypeError, match="another structure"):
         _fit(rollout(collect=carry_tree))
+
+    def four(params, carry, key):
+        return (*job.collect(params, carry, key), None)
+
+    def empty(params, carry, key):
+        batch, s, m = job.collect(params, carry, key)
+        return jtu.tree_map(lambda x: x[:0], batch), s, m
+
+    with pytest.raises(TypeError, match=r"metrics\), got a tuple of 4\."):
+        _fit(rollout(collect=four))
+    # (before: a NaN loss for a mean, or training on nothing for a sum)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)the batch `collect` returns has no examples.*\['obs'\]: "
+        r"float32\[0, .*Fix: collect at least `minibatches` examples",
+    ):
+        _fit(rollout(collect=empty))
+
+
+def test_collect_drawing_from_the_models_own_rngs_is_named():
+    """collect sampling from the NNX model's own stream (model.rngs.action())
+    draws the same numbers every collection: the warning names collect and its
+    key (before: evaluate's warning, naming batches and evaluate's key=); with
+    the documented fix, reseeding from collect's key, each collection differs."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Policy(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 2, rngs=rngs)
+            self.rngs = rngs
+
+    def make_collect(reseed):
+        def collect(model, carry, key):
+            if reseed:
+                nnx.reseed(model, action=key)
+            obs = jr.normal(key, (8, 3))
+            return {"obs": obs}, carry + 1, {"u": jr.uniform(model.rngs.action())}
+
+        return collect
+
+    def loss_fn(model, mb):
+        return jnp.mean(model.lin(mb["obs"]) ** 2)
+
+    draws = {}
+    for reseed in (False, True):
+        m = Policy(nnx.Rngs(0, action=1))
+        r = scanax.Rollout(make_collect(reseed), lambda k: jnp.zeros(()), minibatches=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = scanax.fit(
+                m, nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param), loss_fn, r,
+                steps=8, key=KEY, progress=False,
+            )  # fmt: skip
+        draws[reseed] = np.asarray(out.history["rollout_u"])
+        said = [str(w.message) for w in caught if "own RNG stream" in str(w.message)]
+        if reseed:
+            assert not said
+        else:
+            assert said and all(
+                s.startswith("scanax.fit: Rollout's `collect` draws random numbers")
+                and "model.rngs.action" in s
+                and "nnx.reseed(model, action=key)" in s
+                for s in said
+            ), said
+    assert len(draws[False]) == 4 and len(set(draws[False].tolist())) == 1
+    assert len(set(draws[True].tolist())) == 4
 
 
 def test_a_rollout_kept_for_a_population_is_refused_for_one_model():

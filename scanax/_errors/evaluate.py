@@ -129,6 +129,18 @@ def own_rngs_drawn(call: str | None, streams: list[str]) -> str:
     )
 
 
+def own_rngs_drawn_in_collect(streams: list[str]) -> str:
+    names = ", ".join(f"model.{s}" for s in streams)
+    return (
+        "scanax.fit: Rollout's `collect` draws random numbers from the model's "
+        f"own RNG stream ({names}) (or moves it: rngs.fork()). collect is called "
+        "on a copy of the model in eval mode, so that stream never advances: "
+        "every collection draws the same numbers.\nFix: draw from collect's "
+        "`key` argument, e.g. jax.random.categorical(key, logits), or reseed "
+        "from it first: nnx.reseed(model, action=key) (naming your stream)."
+    )
+
+
 def mesh_type(call: str, mesh: Any) -> TypeError:
     return TypeError(
         f"{call}: `mesh` must be a jax.sharding.Mesh or None, got "
@@ -145,11 +157,20 @@ def mesh_axis(call: str, mesh: Any) -> ValueError:
     )
 
 
-def batch_not_divisible(call: str, batch_size: int, n: int) -> ValueError:
+def batch_not_divisible(
+    call: str, batch_size: int, n: int, given: Any = None
+) -> ValueError:
+    """``batch_size``: the batch size used; ``given``: the argument."""
+    if given is None:
+        what = f"`batch_size` (by default {batch_size}, the dataset's size)"
+    elif given != batch_size:
+        what = f"`batch_size` ({batch_size}, the dataset's size: {given} is more)"
+    else:
+        what = f"`batch_size` ({batch_size})"
     return ValueError(
-        f"{call}: `batch_size` ({batch_size}) must be divisible by the mesh's "
-        f"'data' axis ({n} devices), to split each batch evenly.\nFix: pass a "
-        f"batch_size that is a multiple of {n}."
+        f"{call}: {what} must be divisible by the mesh's 'data' axis ({n} "
+        "devices), to split each batch evenly.\nFix: pass a batch_size that is "
+        f"a multiple of {n}, at most the number of examples."
     )
 
 
@@ -208,6 +229,19 @@ def metric_shape_varies(
         "one value per class), of one fixed shape; a per-example value cannot be "
         "averaged over the dataset.\nFix: reduce it over the batch (jnp.mean(..., "
         "axis=0)); for per-example outputs, use scanax.predict."
+    )
+
+
+def fn_read_the_model(call: str, name: str, reads: str) -> TypeError:
+    """``name`` (an evaluation's or prediction's function) reads the NNX model
+    as ``reads`` from outside, and calling it changed that model's state."""
+    return TypeError(
+        f"{call}: `{name}` reads the model as `{reads}` from outside (its closure "
+        "or globals), not as its first argument. That is your model as it is, not "
+        f"the copy in eval mode that {call} passes, and calling it changed its "
+        "state (a Dropout's random count, BatchNorm statistics) inside the compiled "
+        f"program, which NNX refuses.\nFix: use the argument, def {name}(model, "
+        f"batch): ... model(x) ... (not `{reads}`)."
     )
 
 

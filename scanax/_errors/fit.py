@@ -102,6 +102,21 @@ def data_leading_axes(leaves: list[tuple[Any, Any]], name: str = "data") -> Valu
     )
 
 
+def data_not_numeric(
+    leaves: list[tuple[Any, Any]], name: str = "data", call: str = CALL
+) -> TypeError:
+    """``leaves``: ``(path, array)`` pairs JAX cannot hold (strings, objects)."""
+    body = listing(
+        [(f"{name}{jtu.keystr(p)}", f"{x.dtype} {list(x.shape)}") for p, x in leaves]
+    )
+    return TypeError(
+        f"{call}: `{name}` holds arrays JAX cannot put on a device (strings, "
+        f"objects or dates):\n{body}\nFix: encode them as numbers (strings as "
+        "integer ids of a vocabulary, e.g. np.unique(x, return_inverse=True)[1]), "
+        "or leave them out of the data."
+    )
+
+
 def batch_size_missing(n: int) -> TypeError:
     return TypeError(
         f"{CALL}: `data` is a pytree of arrays ({n} examples) but "

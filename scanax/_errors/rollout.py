@@ -58,9 +58,23 @@ def batch_size_given(batch_size: Any) -> TypeError:
 
 
 def output(out: Any) -> TypeError:
+    got = f"a tuple of {len(out)}" if isinstance(out, tuple) else short_type(out)
     return TypeError(
         f"{CALL}: `collect` must return (batch, carry) or (batch, carry, "
-        f"metrics), got {short_type(out)}.\nFix: return a tuple: {_FORM}."
+        f"metrics), got {got}.\nFix: return a tuple: {_FORM}."
+    )
+
+
+def batch_empty(value: Any) -> ValueError:
+    rows = [
+        f"  {jtu.keystr(p) or 'batch'}: {short_type(x)}"
+        for p, x in jtu.tree_flatten_with_path(value)[0]
+    ]
+    return ValueError(
+        f"{CALL}: the batch `collect` returns has no examples (a leading axis "
+        "of 0):\n" + "\n".join(rows) + "\nThere is nothing to train on: a mean "
+        "loss of it is NaN, a summed one 0.\nFix: collect at least `minibatches` "
+        "examples (the number of steps or environments collected is not 0)."
     )
 
 

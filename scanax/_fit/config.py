@@ -190,7 +190,7 @@ def configure(
     spec = place.bar(_progress.resolve(_CALL, progress))
     rules = stop if plateau is None else _fit_checks.Rules(stop, plateau)
     checks, eval_arrays, eval_call = _checks(
-        evaluation, every, rules, batch_size, loss_fn, pop is not None
+        evaluation, every, rules, batch_size, loss_fn, model, pop is not None
     )
     if key is None and eval_call is not None:  # (a placeholder key: unused?)
         _evaluate.fit_eval_key(
@@ -323,6 +323,7 @@ def _checks(
     stop: Any,
     batch_size: Any,
     loss_fn: Callable,
+    model: Any,
     population: bool = False,
 ) -> tuple[Any, Any, Any]:
     """``(checks, eval arrays, eval call)`` from ``Eval`` (``every``: its steps
@@ -358,9 +359,9 @@ def _checks(
         size = evaluation.batch_size
     name = "loss_fn" if evaluation.fn is None else "eval_fn"
     b = min(size, source.n)
-    fn = _evaluate.guarded(
-        loss_fn if evaluation.fn is None else evaluation.fn, _CALL, name, "eval_data"
-    )
+    fn = loss_fn if evaluation.fn is None else evaluation.fn
+    reads = None if population else _nnx.reads_itself(fn, model)
+    fn = _evaluate.guarded(fn, _CALL, name, "eval_data", reads=reads)
     if population:
         call = fn
     else:

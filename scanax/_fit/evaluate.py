@@ -29,7 +29,7 @@ from .._errors import (
     keys as key_errors,
     short_type,
 )
-from .._tree import as_int, is_array
+from .._tree import as_int, is_array, not_numeric
 from . import (
     keys as _keys,
     mesh as _mesh,
@@ -39,7 +39,7 @@ from . import (
 )
 from .models import step as _model_step
 
-_CALL, _PREDICT = errors.CALL, errors.PREDICT
+_CALL, _PREDICT, _FIT = errors.CALL, errors.PREDICT, fit_errors.CALL
 DEFAULT_BATCH = 1024  # as fit's eval_batch_size
 
 
@@ -132,11 +132,15 @@ def evaluate(
     _check_callable(_CALL, "eval_fn", eval_fn, target.members)
     n = _check_data(_CALL, data)
     b = _batch_size(_CALL, batch_size, n)
+    if batch_size is None:  # (the default, split evenly over a mesh)
+        b = _split_evenly(b, mesh)
     takes = _keys.arguments(eval_fn, _CALL, "eval_fn", target.members)
     _check_key(_CALL, key)
-    place = _placement(mesh, target, b)
+    place = _placement(mesh, target, b, batch_size)
+    reads = _nnx.reads_itself(eval_fn, model)
+    guarded_fn = guarded(eval_fn, _CALL, "eval_fn", hp=takes.hp_param, reads=reads)
     if takes.key and key is None:  # refused if the evaluation uses it
-        key = unused_key(_CALL, "eval_fn", target, eval_fn, takes, data, b)
+        key = unused_key(_CALL, "eval_fn", target, guarded_fn, takes, data, b)
     updates = target.updates
     identity = _fit_program.identity(
         target.identity,
@@ -148,7 +152,7 @@ def evaluate(
         b,
         place.mesh,
     )
-    call = _call(guarded(eval_fn, _CALL, "eval_fn", hp=takes.hp_param), *takes[:2])
+    call = _call(guarded_fn, *takes[:2])
 
     def build():
         run = target.runner(call)
@@ -234,10 +238,12 @@ def predict(
     b = _batch_size(_PREDICT, batch_size, n)
     takes = _keys.arguments(fn, _PREDICT, "fn", target.members)
     _check_key(_PREDICT, key)
+    reads = _nnx.reads_itself(fn, model)
+    guarded_fn = guarded(fn, _PREDICT, "fn", hp=takes.hp_param, reads=reads)
     if takes.key and key is None:  # refused if the outputs depend on it
-        key = unused_key(_PREDICT, "fn", target, fn, takes, data, b)
+        key = unused_key(_PREDICT, "fn", target, guarded_fn, takes, data, b)
     identity = _fit_program.identity(target.identity, fn, _PREDICT, n, b, takes[:2])
-    call = _call(guarded(fn, _PREDICT, "fn", hp=takes.hp_param), *takes[:2])
+    call = _call(guarded_fn, *takes[:2])
 
     def build():
         run = target.runner(call)
@@ -336,7 +342,11 @@ class Guarded:
             if self.reads is not None and _nnx.is_trace_level_error(err):
                 # (the model read from outside, written while traced: flax's
                 # TraceContextError, from a BatchNorm's statistics)
-                raise fit_errors.loss_fn_wrote_the_model(self.reads) from err
+                if self.call == _FIT and self.data == "data":  # (training)
+                    raise fit_errors.loss_fn_wrote_the_model(self.reads) from err
+                raise errors.fn_read_the_model(
+                    self.call, self.name, self.reads
+                ) from err
             if not isinstance(
                 err, (TypeError, ValueError, KeyError, IndexError, AttributeError)
             ):
@@ -436,6 +446,9 @@ def _check_data(call: str, data: Any) -> int:
     leaves = jtu.tree_leaves(data)
     if isinstance(data, list) or not leaves or not all(is_array(x) for x in leaves):
         raise errors.data_not_arrays(call, data)
+    bad = not_numeric(data)
+    if bad:
+        raise fit_errors.data_not_numeric(bad, call=call)
     sizes = {x.shape[0] if x.ndim else None for x in leaves}
     if None in sizes or len(sizes) > 1:
         raise errors.data_leading_axes(call, jtu.tree_flatten_with_path(data)[0])
@@ -468,7 +481,18 @@ def _check_key(call: str, key: Any) -> None:
     raise errors.key_type(call, key)
 
 
-def _placement(mesh: Any, target: _targets.Target, b: int) -> _mesh.Placement:
+def _split_evenly(b: int, mesh: Any) -> int:
+    """The default batch size ``b`` rounded down to a multiple of ``mesh``'s
+    ``"data"`` axis, where there is one (the rest is a last, smaller batch)."""
+    if isinstance(mesh, jax.sharding.Mesh) and _mesh.has_data_axis(mesh):
+        size = _mesh.data_size(mesh)
+        return b - b % size if b >= size else b
+    return b
+
+
+def _placement(
+    mesh: Any, target: _targets.Target, b: int, given: Any
+) -> _mesh.Placement:
     """Where the evaluation runs: the default device, or ``mesh`` (checked; its
     axes ``Auto``, as ``fit`` uses it) with each batch split over ``"data"``."""
     if mesh is None:
@@ -481,5 +505,5 @@ def _placement(mesh: Any, target: _targets.Target, b: int) -> _mesh.Placement:
         raise errors.mesh_axis(_CALL, mesh)
     size = _mesh.data_size(mesh)
     if b % size:
-        raise errors.batch_not_divisible(_CALL, b, size)
+        raise errors.batch_not_divisible(_CALL, b, size, given)
     return _mesh.Placement(_mesh.auto(mesh))

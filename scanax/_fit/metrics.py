@@ -6,7 +6,7 @@ of per-batch ratios) and ``over_dataset`` (batch means weighted by their sizes, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +151,7 @@ def over_dataset(
         return {k: _weighted(v, size) for k, v in values.items()}
 
     def add(a, b):
-        return jtu.tree_map(jnp.add, a, b)
+        return jtu.tree_map(_add, a, b, is_leaf=lambda x: isinstance(x, _Count))
 
     with jax.named_scope("scanax.evaluate"):
         total = None
@@ -169,21 +169,78 @@ def over_dataset(
             if total is not None:  # (a metric's shape must not depend on b)
                 _model_step.same_shapes(call, "eval_fn", total, last, (b, rest))
             total = last if total is None else add(total, last)
+        if not (full and rest):  # (one batch size seen: look at another)
+            size = b if full else rest
+            _per_example(call, lambda x: sums(x, 0, 2 * size), data, place, total, size)
         return {k: _mean(v, n) for k, v in total.items()}
+
+
+def _per_example(
+    call: str, sums: Callable, data: Any, place: Callable | None, total: dict, size: int
+) -> None:
+    """Refuse a metric whose shape follows the batch size when every batch had
+    ``size`` examples: the batch traced once more at twice that size (its result
+    unused, so XLA drops it) must give the same shapes. Only a metric that is not
+    a scalar can follow it; a function that cannot take another batch size
+    (a reshape to its own) has nothing to compare."""
+    if all(jnp.ndim(x) == 0 for x in jtu.tree_leaves(total)):
+        return
+    try:
+        batch = jtu.tree_map(
+            lambda x: jnp.zeros((2 * size, *x.shape[1:]), x.dtype), data
+        )
+        again = sums(batch if place is None else place(batch))
+    except Exception:  # noqa: BLE001
+        return
+    _model_step.same_shapes(call, "eval_fn", total, again, (size, 2 * size))
 
 
 def _weighted(value: Any, size: int) -> Any:
     """A batch's part of a dataset total: a mean times the batch's size, or a
-    Ratio's parts as they are (counts summed exactly as int32)."""
+    Ratio's parts as they are (integer counts summed exactly)."""
     if isinstance(value, Ratio):
-        return Ratio(_summand(value.num), _summand(value.den))
-    return jnp.asarray(value, jnp.float32) * size
+        return Ratio.tree_unflatten(None, (_summand(value.num), _summand(value.den)))
+    return jnp.asarray(value, _float(value)) * size
+
+
+class _Count(NamedTuple):
+    """An int32 count summed exactly past int32's range, ``hi * 2**16 + lo``
+    with ``0 <= lo < 2**16`` (to 2**47: a per-token loss's token count over
+    more than 2**31 tokens, which an int32 sum wraps round)."""
+
+    hi: Any
+    lo: Any
 
 
 def _summand(x: Any) -> Any:
     dtype = jnp.result_type(x)
-    exact = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
-    return jnp.asarray(x, jnp.int32 if exact else jnp.float32)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.asarray(x, _float(x))
+    if dtype.itemsize == 8:  # (int64 under jax_enable_x64: exact as it is)
+        return jnp.asarray(x)
+    x = jnp.asarray(x, jnp.int32)
+    return _Count(x >> 16, x & 0xFFFF)
+
+
+def _add(a: Any, b: Any) -> Any:
+    if isinstance(a, _Count):
+        lo = a.lo + b.lo
+        return _Count(a.hi + b.hi + (lo >> 16), lo & 0xFFFF)
+    return a + b
+
+
+def _float(x: Any) -> Any:
+    """What a metric is summed in: float32, or float64 for a float64 value
+    (under jax_enable_x64)."""
+    dtype = jnp.result_type(x)
+    wide = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 8
+    return jnp.float64 if wide else jnp.float32
+
+
+def _as(x: Any, dtype: Any) -> Any:
+    if isinstance(x, _Count):
+        return x.hi.astype(dtype) * 65536 + x.lo.astype(dtype)
+    return jnp.asarray(x, dtype)
 
 
 def _divide(num: Any, den: Any) -> Any:
@@ -194,6 +251,9 @@ def _divide(num: Any, den: Any) -> Any:
 
 def _mean(total: Any, n: int) -> Any:
     if isinstance(total, Ratio):
-        num, den = (jnp.asarray(x, jnp.float32) for x in (total.num, total.den))
-        return _divide(num, den)
+        parts = [x.hi if isinstance(x, _Count) else x for x in (total.num, total.den)]
+        floats = [_float(x) for x in parts if jnp.issubdtype(x.dtype, jnp.inexact)]
+        dtype = max(floats, key=lambda t: jnp.dtype(t).itemsize, default=None)
+        dtype = dtype or jnp.result_type(float)
+        return _divide(_as(total.num, dtype), _as(total.den, dtype))
     return total / n

@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ..._errors import fit as errors, rollout as rollout_errors
-from ..._tree import as_int, is_array
+from ..._tree import as_int, is_array, not_numeric
 from .. import mesh as _mesh
 from . import iterables as _iterables, rollout as _rollout
 
@@ -52,6 +52,9 @@ class ArraySource:
     LENGTH = 1000
 
     def __init__(self, data: Any, batch_size: Any, key: Any, name: str = "data"):
+        bad = not_numeric(data)
+        if bad:
+            raise errors.data_not_numeric(bad, name)
         sizes = [x.shape[0] if x.ndim else None for x in jtu.tree_leaves(data)]
         if None in sizes or len(set(sizes)) > 1:
             flat = jtu.tree_flatten_with_path(data)[0]

@@ -34,7 +34,7 @@ from ..._errors import rollout as errors
 from ..._once import once_if
 from ..._tree import is_array, is_arraylike
 from .. import feature as _feature
-from ..models import step as _model_step
+from ..models import nnx as _models_nnx, step as _model_step
 
 _FOLD = 2  # fit's key: split(key)[0] evaluations, [1] steps, fold_in(key, 2) here
 
@@ -226,7 +226,8 @@ class Collector:
 
     def collect(self, model: list, carry: Any, key: Any, hp: Any) -> tuple:
         """``(batch, carry, metrics)``, checked."""
-        out = self.view(model, hp, self.rollout.collect, carry, key)
+        with _models_nnx.collecting():  # (named in the warning of its own RNGs)
+            out = self.view(model, hp, self.rollout.collect, carry, key)
         if not isinstance(out, tuple) or len(out) not in (2, 3):
             raise errors.output(out)
         batch, new, metrics = (*out, {}) if len(out) == 2 else out
@@ -243,6 +244,8 @@ class Collector:
         sizes = {x.shape[0] for x in leaves}
         if len(sizes) > 1 or next(iter(sizes)) % self.rollout.minibatches:
             raise errors.batch_sizes(batch, self.rollout.minibatches)
+        if sizes == {0}:
+            raise errors.batch_empty(batch)
         for name in metrics:
             if (
                 not isinstance(name, str)

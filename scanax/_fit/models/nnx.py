@@ -7,10 +7,12 @@ objects is ``_nnx``'s.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -207,18 +209,36 @@ class NNXAdapter:
         return self.objects
 
 
+# Whether the model is called by Rollout's ``collect`` (``collecting``), for
+# the warning of ``evaluated``.
+_COLLECTING: contextvars.ContextVar = contextvars.ContextVar(
+    "collecting", default=False
+)
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[None]:
+    """Calls of the model in eval mode in this block are Rollout's ``collect``."""
+    token = _COLLECTING.set(True)
+    try:
+        yield
+    finally:
+        _COLLECTING.reset(token)
+
+
 def evaluated(model: Any, run: Callable, call: str | None = None) -> Any:
     """``run()`` (an evaluation of ``model``, a copy in eval mode), warning
-    when it moves the model's own RNG streams: every batch is evaluated on the
-    same copy, so its draws repeat (a warning: a stream forked for a Dropout
-    in eval mode moves and draws nothing)."""
+    when it moves the model's own RNG streams: every batch (every collection)
+    is evaluated on the same copy, so its draws repeat (a warning: a stream
+    forked for a Dropout in eval mode moves and draws nothing)."""
     out, drawn = _nnx.unseeded_draws(model, run)
     if drawn:
-        warnings.warn(
-            eval_errors.own_rngs_drawn(call, drawn),
-            RuntimeWarning,
-            stacklevel=_caller.user_level(),
+        message = (
+            eval_errors.own_rngs_drawn_in_collect(drawn)
+            if _COLLECTING.get()
+            else eval_errors.own_rngs_drawn(call, drawn)
         )
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller.user_level())
     return out
 
 
