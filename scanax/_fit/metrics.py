@@ -179,17 +179,18 @@ def _per_example(
     call: str, sums: Callable, data: Any, place: Callable | None, total: dict, size: int
 ) -> None:
     """Refuse a metric whose shape follows the batch size when every batch had
-    ``size`` examples: the batch traced once more at twice that size (its result
-    unused, so XLA drops it) must give the same shapes. Only a metric that is not
-    a scalar can follow it; a function that cannot take another batch size
-    (a reshape to its own) has nothing to compare."""
+    ``size`` examples: the function's shapes at twice that size (found by
+    ``jax.eval_shape``: nothing is added to the program, no callback of it runs)
+    must be the same. Only a metric that is not a scalar can follow it; a
+    function that cannot take another batch size (a reshape to its own) has
+    nothing to compare."""
     if all(jnp.ndim(x) == 0 for x in jtu.tree_leaves(total)):
         return
+    batch = jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct((2 * size, *x.shape[1:]), x.dtype), data
+    )
     try:
-        batch = jtu.tree_map(
-            lambda x: jnp.zeros((2 * size, *x.shape[1:]), x.dtype), data
-        )
-        again = sums(batch if place is None else place(batch))
+        again = jax.eval_shape(lambda b: sums(b if place is None else place(b)), batch)
     except Exception:  # noqa: BLE001
         return
     _model_step.same_shapes(call, "eval_fn", total, again, (size, 2 * size))
