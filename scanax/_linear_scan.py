@@ -86,10 +86,12 @@ def dtypes(a: Any, b: Any, h0: Any, acc_dtype: Any) -> Dtypes:
     return Dtypes(acc, out)
 
 
-def _as_array(x: Any, like: Any) -> Any:
-    """Python numbers as arrays of ``like``'s real (or complex) precision."""
+def _as_array(x: Any, like: Any, acc_dtype: Any) -> Any:
+    """Python numbers as arrays of the accumulation's real (or complex)
+    precision: ``like``'s or ``acc_dtype``'s, the wider (a decay of 0.999 with
+    bfloat16 ``b`` is not rounded to bfloat16's 1.0)."""
     if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
-        real = _real_of(like.dtype)
+        real = _real_of(dtypes(like, like, None, acc_dtype).acc)
         return jnp.asarray(x, _complex_of(real) if isinstance(x, complex) else real)
     return x
 
@@ -150,7 +152,7 @@ def _check(a, b, h0, axis, reset, seq_lengths, method, chunk, acc_dtype):
     if not -b.ndim <= ax < b.ndim:
         raise errors.bad_axis(axis, b)
     ax %= b.ndim
-    a = _as_array(a, b)
+    a = _as_array(a, b, acc_dtype)
     _check_a(a, b, ax)
     if h0 is not None:
         if not _is_array(h0) or not _inexact(h0):

@@ -14,6 +14,7 @@ import jax.tree_util as jtu
 
 from . import _backend, _cells, _eager, _nnx, _tree
 from ._errors import rnn as errors, seq_lengths_range, short_type
+from ._loop import check_unroll
 from ._scan import scan
 from ._tree import same_types
 
@@ -64,7 +65,7 @@ def _plan(
         width = x.shape[-1]
         if spec.in_width is not None and spec.in_width != width:
             raise errors.width(i, cell, spec.in_width, width, source)
-        default = spec.default_state(cell, batch, width, x0.dtype)
+        default = _default_state(i, spec, cell, batch, width, x0.dtype, init)
         if init is None:
             if default is None:
                 raise errors.no_state(i, cell, _cells.OUT_ATTRS)
@@ -75,7 +76,9 @@ def _plan(
                 alt = [
                     a
                     for a, b in other_axes
-                    if same_types(state, spec.default_state(cell, b, width, x0.dtype))
+                    if same_types(
+                        state, _default_state(i, spec, cell, b, width, x0.dtype, init)
+                    )
                 ]
                 alt_axis = alt[0] if alt else None
                 raise errors.init_state(i, cell, state, default, alt_axis)
@@ -104,6 +107,22 @@ def _plan(
         x = y
         source = f"the output of {errors.cell_name(i, cell)}"
     return specs, tuple(states)
+
+
+def _default_state(
+    i: int, spec: Any, cell: Any, batch: tuple, width: int, dtype: Any, init: Any
+) -> Any:
+    """The cell's default state (``Cell.default_state``), or None where its
+    ``initialize_carry`` takes other arguments than flax's and ``init`` is given
+    (nothing to check ``init`` against); refused naming the cell without ``init``."""
+    try:
+        return spec.default_state(cell, batch, width, dtype)
+    except TypeError as err:
+        if spec.kind != "flax":
+            raise
+        if init is not None:
+            return None
+        raise errors.initialize_carry_failed(i, cell, err) from err
 
 
 def _other_time_axes(xs: Any, ax: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -343,6 +362,7 @@ def rnn(
         >>> ys.shape
         (5, 3)
     """
+    check_unroll(errors.CALL, unroll)
     if _eager.active():  # un-jitted: compile once per distinct program
         _concrete_lengths(seq_lengths, xs, time_axis)
         return _eager.call(

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
+import jax.tree_util as jtu
 
-from . import _eager, _long
+from . import _eager, _errors as errors, _long
 from ._loop import call_lowering, check_unroll, move_out_axes, prepare, run_lax
-from ._tree import as_int
+from ._tree import as_int, not_numeric
 
 Carry = TypeVar("Carry")
 X = TypeVar("X")
@@ -117,6 +119,35 @@ def scan(
         (9.0, [0.0, 3.0, 6.0])
     """
     check_unroll(_CALL, unroll)
+    with _arrays_jax_holds(init, xs):
+        return _scan(
+            f, init, xs, length, reverse, unroll, in_axes, out_axes, progress,
+            remat, keep_every, keep,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _arrays_jax_holds(init: Any, xs: Any) -> Iterator[None]:
+    """A ``TypeError`` raised for a NumPy array of strings or objects in
+    ``init`` or ``xs`` (JAX's own names no leaf), raised again naming them."""
+    try:
+        yield
+    except TypeError as err:
+        rows = [
+            (name + jtu.keystr(path), x)
+            for name, tree in (("init", init), ("xs", xs))
+            for path, x in not_numeric(tree)
+        ]
+        if not rows:
+            raise
+        raise errors.not_numeric(_CALL, rows) from err
+
+
+def _scan(
+    f, init, xs, length, reverse, unroll, in_axes, out_axes, progress, remat,
+    keep_every, keep,
+):  # fmt: skip
+    """``scan``, its arguments checked."""
     # Un-jitted: compile once per distinct program. Not with a progress bar: each
     # call has its own bar for the program to report to (so its own program).
     if progress is False and _eager.active():

@@ -146,6 +146,18 @@ def test_python_number_a_and_default_h0():
     close((h, last), ref(np.float32(0.9), b), 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_python_number_a_keeps_its_precision_with_16_bit_b(dtype):
+    """A decay of 0.999 is float32 as the accumulation is (before: rounded to
+    b's bfloat16, where 0.999 is 1.0: a sum instead of a decay)."""
+    b = jnp.ones((1000, 2), dtype)
+    _, last = linear_scan(0.999, b)
+    want = ref(np.float32(0.999), np.ones((1000, 2), np.float32))[1]
+    # (b's dtype's output rounding: 1/256 and 1/2048 of the value)
+    close(last.astype(jnp.float32), want, 5e-3 if dtype == jnp.bfloat16 else 1e-3)
+    assert last.dtype == dtype
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_batch_major_axis(method):
     a, b, h0 = data(shape=(B, T, D), a_shape=(T, D), axis=1)

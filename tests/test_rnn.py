@@ -533,6 +533,40 @@ def test_error_init_count_and_type_and_shapes():
         scanax.rnn(lstm, xs, init=(jnp.zeros((B, 3)),))
 
 
+def test_a_cell_with_its_own_initialize_carry_runs_given_init():
+    """An NNX cell whose initialize_carry is not flax's (no rngs=): with `init`
+    it runs as the loop does (before: a bare TypeError from calling it with
+    rngs=); without, the refusal names the cell and `init=`."""
+
+    class MyCell(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(D + 4, 4, rngs=rngs)
+
+        def initialize_carry(self, batch_size):
+            return jnp.zeros((batch_size, 4))
+
+        def __call__(self, h, x):
+            h = jnp.tanh(self.lin(jnp.concatenate([h, x], -1)))
+            return h, h
+
+    cell, xs = MyCell(nnx.Rngs(0)), xs_tbd()
+    h = h0 = jnp.full((B, 4), 0.5)
+    want = []
+    for t in range(xs.shape[0]):
+        h, y = cell(h, xs[t])
+        want.append(y)
+    (final,), ys = scanax.rnn(cell, xs, init=(h0,))
+    helpers.close((final, ys), (h, jnp.stack(want)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax.rnn: cells\[0\] \(MyCell\) has an `initialize_carry` "
+        r"method, read as flax's.*unexpected keyword argument 'rngs'.*Fix: pass `init=`",
+    ):
+        scanax.rnn(cell, xs)
+    with pytest.raises(ValueError, match=r"^scanax.rnn: `unroll` must be a bool"):
+        scanax.rnn(cell, xs, init=(h0,), unroll=-1)
+
+
 def test_error_seq_lengths():
     cells, xs = state_cells(), xs_tbd()
     with pytest.raises(

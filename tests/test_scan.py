@@ -1085,3 +1085,24 @@ def test_a_bad_unroll_is_named(unroll, exc):
     got = scanax.scan(lambda c, x: (c + x, c), 0.0, jnp.ones(3), unroll=np.int32(2))
     want = jax.lax.scan(lambda c, x: (c + x, c), 0.0, jnp.ones(3))
     np.testing.assert_allclose(got[1], want[1])
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_error_arrays_of_strings_are_named_by_path(jitted):
+    """A NumPy array of strings in init or xs (before: JAX's "Dtype <U1 is not a
+    valid JAX array type", naming no leaf); lax.scan's error is JAX's too."""
+    names = np.array(["a", "b", "c"])
+
+    def call(h):
+        return scanax.scan(
+            lambda c, x: (c, x["a"]),
+            {"h": h, "tag": names[:2]},
+            {"a": jnp.ones(3), "n": names},
+        )
+
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^scanax.scan: these arrays cannot be JAX arrays.*\n"
+        r"  init\['tag'\]  <U1 \[2\]\n  xs\['n'\]      <U1 \[3\]\nFix: encode them",
+    ):
+        (jax.jit(call) if jitted else call)(jnp.zeros(2))

@@ -271,6 +271,17 @@ def _carry_fix(path: str, init: Any, new: Any) -> str:
     )
 
 
+def not_numeric(call: str, rows: list[tuple[str, Any]]) -> TypeError:
+    """``rows``: ``(path, array)`` of arrays JAX cannot hold (strings, objects)."""
+    body = listing([(path, f"{x.dtype} {list(x.shape)}") for path, x in rows])
+    return TypeError(
+        f"{call}: these arrays cannot be JAX arrays (strings, objects or dates):\n"
+        f"{body}\nFix: encode them as numbers (strings as integer ids), or keep "
+        "them out of `init` and `xs`: a Python str or tuple in the carry is a "
+        "static leaf, passed through unchanged."
+    )
+
+
 def carry_structure(call: str, path: str, init_desc: str, out_desc: str) -> TypeError:
     return TypeError(
         f"{call}: the carry returned by `f` must have the same pytree structure as "

@@ -124,6 +124,16 @@ def no_state(i: int, cell: Any, width_attrs: tuple[str, ...]) -> ValueError:
     )
 
 
+def initialize_carry_failed(i: int, cell: Any, err: Exception) -> TypeError:
+    return TypeError(
+        f"{_CALL}: {cell_name(i, cell)} has an `initialize_carry` method, read as "
+        "flax's cell protocol, initialize_carry(input_shape, rngs=...), but calling "
+        f"it so failed: {type(err).__name__}: {err}.\nFix: pass `init=` with one "
+        "state per cell (its default is then not needed), or give the method "
+        "flax's signature."
+    )
+
+
 def init_count(n_init: int, n_cells: int) -> ValueError:
     return ValueError(
         f"{_CALL}: `init` has {n_init} states for {n_cells} cells.\nFix: pass one "
