@@ -279,6 +279,26 @@ def test_accumulate_with_iterable_data():
     allclose(eqx.filter(ra.model, eqx.is_array), eqx.filter(rb.model, eqx.is_array))
 
 
+def test_batches_left_after_the_last_group_of_accumulate_are_warned_of():
+    """11 batches with accumulate=2: 5 steps, the last batch not trained on,
+    as an incomplete last batch is (before: dropped without a word); the 5
+    steps equal those of 5 batches of twice the size."""
+    batches = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 44, 4)]
+    m = eqx.nn.MLP(4, 1, 8, 1, key=jr.key(0))
+    tx = optax.sgd(0.1)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"`data` ended with 1 batch after the last full group of accumulate=2",
+    ):
+        ra = scanax.fit(
+            m, tx, eqx_loss, batches, steps=10, accumulate=2, progress=False
+        )
+    big = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 40, 8)]
+    rb = scanax.fit(m, tx, eqx_loss, big, steps=10, progress=False)
+    assert ra.steps == rb.steps == 5
+    allclose(eqx.filter(ra.model, eqx.is_array), eqx.filter(rb.model, eqx.is_array))
+
+
 # -------------------------------------------------------------------- logging
 
 
@@ -430,7 +450,7 @@ def test_plot_returns_the_figure(tmp_path):
         (
             dict(eval_every=5, stop=scanax.EarlyStop("val_loss", patience=1)),
             ValueError,
-            "a validation metric, but no eval_data",
+            "a validation metric, but no scanax.Eval has data",
         ),
         (dict(accumulate=0), ValueError, "accumulate"),
         (dict(accumulate=7), ValueError, r"accumulate=7 micro-batches .* 56 examples"),

@@ -190,6 +190,48 @@ def test_an_overflowing_update_a_later_loss_shows_is_found(plan):
     np.testing.assert_array_equal(out.model["p"], [-3.0])  # -1e30 * (1e-30 + 2e-30)
 
 
+def test_an_overflow_by_a_calls_last_update_is_said_in_the_warning():
+    """On CPU, a call's last update is tested only by the next call's first
+    loss: the state after it, which fit returns, holds the infinite parameter,
+    and the warning now says so with a fix (before: "the result holds the
+    state after step 3", silently infinite). Mid-call, the same overflow is
+    found and the state before it returned (the test above)."""
+    p0 = {"p": jnp.zeros((1,))}
+
+    def linear(p, batch):
+        return jnp.sum(batch * p["p"])
+
+    data = [jnp.full((1,), v) for v in (1e-30, 2e-30, 1e10, 1.0, 1.0)]
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"(?s)step 4 gave a non-finite loss \(-inf\).*state after step 3 .*"
+        r"But the parameters after step 3 are not all finite: the update of step "
+        r"3, the last of a call.*Fix: restore an earlier checkpoint",
+    ):
+        out = scanax.fit(
+            p0, optax.sgd(1e30), linear, data, steps=5, steps_per_call=3, progress=False
+        )
+    assert out.steps == 3 and not np.isfinite(out.model["p"]).all()
+
+
+def test_a_nan_stop_with_a_restored_best_says_which_state_is_returned():
+    """EarlyStop(restore_best=True) returns its best state after a NaN stop:
+    the warning says so (before: "the result holds the state after step 2",
+    while it held step 1's)."""
+    data = batches(n=6)
+    x, y = data[2]
+    data[2] = (x, y.at[0].set(jnp.nan))
+    stop = scanax.EarlyStop("loss", patience=5)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"step 3 gave a non-finite loss \(nan\).*The last good state is after "
+        r"step 2 .*the result holds EarlyStop's best state \(restore_best=True",
+    ):
+        out = fit(data, steps=6, callbacks=[scanax.Eval(None, every=1), stop])
+    assert out.steps == 2
+    assert out.best_step == 1 + int(np.argmin(out.history["loss"][:2]))
+
+
 def test_stepwise_equals_fused_through_a_bad_gradient(monkeypatch):
     """Both executions find the same step and end with the same state, bit
     for bit (chunks: the GPU's plan)."""

@@ -669,14 +669,20 @@ def test_plateau_state_errors_and_the_keras_recipe():
     for bad, message in (
         (1.0, r"`plateau_state` \(scanax.Plateau.s `state`\) must be the"),
         ({"scale": 1.0}, r"`plateau_state` \(scanax.Plateau.s `state`\) must be the"),
-        (state._replace(scale=jnp.ones(2)), r"`plateau_state.scale` must be a"),
+        (
+            state._replace(scale=jnp.ones(2)),
+            r"`plateau_state.scale` \(scanax.Plateau\'s `state`\) must be a",
+        ),
     ):
         with pytest.raises(TypeError, match=message):
             plateau_fit(params0(), optax.adam(LR), linear_loss, steps=2,
                         plateau_state=bad)  # fmt: skip
     for field, value in (("scale", 0.0), ("scale", 5.0), ("scale", np.nan),
                          ("best", np.nan), ("wait", -1), ("cooldown", 0.5)):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"`plateau_state.{field}` must be"):
+        with pytest.raises(
+            ValueError,
+            match=rf"`plateau_state.{field}` \(scanax.Plateau\'s `state`\) must be",
+        ):
             plateau_fit(params0(), optax.adam(LR), linear_loss, steps=2,
                         plateau_state=state._replace(**{field: value}))  # fmt: skip
     # the docs' recipe for Keras's behaviour: the rate kept, the rest reset
@@ -740,15 +746,29 @@ def test_errors():
         Plateau(min_lr=-1.0)
     with pytest.raises(ValueError, match="`lr` must be a finite learning rate"):
         Plateau(lr=0.0)
+    # (a floor not below the rate, or the starting scale: it could never reduce)
+    with pytest.raises(
+        ValueError, match=r"`min_lr` \(0.1\) is not below `lr` \(0.01\)"
+    ):
+        Plateau(min_lr=0.1, lr=0.01)
+    with pytest.raises(
+        ValueError, match=r"`min_lr` \(1.0\) is not below 1, the starting"
+    ):
+        Plateau(min_lr=1.0)
     with pytest.raises(ValueError, match="scanax.Plateau: `mode` must be 'auto'"):
         Plateau(mode="maximum")
     with pytest.raises(TypeError, match="scanax.Plateau: `monitor` must be the name"):
         Plateau("")
     with pytest.raises(TypeError, match="`plateau` must be a scanax.Plateau"):
         fit(params0(), optax.adam(LR), linear_loss, eval_every=4, plateau="val_loss")
-    with pytest.raises(TypeError, match="`plateau` is given without eval_every"):
+    with pytest.raises(
+        TypeError,
+        match=r"scanax.Plateau \(plateau=\) is given without a scanax.Eval\'s `every`",
+    ):
         fit(params0(), optax.adam(LR), linear_loss, plateau=RULE)
-    with pytest.raises(ValueError, match="plateau monitors 'val_loss', a validat"):
+    with pytest.raises(
+        ValueError, match="scanax.Plateau monitors 'val_loss', a validat"
+    ):
         fit(params0(), optax.adam(LR), linear_loss, eval_every=4, plateau=Plateau())
 
 

@@ -659,15 +659,24 @@ def test_loss_scale_state_errors():
             (jnp.float32(4.0), jnp.int32(0)),
             r"`loss_scale_state` \(scanax.Precision's `state`\) must be the",
         ),
-        (state._replace(scale=jnp.ones(2)), r"`loss_scale_state.scale` must be a"),
-        (state._replace(good_steps="3"), r"`loss_scale_state.good_steps` must be"),
+        (
+            state._replace(scale=jnp.ones(2)),
+            r"`loss_scale_state.scale` \(scanax.Precision\'s `state`\) must be a",
+        ),
+        (
+            state._replace(good_steps="3"),
+            r"`loss_scale_state.good_steps` \(scanax.Precision\'s `state`\) must be",
+        ),
     ):
         with pytest.raises(TypeError, match=message):
             fit16(params0(), optax.adam(LR), linear_loss, steps=1,
                   loss_scale_state=bad)  # fmt: skip
     for field, value in (("scale", np.inf), ("scale", 0.5), ("scale", 2.0**16),
                          ("good_steps", -1), ("good_steps", 2.5)):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"`loss_scale_state.{field}` must be"):
+        with pytest.raises(
+            ValueError,
+            match=rf"`loss_scale_state.{field}` \(scanax.Precision\'s `state`\) must be",
+        ):
             fit16(params0(), optax.adam(LR), linear_loss, steps=1,
                   loss_scale_state=state._replace(**{field: value}))  # fmt: skip
     # Python numbers are numbers: the documented `_replace` recipe works

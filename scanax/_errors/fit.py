@@ -136,6 +136,16 @@ def short_batch_ends(index: int, n: int, first: int) -> str:
     )
 
 
+def micro_batches_left(left: int, k: int) -> str:
+    return (
+        f"{CALL}: `data` ended with {left} batch{'es' if left > 1 else ''} after "
+        f"the last full group of accumulate={k}: a step takes {k} batches, so "
+        "training ended before them (they are not trained on).\nFix: give a "
+        f"number of batches that {k} divides, or drop the last ones at the "
+        "source, to end without this warning."
+    )
+
+
 def data_gave_no_batch(steps: int) -> str:
     return (
         f"{CALL}: `data` gave no batch, so none of the {steps} steps ran: it is "
@@ -254,19 +264,39 @@ def batch_no_leading_axis(path: str, x: Any) -> ValueError:
 # ---------------------------------------------------------------------------- warnings
 
 
-def nonfinite_step(t: int, loss: Any, done: int) -> str:
+def nonfinite_step(
+    t: int, loss: Any, done: int, restoring: bool = False, held: bool = False
+) -> str:
     """Step ``t`` (0-based) was bad: its loss ``loss`` was not finite, or, the
     loss finite, its gradients (or the parameters its update made: the marks
-    cannot tell them apart)."""
+    cannot tell them apart). ``restoring``: an EarlyStop restores its best
+    state; ``held``: the state after step ``t`` holds non-finite parameters
+    (made by step ``t``'s update, the last of a call, seen by the next call's
+    first loss)."""
     if math.isfinite(float(loss)):
         what = "non-finite gradients or parameters"
     else:
         what = f"a non-finite loss ({float(loss)})"
-    return (
-        f"{CALL}: step {t + 1} gave {what}; training stopped before "
-        f"applying it. The result holds the state after step {t} ({done} good "
-        "steps in this call)."
-    )
+    good = f"after step {t} ({done} good steps in this call)"
+    out = f"{CALL}: step {t + 1} gave {what}; training stopped before applying it. "
+    if restoring:
+        out += (
+            f"The last good state is {good}; the result holds EarlyStop's best "
+            "state (restore_best=True: result.best_step), or that one if it kept "
+            "none."
+        )
+    else:
+        out += f"The result holds the state {good}."
+    if held:
+        out += (
+            f" But the parameters after step {t} are not all finite: the "
+            f"update of step {t}, the last of a call, made them so, and only "
+            "this step's loss showed it (a call's last update is tested by the "
+            "next call's loss), so the state before it is not kept.\nFix: "
+            "restore an earlier checkpoint (scanax.Checkpoint) and train with a "
+            "smaller learning rate or clipped updates (optax.clip_by_global_norm)."
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------- steps
@@ -409,8 +439,9 @@ def eval_every_without_data() -> TypeError:
 
 def val_monitor_without_data(monitor: str) -> ValueError:
     return ValueError(
-        f"{CALL}: stop monitors {monitor!r}, a validation metric, but no eval_data "
-        "is given.\nFix: pass scanax.Eval((x_val, y_val), every=N) in callbacks "
+        f"{CALL}: scanax.EarlyStop monitors {monitor!r}, a validation metric, but "
+        "no scanax.Eval has data (eval_data=).\nFix: pass scanax.Eval((x_val, "
+        "y_val), every=N) in callbacks "
         "(eval_data=...), or monitor a training metric such as 'loss'."
     )
 
@@ -710,8 +741,9 @@ def loss_scale_state_type(state: Any, want: str) -> TypeError:
 
 def loss_scale_state_field(name: str, value: Any, want: str) -> TypeError:
     return TypeError(
-        f"{CALL}: `loss_scale_state.{name}` must be {want}, got "
-        f"{short_type(value)}.\nFix: pass `loss_scale_state=result.loss_scale` "
+        f"{CALL}: `loss_scale_state.{name}` (scanax.Precision's `state`) must be "
+        f"{want}, got {short_type(value)}.\nFix: pass scanax.Precision(..., "
+        "state=result.loss_scale) (loss_scale_state=) "
         "of an earlier call (of the same model, or population of as many "
         "members), or change only its values with `._replace(...)`."
     )
@@ -719,8 +751,9 @@ def loss_scale_state_field(name: str, value: Any, want: str) -> TypeError:
 
 def loss_scale_state_value(name: str, value: Any, rule: str) -> ValueError:
     return ValueError(
-        f"{CALL}: `loss_scale_state.{name}` must be {rule}, got {value!r}.\n"
-        "Fix: pass `loss_scale_state=result.loss_scale` of an earlier call, or "
+        f"{CALL}: `loss_scale_state.{name}` (scanax.Precision's `state`) must be "
+        f"{rule}, got {value!r}.\nFix: pass scanax.Precision(..., state="
+        "result.loss_scale) (loss_scale_state=) of an earlier call, or "
         "a scale between 1 and 2**15 and a count of good steps >= 0."
     )
 

@@ -89,6 +89,15 @@ def min_lr_value(min_lr: float) -> ValueError:
     )
 
 
+def min_lr_not_below(min_lr: float, lr: float | None) -> ValueError:
+    what = f"`lr` ({lr!r})" if lr is not None else "1, the starting scale (no `lr`)"
+    return ValueError(
+        f"{CALL}: `min_lr` ({min_lr!r}) is not below {what}: the rule could "
+        "never reduce the rate.\nFix: pass a min_lr below it, e.g. "
+        f"min_lr={(lr if lr is not None else 1.0) / 100:g}, or leave it out (0)."
+    )
+
+
 def lr_value(lr: float) -> ValueError:
     return ValueError(
         f"{CALL}: `lr` must be a finite learning rate above 0, got {lr!r}: it is "
@@ -111,16 +120,18 @@ def plateau_type(plateau: Any) -> TypeError:
 
 def eval_every_missing() -> TypeError:
     return TypeError(
-        f"{FIT}: `plateau` is given without eval_every: the plateau rule is "
-        "checked every eval_every steps, inside the compiled loop.\nFix: pass "
+        f"{FIT}: scanax.Plateau (plateau=) is given without a scanax.Eval's "
+        "`every` (eval_every=): the plateau rule is checked every `every` steps, "
+        "inside the compiled loop.\nFix: pass "
         "scanax.Eval(every=N) in callbacks (eval_every=N), e.g. N=100."
     )
 
 
 def val_monitor_without_data(monitor: str) -> ValueError:
     return ValueError(
-        f"{FIT}: plateau monitors {monitor!r}, a validation metric, but no "
-        "eval_data is given.\nFix: pass scanax.Eval((x_val, y_val), every=N) "
+        f"{FIT}: scanax.Plateau monitors {monitor!r}, a validation metric, but "
+        "no scanax.Eval has data (eval_data=).\nFix: pass scanax.Eval((x_val, "
+        "y_val), every=N) "
         "(eval_data=...), or monitor a training metric such as 'loss' "
         "(Plateau('loss', ...))."
     )
@@ -153,8 +164,9 @@ def state_type(state: Any, want: str) -> TypeError:
 
 def state_field(name: str, value: Any, want: str) -> TypeError:
     return TypeError(
-        f"{FIT}: `plateau_state.{name}` must be {want}, got "
-        f"{short_type(value)}.\nFix: pass `plateau_state=result.plateau` of an "
+        f"{FIT}: `plateau_state.{name}` (scanax.Plateau's `state`) must be {want}, "
+        f"got {short_type(value)}.\nFix: pass scanax.Plateau(..., state="
+        "result.plateau) (plateau_state=) of an "
         "earlier call (of the same model, or population of as many members), "
         "or change only its values with `._replace(...)`."
     )
@@ -162,8 +174,9 @@ def state_field(name: str, value: Any, want: str) -> TypeError:
 
 def state_value(name: str, value: Any, rule: str) -> ValueError:
     return ValueError(
-        f"{FIT}: `plateau_state.{name}` must be {rule}, got {value!r}.\nFix: "
-        "pass `plateau_state=result.plateau` of an earlier call, or a value "
+        f"{FIT}: `plateau_state.{name}` (scanax.Plateau's `state`) must be "
+        f"{rule}, got {value!r}.\nFix: pass scanax.Plateau(..., state="
+        "result.plateau) (plateau_state=) of an earlier call, or a value "
         "the rule can reach (the scale only falls from 1; wait and cooldown "
         "count evaluations)."
     )

@@ -291,7 +291,12 @@ class Model:
             redone = Carry(leaves, good.stopped, extra)
             done = run.done + count - run.start
             if found:
-                run.warn(errors.nonfinite_step(start + count, ys["loss"][count], done))
+                held = count == 0 and not self._finite(leaves)
+                loss = ys["loss"][count]
+                message = errors.nonfinite_step(
+                    start + count, loss, done, run.restoring, held
+                )
+                run.warn(message)
             else:
                 run.warn(errors.replay_differs(start, done))
         recorded = run.history.add(start, ys, count, count)
@@ -305,6 +310,15 @@ class Model:
         state = Carry(leaves, out.stopped, extra)
         call = _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
         return Read(count, halted, leaves, redone, call)
+
+    def _finite(self, leaves: list) -> bool:
+        """Whether every trained parameter in ``leaves`` is finite (tested on
+        the host, once, when a call's first step was bad)."""
+        for j in self.base.trained():
+            x = np.asarray(jax.device_get(leaves[j]))
+            if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+                return False
+        return True
 
     def _first_bad(self, run: Any, args: Chunk, report: Report) -> tuple:
         """``(b, out, found)`` of a call that hit a bad step: its first bad

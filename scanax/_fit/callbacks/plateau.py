@@ -192,6 +192,8 @@ class Plateau(_feature.Feature):
             raise errors.min_lr_value(self.min_lr)
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise errors.lr_value(self.lr)
+        if self.min_lr >= (1.0 if self.lr is None else self.lr):
+            raise errors.min_lr_not_below(self.min_lr, self.lr)
         if isinstance(self.min_delta, bool) or not isinstance(
             self.min_delta, numbers.Real
         ):

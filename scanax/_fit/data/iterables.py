@@ -115,6 +115,12 @@ class IterSource:
             )
             # Across processes: as many steps as the shortest iterable gave.
             count = place.fewest(0 if taken is None else taken[1] // k)
+            if taken is not None and taken[1] % k:  # (the data's end)
+                warnings.warn(
+                    errors.micro_batches_left(taken[1] % k, k),
+                    RuntimeWarning,
+                    stacklevel=_caller.user_level(),
+                )
             if not count:
                 # (no step at all, nothing read before: an iterator used up by
                 # a call before; not after a short batch, or a resume at the end)
