@@ -238,7 +238,9 @@ def _eager(quick: bool, budget: float) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    budget = 2.0 if quick else 6.0  # seconds of timing per comparison
+    budget = (
+        0.5 if quick else 6.0
+    )  # seconds of timing per comparison (quick: a smoke run)
     return [
         _cheap(quick, budget),
         _matmul(quick, budget),
