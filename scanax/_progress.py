@@ -124,6 +124,9 @@ def open_bar(
 # ------------------------------------------------------- bars of shared compiled loops
 
 _OPEN: list[Any] = []  # bars that ``tick_newest`` reports to, newest last
+# The named scope of ``tick_newest``'s reports alone (a scan's bar reports to
+# its own ``Bar``, in "scanax.progress").
+TICK_SCOPE = "scanax.fit.progress"
 
 
 @contextlib.contextmanager
@@ -147,11 +150,16 @@ def report_newest(done: Any, loss: Any) -> None:
             bar.set_postfix(loss=f"{float(loss):.4g}")
 
 
-def report_if(when: jax.Array, host: Callable[..., None], *args: jax.Array) -> None:
+def report_if(
+    when: jax.Array,
+    host: Callable[..., None],
+    *args: jax.Array,
+    scope: str = "scanax.progress",
+) -> None:
     """In a compiled loop: call ``host(*args)`` on the host if ``when`` (a host
     callback behind ``_once.once_if``: a ``lax.cond``, or in fit's chunked
     loop a loop of at most one trip; nothing is sent when it is false)."""
-    with jax.named_scope("scanax.progress"):
+    with jax.named_scope(scope):
         once_if(
             when,
             lambda *a: jax.debug.callback(host, *a),
@@ -162,8 +170,10 @@ def report_if(when: jax.Array, host: Callable[..., None], *args: jax.Array) -> N
 
 def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:
     """In a compiled loop: if ``when``, report ``done`` and ``loss`` to the newest
-    bar (``report_newest``, looked up when called)."""
-    report_if(when, lambda d, v: report_newest(d, v), done, loss)
+    bar (``report_newest``, looked up when called: one function for every
+    program, so ``_fit/program.py`` may share the executable of a program
+    whose only callbacks are these, found by ``TICK_SCOPE``)."""
+    report_if(when, report_newest, done, loss, scope=TICK_SCOPE)
 
 
 def default_every(length: int) -> int:

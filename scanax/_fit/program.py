@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -17,7 +18,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _backend, _conv_layout, _fingerprint
+from .. import _backend, _conv_layout, _fingerprint, _progress
 from .._errors import fit as errors
 from . import scalars as _scalars
 
@@ -116,11 +117,13 @@ def compiled(lowered: Any, signature: Any, began: float) -> tuple[Any, float, st
     """``lowered`` compiled, or the executable that any earlier ``fit``
     compiled for the same lowered program and argument ``signature``
     (``EXECUTABLES``; never for host callbacks, functions the text cannot
-    show); with the seconds it took since ``began`` (for one found: what its
-    first trace and compile took), and the hash of the program's text."""
+    show, unless every one is a progress report: ``_progress.tick_newest``'s
+    one function, the same in every program); with the seconds it took since
+    ``began`` (for one found: what its first trace and compile took), and the
+    hash of the program's text."""
     text = lowered.as_text()
     digest = hashlib.sha256(text.encode())
-    if calls_the_host(text):
+    if calls_the_host(text) and not _only_progress(lowered):
         return lowered.compile(), time.perf_counter() - began, digest.hexdigest()
     key = (digest.digest(), signature)
     found = EXECUTABLES.get(key)
@@ -135,6 +138,35 @@ def compiled(lowered: Any, signature: Any, began: float) -> tuple[Any, float, st
 # (CPU, GPU) or host sends and receives (a TPU's callbacks lower to those, with
 # no name that says "callback": measured, 2026-12-06).
 _HOST_MARKS = ("callback", "is_host_transfer", "_xla_host_transfer")
+
+
+_LOC = re.compile(r'^(#loc\d*) = loc\("([^"]*)"(?:\((#loc\d*)\))?', re.M)
+
+
+def _only_progress(lowered: Any) -> bool:
+    """Whether every host callback of ``lowered`` is a progress report: a
+    Python callback's custom call (CPU, GPU) whose location is inside
+    ``_progress.tick_newest``'s named scope. Not for a TPU's host sends and
+    receives (their text is not read so: never shared)."""
+    text = lowered.as_text(debug_info=True)
+    if any(mark in text for mark in _HOST_MARKS[1:]):
+        return False
+    names = {m[1]: (m[2], m[3]) for m in _LOC.finditer(text)}
+    sites = re.findall(r"custom_call @\w*callback\(.* loc\((#loc\d*)\)$", text, re.M)
+    if not sites or len(sites) != text.count("callback("):
+        return False
+
+    def scoped(loc: str) -> bool:
+        for _ in range(64):  # (a location's chain of names, innermost first)
+            name, parent = names.get(loc, ("", None))
+            if _progress.TICK_SCOPE in name.split("/"):
+                return True
+            if parent is None:
+                return False
+            loc = parent
+        return False
+
+    return all(scoped(loc) for loc in sites)
 
 
 def calls_the_host(text: str) -> bool:
