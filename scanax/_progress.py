@@ -173,7 +173,13 @@ def tick_newest(when: jax.Array, done: jax.Array, loss: jax.Array) -> None:
     bar (``report_newest``, looked up when called: one function for every
     program, so ``_fit/program.py`` may share the executable of a program
     whose only callbacks are these, found by ``TICK_SCOPE``)."""
-    report_if(when, report_newest, done, loss, scope=TICK_SCOPE)
+    report_if(when, _report_newest, done, loss, scope=TICK_SCOPE)
+
+
+def _report_newest(done: Any, loss: Any) -> None:
+    """``report_newest``, looked up when called (the one callback every
+    program holds)."""
+    report_newest(done, loss)
 
 
 def default_every(length: int) -> int:

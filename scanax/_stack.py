@@ -21,6 +21,7 @@ plug into (``register_adapter``, filled by ``_stack_adapters.py``). The plan
 from __future__ import annotations
 
 import abc
+import collections.abc
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -454,7 +455,12 @@ def register_adapter(
 
 
 def check_layers(layers: Any) -> list[Any]:
-    if not isinstance(layers, (list, tuple)):
+    # (a list or tuple, or a sequence of modules such as an nnx.List; not a
+    # string, nor an array: a stacked layer's parameters)
+    sequence = isinstance(layers, collections.abc.Sequence) and not isinstance(
+        layers, (str, bytes)
+    )
+    if not sequence:
         raise errors.not_sequence(layers)
     if not layers:
         raise errors.empty()
@@ -606,9 +612,13 @@ class Stack(Body, metaclass=abc.ABCMeta):  # noqa: B024 (ABCMeta for Stack.regis
         24.0
     """
 
-    def __new__(cls, layers: Sequence[Any] = _NO_LAYERS, **kwargs: Any) -> Any:
+    def __new__(
+        cls, layers: Sequence[Any] = _NO_LAYERS, *more: Any, **kwargs: Any
+    ) -> Any:
         # No arguments: copy.copy, copy.deepcopy and pickle making the object
         # before they fill it (a user's Stack() is refused by __init__).
+        if more:  # (Stack(l1, l2): nnx.Sequential's habit)
+            raise errors.layers_as_arguments(1 + len(more))
         if cls is Stack and (layers is not _NO_LAYERS or kwargs):
             for name in kwargs:
                 if name not in _KEYWORDS:

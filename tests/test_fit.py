@@ -1715,3 +1715,29 @@ def test_a_loss_fn_reading_the_trained_model_from_outside_warns(monkeypatch):
     ref_model, ref_opt = nnx_pair()
     want = fit_quiet(ref_model, ref_opt, nnx_loss, (X, Y), **CHUNKED)
     np.testing.assert_array_equal(got.history["loss"], want.history["loss"])
+
+
+@pytest.mark.parametrize(
+    "loss, found, fix",
+    [
+        (lambda p, b: 1.0, "float 1.0", r"compute the loss .*a Python number is"),
+        (lambda p, b: jnp.sum(b[0] > 0), r"int32\[\]", "compute it in floating point"),
+        (
+            lambda p, b: b[0] @ p["w"],
+            r"float32\[\d+, 1\]",
+            r"reduce it, e.g. `jnp.mean",
+        ),
+    ],
+)
+def test_a_loss_that_is_no_floating_scalar_gets_the_fix_for_what_it_is(
+    loss, found, fix
+):
+    """A constant or an integer count is already a scalar: "reduce it" was the
+    wrong fix for them."""
+    p = {"w": jnp.zeros((X.shape[1], 1))}
+    with pytest.raises(
+        TypeError, match=rf"(?s)scalar floating-point loss, got {found}\..*Fix: {fix}"
+    ):
+        scanax.fit(
+            p, optax.sgd(0.1), loss, (X, Y), steps=1, batch_size=4, progress=False
+        )

@@ -1134,3 +1134,27 @@ def test_a_layer_failing_on_its_input_is_named(make, x, kwargs, at, before):
         for layer in layers:
             want = layer(want)
         np.testing.assert_allclose(stack(y), want, rtol=1e-6)
+
+
+def test_layers_in_an_nnx_list_stack_and_layers_as_arguments_are_named():
+    """An nnx.List is a sequence of layers: stacked as a list is (before:
+    refused with a hint about stacked layers); Stack(l1, l2), nnx.Sequential's
+    habit, and an nnx.Sequential itself are named with the fix (before:
+    Python's "Stack.__new__() takes from 1 to 2 positional arguments")."""
+    layers = [nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]
+    x = jr.normal(jr.key(0), (2, 4))
+    want = x
+    for layer in layers:
+        want = layer(want)
+    np.testing.assert_allclose(
+        scanax.Stack(nnx.List(layers))(x), want, rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"got 2 layers as separate arguments.*\nFix: pass them in a list",
+    ):
+        scanax.Stack(layers[0], layers[1])
+    with pytest.raises(
+        TypeError, match=r"got Sequential\.\nFix: pass its layers: Stack\(list\("
+    ):
+        scanax.Stack(nnx.Sequential(*layers))

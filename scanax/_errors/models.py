@@ -175,10 +175,21 @@ def loss_not_scalar(call: str, loss: Any, name: str = "loss_fn") -> TypeError:
             "`(out['loss'], {...other metrics})`: the first element is "
             "differentiated, the dict's arrays join the history."
         )
+    if isinstance(loss, (bool, int, float)):
+        fix = (
+            "compute the loss from the model and the batch with JAX operations "
+            "(a Python number is a constant: it has no gradient)"
+        )
+    elif getattr(loss, "shape", None) == () and hasattr(loss, "dtype"):
+        fix = (
+            "compute it in floating point (an integer loss has no gradient), "
+            "e.g. cast what you count: `jnp.mean(errors.astype(jnp.float32))`"
+        )
+    else:
+        fix = "reduce it, e.g. `jnp.mean(...)` over the batch"
     return TypeError(
         f"{call}: `{name}` must return a scalar floating-point loss, got "
-        f"{short_type(loss)}.\nFix: reduce it, e.g. `jnp.mean(...)` "
-        "over the batch."
+        f"{short_type(loss)}.\nFix: {fix}."
     )
 
 

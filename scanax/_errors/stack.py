@@ -13,12 +13,26 @@ CALL = "scanax.Stack"
 
 
 def not_sequence(layers: Any) -> TypeError:
+    if hasattr(layers, "layers") and callable(layers):  # (an nnx.Sequential)
+        fix = f"pass its layers: Stack(list({type(layers).__name__.lower()}.layers))"
+    else:
+        fix = (
+            "pass Stack([layer_0, layer_1, ...]). Layers already stacked into one "
+            "(nnx.vmap, eqx.filter_vmap: each parameter with a leading layer axis) "
+            "are unstacked with `[jax.tree.map(lambda a: a[i], stacked) for i in "
+            "range(n)]`"
+        )
     return TypeError(
-        f"{CALL}: `layers` must be a sequence (list or tuple) of layers, got "
-        f"{short_type(layers)}.\nFix: pass Stack([layer_0, layer_1, ...]). Layers "
-        "already stacked into one (nnx.vmap, eqx.filter_vmap: each parameter with "
-        "a leading layer axis) are unstacked with `[jax.tree.map(lambda a: a[i], "
-        "stacked) for i in range(n)]`."
+        f"{CALL}: `layers` must be a sequence of layers (a list, a tuple, an "
+        f"nnx.List), got {short_type(layers)}.\nFix: {fix}."
+    )
+
+
+def layers_as_arguments(n: int) -> TypeError:
+    return TypeError(
+        f"{CALL}: got {n} layers as separate arguments; Stack takes one sequence "
+        "of them (unlike nnx.Sequential).\n"
+        "Fix: pass them in a list: Stack([layer_0, layer_1, ...])."
     )
 
 
