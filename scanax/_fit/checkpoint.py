@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import _caller
 from .._errors import checkpoint as errors
+from . import processes as _processes
 
 _FORMAT = 1
 KEEP = 3
@@ -459,18 +460,9 @@ def _read_index(directory: str) -> dict[int, int]:
 
 
 def _write_index(directory: str, starts: dict[int, int]) -> None:
-    """Written whole, atomically (a temporary file renamed; removed if the
-    write fails)."""
-    path = os.path.join(directory, _INDEX)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({str(k): v for k, v in sorted(starts.items())}, f)
-        os.replace(tmp, path)
-    except OSError:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Written whole, atomically (``_processes.write_atomically``)."""
+    text = json.dumps({str(k): v for k, v in sorted(starts.items())})
+    _processes.write_atomically(os.path.join(directory, _INDEX), text)
 
 
 def _finish_others(store: Checkpoints) -> None:

@@ -11,8 +11,10 @@ mesh.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
+import os
 from typing import Any
 
 import jax
@@ -128,3 +130,42 @@ def describe_data(data: Any) -> Any:
     if not all(hasattr(x, "shape") for _, x in leaves):
         return type(data).__name__
     return {jtu.keystr(p): short_type(x) for p, x in leaves}
+
+
+def write_atomically(path: str, text: str) -> None:
+    """``text`` written to ``path`` whole: a temporary file of this process
+    renamed into place (removed if the write fails); those of processes
+    killed between the two (kill -9) are removed after."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    remove_stale(os.path.dirname(path) or ".", os.path.basename(path) + ".tmp")
+
+
+def remove_stale(directory: str, prefix: str) -> None:
+    """Remove the files ``prefix`` + a process id in ``directory`` whose
+    process is dead: temporary files of a process killed (kill -9) between
+    writing them and renaming them into place."""
+    for name in os.listdir(directory):
+        pid = name[len(prefix) :]
+        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
