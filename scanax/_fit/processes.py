@@ -138,7 +138,7 @@ def write_atomically(path: str, text: str) -> None:
     killed between the two (kill -9) are removed after."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", newline="") as f:  # (as written: no translation)
             f.write(text)
         os.replace(tmp, path)
     except OSError:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..._errors import log as errors
 from ..._tree import as_int
-from .. import feature as _feature
+from .. import feature as _feature, processes as _processes
 
 DEFAULT_EVERY = 10  # steps per window
 
@@ -328,13 +328,9 @@ class CSV(_feature.Feature):
         appending."""
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{self.path}.tmp{os.getpid()}"
         header = ["step", *self._columns]
-        with open(tmp, "w", newline="") as f:
-            f.write(_line(header))
-            for r in rows:
-                f.write(_line([r.get(c, "") for c in header]))
-        os.replace(tmp, self.path)
+        lines = [_line(header), *(_line([r.get(c, "") for c in header]) for r in rows)]
+        _processes.write_atomically(self.path, "".join(lines))
         self._file = open(self.path, "a", newline="")  # noqa: SIM115
 
 
