@@ -83,10 +83,13 @@ def test_rebuilt_objects_do_not_compile():
     leaves_equal(nnx.state(second.model), nnx.state(first.model))
 
 
-def test_a_first_call_compiles_one_program_and_traces_the_loss_once():
+def test_a_first_call_compiles_one_program_and_traces_the_loss_twice():
     """A structure never seen: one backend compile (the loop; nothing eager
-    around it), and ``loss_fn`` traced once (its jaxpr replayed in the loop body,
-    not traced again for the output shapes)."""
+    around it), and ``loss_fn`` traced twice: once in the step (its jaxpr
+    replayed in the loop body, not traced again for the output shapes), once
+    alone, for the check that it reads the trained parameters
+    (``test_loss_reads.py``; its forward pass only, nothing added to the
+    program)."""
     traced = []
 
     def loss_fn(model, batch):
@@ -98,7 +101,7 @@ def test_a_first_call_compiles_one_program_and_traces_the_loss_once():
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     with count_compiles() as c:
         result = train(model, optimizer, loss_fn)
-    assert (c.n, len(traced)) == (1, 1)
+    assert (c.n, len(traced)) == (1, 2)
     ref, _ = reference(1e-2, loss_fn)
     np.testing.assert_allclose(result.history["loss"], ref, rtol=1e-6)
 

@@ -1667,24 +1667,29 @@ def test_a_loss_fn_reading_the_trained_model_from_outside_warns(monkeypatch):
     """A loss_fn reading the model being trained from its closure or globals,
     not its argument, has gradients of zero (before: a flat loss and no
     warning; with BatchNorm, flax's bare TraceContextError). A warning names
-    it (not an error: reading a static attribute of it is harmless); an
-    attribute of the same name is no read."""
+    it (not an error: reading a static attribute of it is harmless); a loss
+    that then reads no trained parameter at all is refused
+    (``test_loss_reads.py``); an attribute of the same name is no read."""
     model, opt = nnx_pair()
     before = nnx.state(nnx.clone(model))
 
     def closed(m, batch):
         return nnx_loss(model, batch)
 
+    refused = pytest.raises(ValueError, match="does not depend on any of")
     monkeypatch.setattr(sys.modules[__name__], "GLOBAL_MODEL", model)
     for fn, name in [(closed, "model"), (global_model_loss, "GLOBAL_MODEL")]:
-        with pytest.warns(
-            RuntimeWarning,
-            match=rf"(?s)`loss_fn` reads the model being trained as `{name}` from "
-            r"outside.*Fix: use the argument",
+        with (
+            pytest.warns(
+                RuntimeWarning,
+                match=rf"(?s)`loss_fn` reads the model being trained as `{name}` "
+                r"from outside.*Fix: use the argument",
+            ),
+            refused,
         ):
             fit_quiet(model, opt, fn, (X, Y), steps=3, batch_size=BS)
-    leaves_equal(nnx.state(model)["l1"], before["l1"])  # (gradients of zero)
-    with warnings.catch_warnings():  # (once per loss function: not again)
+    leaves_equal(nnx.state(model)["l1"], before["l1"])
+    with warnings.catch_warnings(), refused:  # (warned once per loss function)
         warnings.simplefilter("error")
         fit_quiet(model, opt, closed, (X, Y), steps=3, batch_size=BS)
 

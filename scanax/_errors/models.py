@@ -319,3 +319,42 @@ def metric_name_reserved(call: str, name: str) -> ValueError:
         "also 'val_...' and 'rollout_...', the evaluations' and a Rollout's).\n"
         f"Fix: rename it, e.g. {name!r} -> 'my_{name}'."
     )
+
+
+def wrt_chooses_nothing(wrt: Any, held: dict) -> ValueError:
+    kinds = ", ".join(f"{name} ({n})" for name, n in held.items()) or "none"
+    return ValueError(
+        f"{CALL}: the optimizer's `wrt` ({wrt!r}) chooses none of the model's "
+        "floating-point Variables, so training would change nothing; the model "
+        f"holds: {kinds}.\nFix: hold the weights as `nnx.Param` (as nnx.Linear "
+        "and the other layers do), or pass `nnx.Optimizer(model, tx, wrt=...)` "
+        "the Variable type they have."
+    )
+
+
+def loss_reads_no_parameter(call: str, what: str, cut: bool, nnx: bool) -> ValueError:
+    if cut:
+        cause = (
+            "The cause: the loss is computed under `jax.lax.stop_gradient`, "
+            "which no gradient passes.\nFix: stop the gradient of a target or a "
+            "part of the loss only, not of the whole loss."
+        )
+    else:
+        cause = (
+            "The usual cause: `loss_fn` reads a model other than the one it is "
+            "passed (one from a closure, a `functools.partial(loss, model)`, "
+            "`self.model`); fit passes `loss_fn` the model being trained, as "
+            "traced values, at every step.\nFix: compute the loss from `loss_fn`'s "
+            "first argument, e.g. `def loss_fn(model, batch): return "
+            "jnp.mean((model(batch['x']) - batch['y']) ** 2)`."
+        )
+        if nnx:
+            cause += (
+                " If it does, make the optimizer's `wrt` choose Variables the loss "
+                "reads (`nnx.Param`; BatchNorm's `nnx.BatchStat` are not read in "
+                "training)."
+            )
+    return ValueError(
+        f"{call}: the loss does not depend on any of {what}: its gradient is "
+        f"zero, and training would change nothing.\n{cause}"
+    )

@@ -103,12 +103,13 @@ def uses_key(fn: Callable, args: Sequence[Any], index: int) -> bool:
     first = sum(sizes[:index])
     invars = closed.jaxpr.invars[first : first + sizes[index]]
     marks = [any(v is w for w in invars) for v in closed.jaxpr.invars]
-    return any(_depends(closed.jaxpr, marks))
+    return any(depends(closed.jaxpr, marks))
 
 
-def _depends(jaxpr: Any, tainted_in: list[bool]) -> list[bool]:
+def depends(jaxpr: Any, tainted_in: list[bool], cut: tuple = ()) -> list[bool]:
     """For each output of ``jaxpr``, whether it depends on an input marked in
-    ``tainted_in``."""
+    ``tainted_in``; the outputs of primitives named in ``cut`` (e.g.
+    ``stop_gradient``, for a gradient's dependence) depend on nothing."""
     tainted = {v for v, t in zip(jaxpr.invars, tainted_in) if t}
 
     def hit(v: Any) -> bool:
@@ -116,11 +117,11 @@ def _depends(jaxpr: Any, tainted_in: list[bool]) -> list[bool]:
 
     for eqn in jaxpr.eqns:
         marks = [hit(v) for v in eqn.invars]
-        if not any(marks):
+        if not any(marks) or eqn.primitive.name in cut:
             continue
         inner = _inner(eqn)
         if inner is not None:
-            outs = _depends(inner, marks)
+            outs = depends(inner, marks, cut)
             tainted.update(v for v, t in zip(eqn.outvars, outs) if t)
         else:
             tainted.update(eqn.outvars)

@@ -7,6 +7,7 @@ objects is ``_nnx``'s.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import inspect
@@ -22,7 +23,14 @@ from ... import _caller, _nnx
 from ..._errors import evaluate as eval_errors, models as errors, short_type
 from ..._errors.fit import CALL as _CALL
 from . import step as _step
-from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+from .step import (
+    accumulated,
+    evaluation,
+    extra_args,
+    first,
+    is_inexact,
+    split_loss,
+)
 
 
 class NNXAdapter:
@@ -45,6 +53,13 @@ class NNXAdapter:
             v.get_raw_value() if isinstance(v, nnx.Variable) else v
             for v in self.variables
         ]
+        if not self.trained():
+            held = collections.Counter(
+                type(v).__name__
+                for path, v, x in zip(self.paths, self.variables, self.state)
+                if path[0] == 0 and is_inexact(x)
+            )
+            raise errors.wrt_chooses_nothing(getattr(optimizer, "wrt", None), held)
 
     def state_for_another_model(self) -> str | None:
         """Where the optimizer's state does not fit the model's parameters it
@@ -133,6 +148,21 @@ class NNXAdapter:
         nnx = sys.modules["flax.nnx"]
         graphdef, known = self.graphdef, self.paths
         with_model, with_extra = _update_form(self.objects[1])
+        trained = self.trained()
+
+        def check(state, batch, key):  # the loss reads the trained Variables
+            def objective(values):  # (all inside the check's own trace)
+                given = list(state)
+                for i, v in zip(trained, values):
+                    given[i] = v
+                model = _nnx.unflatten(graphdef, given)[0]
+                b, k = (first(batch), first(key)) if accumulate > 1 else (batch, key)
+                return split_loss(_CALL, loss_fn(model, b, k))[0]
+
+            what = "the Variables the optimizer trains (its `wrt`)"
+            _step.check_reads_trained(
+                objective, [state[i] for i in trained], what, nnx=True
+            )
 
         def grads_at(model, optimizer, batch, key):
             grad_fn = nnx.value_and_grad(
@@ -149,6 +179,7 @@ class NNXAdapter:
             return _nnx.values([model, optimizer])[1], loss, metrics, grads
 
         def step(state, batch, key):
+            given = state
             if accumulate > 1:
                 state, loss, metrics, grads = accumulated(
                     one, state, batch, key, accumulate
@@ -169,6 +200,7 @@ class NNXAdapter:
                 added = [_variable_name(p) for p in paths if p not in known]
                 removed = [_variable_name(p) for p in known if p not in paths]
                 raise errors.state_structure_changed(added, removed)
+            check(given, batch, key)
             return values, loss, metrics, grads
 
         return step

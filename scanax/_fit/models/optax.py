@@ -22,7 +22,14 @@ from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
 from . import optax_init as _inits, step as _step
 from .eqx_state import Held
-from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+from .step import (
+    accumulated,
+    evaluation,
+    extra_args,
+    first,
+    is_inexact,
+    split_loss,
+)
 
 
 class OptaxAdapter:
@@ -153,24 +160,34 @@ class OptaxAdapter:
         tx, layout = self.tx, self.layout  # no arrays: the step is cached
         held, at = self.held, self.held_at
 
+        def objective_at(carried, b, k):
+            def objective(q):
+                out = loss_fn(layout.model(q, carried), b, k)
+                out, new = held.threaded(out, carried, at)
+                loss, metrics = split_loss(_CALL, out)
+                return loss, (metrics, new)
+
+            return objective
+
         def step(state, batch, key):
             params = state["params"]
 
             def one(carried, b, k):
-                def objective(q):
-                    out = loss_fn(layout.model(q, carried), b, k)
-                    out, new = held.threaded(out, carried, at)
-                    loss, metrics = split_loss(_CALL, out)
-                    return loss, (metrics, new)
-
                 (loss, (metrics, new)), grads = jax.value_and_grad(
-                    objective, has_aux=True
+                    objective_at(carried, b, k), has_aux=True
                 )(params)
                 return new, loss, metrics, grads
 
             others, loss, metrics, grads = accumulated(
                 one, state["other"], batch, key, accumulate
             )
+
+            def loss_of(q):  # (all inside the check's own trace)
+                b, k = (first(batch), first(key)) if accumulate > 1 else (batch, key)
+                return objective_at(state["other"], b, k)(q)[0]
+
+            what = "the model's floating-point arrays"
+            _step.check_reads_trained(loss_of, params, what)
             with _step.updating():
                 updates, opt_state = tx.update(
                     layout.filtered(grads),

@@ -24,6 +24,7 @@ import numpy as np
 from ..._errors import evaluate as evaluate_errors, models as errors
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
+from .. import keys as _keys
 
 # Prefixes of the history's entries at their own steps (evaluations, a rollout's
 # collections): not a training metric's.
@@ -165,6 +166,11 @@ def accumulated(one: Callable, state: Any, batches: Any, keys: Any, k: int) -> t
     return state, total / k, metrics, grads
 
 
+def first(tree: Any) -> Any:
+    """The first of ``accumulated``'s stacked micro-batches (or keys)."""
+    return jtu.tree_map(lambda x: x[0], tree)
+
+
 def _averaged(v: Any) -> bool:
     """A floating array metric (averaged over micro-batches); a ``Ratio``'s
     sums (any pytree that is not an array) are summed, others keep the last."""
@@ -223,3 +229,34 @@ def is_counter(name: str, leaf: Any, members: bool = False) -> bool:
         and np.ndim(leaf) == int(members)
         and name.endswith(_COUNTER_NAMES)
     )
+
+
+def check_reads_trained(
+    objective: Callable, trained: list, what: str, nnx: bool = False
+) -> None:
+    """Raise, while tracing, when the loss ``objective(trained)`` cannot depend
+    on any array of ``trained``: its gradient is zero, and training would change
+    nothing (a loss reading a model other than the one it is passed: from a
+    closure, a ``functools.partial``, ``self.model``; one under
+    ``stop_gradient``; an NNX ``wrt`` choosing Variables the loss does not
+    read). Found on the loss's jaxpr (one more trace of the loss per compile:
+    nothing is added to the program), as ``keys.uses_key`` finds a key's use:
+    conservatively (an operation with an input that depends passes it to all
+    its outputs); a program with effects other than callbacks' (a state's) is
+    taken to depend. ``what``: the trained arrays, as the message names them;
+    ``nnx``: the message names ``wrt``."""
+    if not trained:
+        return
+    jaxpr = jax.make_jaxpr(objective)(trained).jaxpr
+    if any(type(e).__name__ not in _CALLBACK_EFFECTS for e in jaxpr.effects):
+        return
+    marks = [True] * len(jaxpr.invars)  # (its inputs: the trained arrays)
+    if not _keys.depends(jaxpr, marks, cut=("stop_gradient",))[0]:
+        cut = _keys.depends(jaxpr, marks)[0]  # (a stop_gradient cut it off)
+        raise errors.loss_reads_no_parameter(_CALL, what, cut, nnx)
+
+
+# The effects of callbacks (``jax.debug.print``/``callback``, ``io_callback``),
+# by their classes' names: a program with any other effect (a state's reads and
+# writes) is not walked. (A name JAX changes is one more effect not walked.)
+_CALLBACK_EFFECTS = {"DebugEffect", "OrderedDebugEffect", "IOEffect", "OrderedIOEffect"}

@@ -18,7 +18,14 @@ from ..._errors import models as errors
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
 from . import step as _step
-from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
+from .step import (
+    accumulated,
+    evaluation,
+    extra_args,
+    first,
+    is_inexact,
+    split_loss,
+)
 
 
 class TrainStateAdapter:
@@ -72,7 +79,7 @@ class TrainStateAdapter:
 
         updated: set = set()  # the fields loss_fn returns, found while tracing
 
-        def one(state, batch, key):
+        def objective_at(state, batch, key):
             def objective(params):
                 out = loss_fn(state.replace(params=params), batch, key)
                 updates: dict = {}
@@ -82,8 +89,11 @@ class TrainStateAdapter:
                 loss, metrics = split_loss(_CALL, out)
                 return loss, (metrics, updates)
 
+            return objective
+
+        def one(state, batch, key):
             (loss, (metrics, updates)), grads = jax.value_and_grad(
-                objective, has_aux=True
+                objective_at(state, batch, key), has_aux=True
             )(state.params)
             if updates:
                 updates = _check_updates(state, updates)
@@ -110,6 +120,13 @@ class TrainStateAdapter:
             with _step.updating():
                 new = state.replace(tx=bound).apply_gradients(grads=grads)
             new = new.replace(tx=tx, **{f: getattr(after, f) for f in updated})
+
+            def loss_of(params):  # (all inside the check's own trace)
+                b, k = (first(batch), first(key)) if accumulate > 1 else (batch, key)
+                return objective_at(state, b, k)(params)[0]
+
+            what = "the TrainState's `params`"
+            _step.check_reads_trained(loss_of, state.params, what)
             return new, loss, metrics, grads
 
         return step
