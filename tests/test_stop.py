@@ -6,6 +6,7 @@ import inspect
 import os
 import re
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,13 @@ import pytest
 from helpers import leaves_equal
 
 import scanax
-from scanax._fit.callbacks.early_stop import MAX_WORDS, MIN_WORDS, StopState, keep_best
+from scanax._fit.callbacks.early_stop import (
+    MAX_WORDS,
+    MIN_WORDS,
+    StopState,
+    keep_best,
+    warn_never_finite,
+)
 
 # Values on a grid of 1/8: exact in float32 and float64, so that Keras's float64
 # arithmetic and ours agree on every comparison, including ties with min_delta.
@@ -470,3 +477,44 @@ def test_fit_keeps_the_best_accuracy():
     assert explicit.best_step == best and explicit.steps == result.steps
     leaves_equal(result.model, explicit.model)
     np.testing.assert_array_equal(explicit.history["loss"], result.history["loss"])
+
+
+def test_a_monitor_never_finite_warns():
+    """An eval metric that is NaN at every check (before: a stop after patience
+    checks, no best kept, and nothing said) warns, naming it; one finite value
+    is enough to say nothing; a population names the members."""
+
+    def nan_at_eval(params, batch):
+        loss, metrics = classifier_loss(params, batch)
+        empty = jnp.mean(jnp.zeros((0,)))  # (a mean over nothing)
+        return loss, {**metrics, "odd": metrics["accuracy"] * 0 + empty}
+
+    rule = scanax.EarlyStop("val_odd", patience=2, restore_best=True)
+    with pytest.warns(
+        RuntimeWarning, match=r"(?s)monitor 'val_odd' was never finite in this call "
+        r"\(2 value\(s\).*no best state was kept.*Fix: look at"
+    ):  # fmt: skip
+        result = fit_classifier(stop=rule, eval_fn=nan_at_eval)
+    assert result.steps == 8 and result.best_step is None  # (patience=2)
+    assert np.isnan(result.history["val_odd"]).all()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit_classifier(steps=12, stop=scanax.EarlyStop("val_accuracy", patience=2))
+    nan = np.nan
+    history = {  # a population's: member 1 trained to step 2, member 2 to none
+        "step": np.array([1, 2, 3, 4]),
+        "loss": np.array([[0.1] * 4, [0.1, 0.1, nan, nan], [nan] * 4]),
+        "val_step": np.array([2, 4]),
+        "val_odd": np.array([[nan, 0.5], [nan, nan], [nan, nan]]),
+    }
+    with pytest.warns(RuntimeWarning, match=r"for member\(s\) \[1\] \(1 value"):
+        warn_never_finite(rule, history)
+    with warnings.catch_warnings():  # (NaN where a member did not train: padding)
+        warnings.simplefilter("error")
+        history["loss"][1, 1] = nan  # (member 1 trained to step 1: no check)
+        warn_never_finite(rule, history)
+        # a training metric is compared as its mean since the last check, which
+        # history does not hold: not warned
+        trained = scanax.EarlyStop("odd", patience=2)
+        warn_never_finite(trained, {"odd": np.full(4, nan), "step": np.arange(4)})

@@ -115,3 +115,15 @@ def best_dir_not_dir(path: str) -> ValueError:
         f"{CALL}: best_dir {path!r} exists and is not a directory.\nFix: pass a "
         "directory (it is created if missing), not a file."
     )
+
+
+def monitor_never_finite(monitor: str, count: int, members: list | None) -> str:
+    who = "" if members is None else f" for member(s) {members}"
+    return (
+        f"scanax.fit: EarlyStop's monitor {monitor!r} was never finite in this "
+        f"call{who} ({count} value(s), all NaN or infinite): none improved, so "
+        "no best state was kept, and the stop counted every check as one "
+        "without improvement.\nFix: look at what computes it on one batch, e.g. "
+        "`scanax.evaluate(model, eval_fn, val_data)`; a mean over an empty "
+        "selection, log(0) or 0/0 give NaN."
+    )

@@ -14,6 +14,7 @@ from . import (
     shorthand as _shorthand,
     solo as _fit_solo,
 )
+from .callbacks import early_stop as _early_stop
 from .result import FitResult
 
 _CALL = errors.CALL
@@ -242,6 +243,10 @@ def fit(
         )
     if epochs is not None:
         result.history["epoch"] = setup.source.epoch_of(result.history["step"])
+    rule = None if setup.checks is None else setup.checks.stop
+    rule = getattr(rule, "stop", rule)  # (with a plateau rule: both, ``Rules``)
+    if rule is not None:
+        _early_stop.warn_never_finite(rule, result.history)
     return result
 
 

@@ -14,16 +14,20 @@ import math
 import numbers
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
+from ... import _caller
 from ..._errors import checkpoint as ckpt_errors, stop as errors
 from .. import feature as _feature, scalars as _scalars
 from ..checkpoint import local_directory
+from ..models.step import SPARSE_PREFIXES
 
 # ``mode="auto"`` (documented in ``EarlyStop.direction``): words of metrics that
 # grow, and words that make a name a loss even then. Up to ``correlation``: every
@@ -296,3 +300,33 @@ def keep_best(best: Any, current: Any, improved: jax.Array) -> Any:
     """``current`` where ``improved`` else ``best``, leaf by leaf (the kept state
     stays on device; under ``jax.vmap``, per member)."""
     return jtu.tree_map(lambda b, c: jnp.where(improved, c, b), best, current)
+
+
+def warn_never_finite(rule: EarlyStop, history: dict) -> None:
+    """After a call: warn when the monitored metric, an evaluation's or a
+    rollout's (``val_*``, ``rollout_*``: history holds the values the rule
+    compared), was never finite at the checks a model ran: the rule kept no
+    best and counted every check against it. For a population (history
+    ``[members, ...]``), per member, at the checks up to the last step it
+    trained (the rest is padding). A monitored training metric is compared as
+    its mean since the last check, which history does not hold: not warned."""
+    prefix = next((p for p in SPARSE_PREFIXES if rule.monitor.startswith(p)), None)
+    values = history.get(rule.monitor)
+    if prefix is None or values is None or np.size(values) == 0:
+        return
+    values = np.asarray(values, np.float64)
+    if values.ndim == 1:
+        seen = {None: values}
+    else:
+        at = np.asarray(history[prefix + "step"])
+        steps, loss = np.asarray(history["step"]), np.asarray(history["loss"])
+        seen = {}
+        for i, row in enumerate(values):
+            trained = steps[np.isfinite(loss[i])]
+            seen[i] = row[at <= trained.max()] if trained.size else row[:0]
+    bad = [i for i, v in seen.items() if v.size and not np.isfinite(v).any()]
+    if bad:
+        members = None if values.ndim == 1 else bad
+        count = max(seen[i].size for i in bad)
+        message = errors.monitor_never_finite(rule.monitor, count, members)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller.user_level())
