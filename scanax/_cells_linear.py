@@ -125,6 +125,14 @@ class MinGRU(LinearCell):
         return self.candidate.kernel[...].dtype
 
 
+def _complex(re: jax.Array, im: jax.Array) -> jax.Array:
+    """``re + 1j im``; complex64 for 16-bit floats, which have no complex type
+    (``jax.lax.complex`` takes float32 and float64 only)."""
+    if jnp.finfo(re.dtype).bits < 32:
+        re, im = re.astype(jnp.float32), im.astype(jnp.float32)
+    return jax.lax.complex(re, im)
+
+
 class LRU(LinearCell):
     """The Linear Recurrent Unit (Orvieto et al. 2023, "Resurrecting Recurrent
     Neural Networks for Long Sequences"): a complex diagonal recurrence with a
@@ -137,7 +145,8 @@ class LRU(LinearCell):
         y = real(C @ h) + D * x                             # C = C_re + 1j C_im
 
     The state ``h`` is complex (``[..., hidden_features]``, complex64 for float32
-    parameters); the output has the input's width (``D`` is a skip connection).
+    and 16-bit parameters, which have no complex type); the output has the
+    input's width and dtype (``D`` is a skip connection).
 
     Initialisation, as the paper's: ``|lam|`` uniform on the ring ``[r_min,
     r_max]``, the phase uniform on ``[0, max_phase]``; ``gamma_log = log(sqrt(1 -
@@ -199,18 +208,19 @@ class LRU(LinearCell):
     def lam(self) -> jax.Array:
         """The diagonal of the recurrence, ``exp(-exp(nu_log) + 1j exp(theta_log))``."""
         return jnp.exp(
-            jax.lax.complex(-jnp.exp(self.nu_log[...]), jnp.exp(self.theta_log[...]))
+            _complex(-jnp.exp(self.nu_log[...]), jnp.exp(self.theta_log[...]))
         )
 
     def coefficients(self, x):
         gamma = jnp.exp(self.gamma_log[...])[:, None]
         b_re = x @ (self.B_re[...] * gamma).T
         b_im = x @ (self.B_im[...] * gamma).T
-        return self.lam(), jax.lax.complex(b_re, b_im)
+        return self.lam(), _complex(b_re, b_im)
 
     def readout(self, h, x):
-        y = jnp.real(h) @ self.C_re[...].T - jnp.imag(h) @ self.C_im[...].T
-        return y + self.D[...] * x
+        re, im = jnp.real(h), jnp.imag(h)  # (float32 for 16-bit parameters)
+        c_re, c_im = (c[...].T.astype(re.dtype) for c in (self.C_re, self.C_im))
+        return (re @ c_re - im @ c_im).astype(x.dtype) + self.D[...] * x
 
     def state_dtype(self):
         return (

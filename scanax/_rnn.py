@@ -87,7 +87,7 @@ def _plan(
         except Exception as err:
             if _nnx.is_trace_level_error(err):  # flax: mutation in a trace
                 raise errors.cell_mutates(i, cell, err) from err
-            raise errors.call_failed(i, cell, x, source) from err
+            raise errors.call_failed(i, cell, x, source, err) from err
         if spec.kind == "?":
             spec.kind = _cells.probe_kind(spec, state, out) or "?"
             new = _cells.dtype_only_change(state, out)

@@ -202,3 +202,20 @@ def test_mingru_step_is_the_papers():
     h_tilde = x @ cell.candidate.kernel[...] + cell.candidate.bias[...]
     close(cell(h, x), ((1 - z) * h + z * h_tilde,) * 2)
     assert math.isclose(float(jnp.sum(cell.initialize_carry((B, D)))), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_lru_with_16_bit_parameters(dtype):
+    """16-bit floats have no complex type (``jax.lax.complex`` refused them and
+    ``scanax.rnn`` blamed the input's width): the state is complex64, the
+    output the input's dtype, equal to the float32 cell's on the same values
+    to the 16-bit rounding."""
+    low = LRU(D, 5, rngs=nnx.Rngs(0), r_min=0.5, r_max=0.99, param_dtype=dtype)
+    ref = lru()  # (the same draws in float32)
+    nnx.update(ref, jax.tree.map(lambda p: p.astype(jnp.float32), nnx.state(low)))
+    xs = xs_tbd().astype(dtype)
+    (h,), ys = jit(lambda x: scanax.rnn([low], x))(xs)
+    (h_ref,), ys_ref = jit(lambda x: scanax.rnn([ref], x))(xs.astype(jnp.float32))
+    assert h.dtype == jnp.complex64 and ys.dtype == dtype
+    helpers.close(ys.astype(jnp.float32), ys_ref, rtol=3e-2, atol=3e-2)
+    helpers.close(h, h_ref, rtol=3e-2, atol=3e-2)

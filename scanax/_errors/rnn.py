@@ -59,11 +59,18 @@ def width(i: int, cell: Any, want: int, got: int, source: str) -> ValueError:
     )
 
 
-def call_failed(i: int, cell: Any, x: Any, source: str) -> ValueError:
+def call_failed(i: int, cell: Any, x: Any, source: str, err: Exception) -> ValueError:
+    said = str(err).lower()
+    if any(w in said for w in ("shape", "dimension", "incompatible", "size")):
+        fix = "check that its input width matches the previous layer's output width."
+    else:  # (not about shapes: a dtype the cell's operations refuse...)
+        fix = (
+            "the error above is the cell's own; call the cell on one step of "
+            "this input outside scanax.rnn to debug it."
+        )
     return ValueError(
         f"{_CALL}: {cell_name(i, cell)} failed on an input {short_type(x)} (width "
-        f"{x.shape[-1]}, from {source}); see the error above.\nFix: check that its "
-        "input width matches the previous layer's output width."
+        f"{x.shape[-1]}, from {source}); see the error above.\nFix: {fix}"
     )
 
 
