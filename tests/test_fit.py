@@ -1746,3 +1746,31 @@ def test_a_loss_that_is_no_floating_scalar_gets_the_fix_for_what_it_is(
         scanax.fit(
             p, optax.sgd(0.1), loss, (X, Y), steps=1, batch_size=4, progress=False
         )
+
+
+def test_a_result_prints_on_one_screen():
+    """``repr(result)`` (a notebook's last line) was the dataclass's: every
+    array of the history and the whole model. Now the counts, each entry's
+    shape, the last finite losses and the kinds."""
+    model, opt = nnx_pair()
+    result = fit_quiet(model, opt, nnx_loss, (X, Y), steps=6, batch_size=BS)
+    text = repr(result)
+    loss = result.history["loss"][-1]
+    assert text == (
+        "FitResult(steps=6,\n          execution='fused',\n"
+        "          history: step[6] loss[6] mae[6],\n"
+        f"          last loss={loss:.4g},\n"
+        "          model: MLP, optimizer: Optimizer)"
+    )
+    members = scanax.FitResult(  # a population's: per member, NaN where none ran
+        model=None,
+        optimizer=None,
+        history={
+            "step": np.arange(1, 3),
+            "loss": np.array([[0.5, 0.25], [1.5, np.nan]]),
+        },
+        steps=np.array([2, 1]),
+        best_step=np.array([2, -1]),
+    )
+    assert "steps=[2, 1]" in repr(members) and "best_step=[2, -1]" in repr(members)
+    assert "last loss=[0.25, 1.5]" in repr(members)

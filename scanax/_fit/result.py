@@ -11,7 +11,7 @@ import numpy as np
 
 from .._errors import population as pop_errors
 from .callbacks import early_stop as _stop
-from .models import step as _model_step
+from .models import population as _population, step as _model_step
 
 
 @dataclasses.dataclass
@@ -67,6 +67,30 @@ class FitResult:
     plateau: Any = None
     loss_scale: Any = None
 
+    def __repr__(self) -> str:
+        """One screen, whatever the model and run: the counts, each history
+        entry's shape, the last finite loss (and validation loss), the model
+        and optimizer by type (their values: ``result.model``...)."""
+        members = np.ndim(self.steps) == 1
+        parts = [
+            f"steps={np.asarray(self.steps).tolist() if members else self.steps}",
+            f"execution={self.execution!r}",
+        ]
+        if self.best_step is not None:
+            best = self.best_step
+            parts.append(f"best_step={np.asarray(best).tolist() if members else best}")
+        shapes = " ".join(
+            f"{k}[{', '.join(map(str, np.shape(v)))}]" for k, v in self.history.items()
+        )
+        parts.append(f"history: {shapes}")
+        last = [f"{k}={_last(self.history.get(k))}" for k in ("loss", "val_loss")]
+        parts.append("last " + ", ".join(x for x in last if not x.endswith("=")))
+        parts.append(f"model: {_kind(self.model)}, optimizer: {_kind(self.optimizer)}")
+        extras = [n for n in ("ema", "plateau", "loss_scale") if getattr(self, n)]
+        if extras:
+            parts.append("with " + ", ".join(extras))
+        return "FitResult(" + ",\n          ".join(parts) + ")"
+
     def plot(self, path: Any = None) -> Any:
         """Train loss (raw and smoothed) and every validation metric against the
         step, saved to ``path`` if given; returns the matplotlib figure (the
@@ -103,6 +127,27 @@ class FitResult:
             last[has] = values[has, where[has]]
         sign = 1.0 if mode == "min" else -1.0
         return int(np.argmin(np.where(has, sign * last, np.inf)))
+
+
+def _last(values: Any) -> str:
+    """The last finite value of a history entry (per member: a list), as text;
+    empty when it has none (or there is no such entry)."""
+    if values is None or np.size(values) == 0:
+        return ""
+    rows = np.asarray(values, np.float64).reshape(-1, np.shape(values)[-1])
+    out = []
+    for row in rows:
+        finite = row[np.isfinite(row)]
+        out.append(f"{finite[-1]:.4g}" if finite.size else "nan")
+    return out[0] if np.ndim(values) == 1 else "[" + ", ".join(out) + "]"
+
+
+def _kind(x: Any) -> str:
+    """A model's or optimizer's type, by name (a population's: how many;
+    ``result.model[i]`` is member ``i``)."""
+    if isinstance(x, _population.Members):
+        return f"{len(x)} members"
+    return "None" if x is None else type(x).__name__
 
 
 def best_state(
