@@ -416,3 +416,26 @@ def test_a_nan_loss_with_nan_gradients_is_named_alike_on_both_plans(plan, monkey
     assert out.steps == 6
     assert replays == [6]
     leaves_equal(out.model, fit(data[:6], steps=6).model)
+
+
+def test_a_population_member_holding_an_overflowed_update_is_said(plan):
+    """A member's update that makes its parameter infinite (finite gradients)
+    is seen only by its next loss: the member stops holding the infinite
+    parameter, and the warning now says so with a fix (before: "each keeps
+    its last good state", silently infinite). The other member trains on."""
+
+    def make(key, lr):
+        return {"p": jnp.zeros((1,))}, optax.sgd(lr)
+
+    def linear(p, batch):
+        return jnp.sum(batch * p["p"])
+
+    data = [jnp.full((1,), v) for v in (1e-30, 2e-30, 1e10, 1.0, 1.0)]
+    pop = scanax.population(make, 2, key=jax.random.key(0), lr=jnp.array([1e30, 1e-3]))
+    with pytest.warns(RuntimeWarning, match=r"(?s)member 0 \(step 4\)") as said:
+        out = scanax.fit(pop, None, linear, data, steps=5, progress=False)
+    said = str(said[0].message)
+    assert "But member(s) [0] hold parameters that are not all finite" in said
+    assert "Fix: restore an earlier checkpoint" in said
+    assert not np.isfinite(out.model[0]["p"]).all()  # (what it says: the state held)
+    np.testing.assert_array_equal(out.steps, [3, 5])

@@ -171,6 +171,7 @@ def nonfinite_members(
     n: int,
     training: int | None = None,
     group: list[int] | None = None,
+    held: list[int] | None = None,
 ) -> str:
     shown = ", ".join(f"{m} (step {s})" for m, s in list(zip(members, steps))[:10])
     more = f" and {len(members) - 10} more" if len(members) > 10 else ""
@@ -183,11 +184,21 @@ def nonfinite_members(
         )
     else:
         others = "no member is left training, so the call ends here"
-    return (
+    out = (
         f"{FIT}: {len(members)} of {n} members stopped at a non-finite loss or "
         f"gradient: member {shown}{more}. Each keeps its last good state (its "
         f"history is NaN from there); {others}. See `pop.stopped`."
     )
+    if held:
+        out += (
+            f" But member(s) {held} hold parameters that are not all finite: "
+            "the update of their last good step made them so (finite gradients, "
+            "an update too large), and only the next loss showed it, so the "
+            "state before it is not kept.\nFix: "
+            "restore an earlier checkpoint (scanax.Checkpoint) and train with a "
+            "smaller learning rate or clipped updates (optax.clip_by_global_norm)."
+        )
+    return out
 
 
 def mesh_axis(mesh: Any) -> ValueError:

@@ -289,6 +289,15 @@ class Group:
         """The steps each member had applied (its finite losses)."""
         self.applied += np.isfinite(history["loss"]).sum(axis=1)
 
+    def _finite(self, leaves: list, m: int) -> bool:
+        """Whether every trained parameter of member ``m`` (its place in this
+        call's group) is finite."""
+        for j in self.pop.trained():
+            x = np.asarray(jax.device_get(leaves[j][m]))
+            if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+                return False
+        return True
+
     def stopped_by_rule(self, run: Any) -> bool:
         """(members stop one by one, inside the loop)"""
         return False
@@ -315,6 +324,10 @@ class Group:
             rows = [m for m in np.flatnonzero(bad) if m < self.real]
             group = [int(m) for m in self.idx[: self.real]]
             group = group if len(group) < self.pop.n else None
+            # (a member's last applied update may have made its parameters
+            # non-finite, only its next loss showing it: tested on the host,
+            # only for the members that stopped)
+            held = [int(self.idx[m]) for m in rows if not self._finite(out.leaves, m)]
             run.warn(
                 errors.nonfinite_members(
                     [int(self.idx[m]) for m in rows],
@@ -322,6 +335,7 @@ class Group:
                     self.pop.n,
                     int((~self.mask[: self.real]).sum()),
                     group,
+                    held,
                 )
             )
         recorded = run.history.add(start, ys, counts, ran)
