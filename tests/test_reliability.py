@@ -1117,6 +1117,60 @@ def test_ctrl_c_while_batches_are_read_keeps_the_call_in_flight_and_its_log_rows
     leaves_equal(nnx.state(model), nnx.state(ref))
 
 
+def _arrays(model):
+    return [x for x in jax.tree.leaves(model) if isinstance(x, jax.Array)]
+
+
+def _batches(start=0, stop_at=None):
+    """The regression batches in order; KeyboardInterrupt at batch ``stop_at``."""
+    x, y = np.asarray(X), np.asarray(Y)
+    for i in range(start, 10_000):
+        if i == stop_at:
+            raise KeyboardInterrupt
+        j = i % 6
+        yield x[j * BS : (j + 1) * BS], y[j * BS : (j + 1) * BS]
+
+
+@pytest.mark.parametrize("kind", ["eqx", "ts", "nnx"])
+def test_ctrl_c_gives_the_last_checked_result_on_the_exception(kind):
+    """Equinox and TrainState results are new objects: a Ctrl-C lost every
+    step of the run (without a Checkpoint). The exception now carries the
+    result of the last checked state, ``fit_result``, with its history, equal
+    to a run of that many steps; for NNX, the objects it updated in place."""
+    make = {
+        "eqx": lambda: (eqx_model(), TX, eqx_loss),
+        "ts": lambda: (ts_make(), None, ts_loss),
+        "nnx": lambda: (*nnx_pair(), nnx_loss),
+    }[kind]
+    model, opt, loss = make()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        fit_quiet(model, opt, loss, _batches(stop_at=23), steps=40, steps_per_call=6)
+    got = caught.value.fit_result
+    assert got.steps == 18 and len(got.history["loss"]) == 18  # (calls of 6)
+    assert any("`fit_result`" in n for n in caught.value.__notes__)
+    ref_model, ref_opt, _ = make()
+    want = fit_quiet(ref_model, ref_opt, loss, _batches(), steps=18, steps_per_call=6)
+    np.testing.assert_array_equal(got.history["loss"], want.history["loss"])
+    if kind == "nnx":
+        assert got.model is model and got.optimizer is opt
+        leaves_equal(nnx.state(model), nnx.state(ref_model))
+    else:
+        leaves_equal(_arrays(got.model), _arrays(want.model))
+
+
+def test_ctrl_c_before_any_call_is_checked():
+    """Nothing checked: an Equinox run's result is the model as given (0
+    steps); an NNX run's objects are as given, and ``fit_result`` is None."""
+    with pytest.raises(KeyboardInterrupt) as caught:
+        fit_quiet(eqx_model(), TX, eqx_loss, _batches(stop_at=0), steps=40)
+    assert caught.value.fit_result.steps == 0
+    leaves_equal(_arrays(caught.value.fit_result.model), _arrays(eqx_model()))
+    model, opt = nnx_pair()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        fit_quiet(model, opt, nnx_loss, _batches(stop_at=0), steps=40)
+    assert caught.value.fit_result is None and int(opt.step[...]) == 0
+
+
 # ------------------------------------------- errors and interrupts around saves
 
 

@@ -908,6 +908,16 @@ def interrupted_nnx(
     )
 
 
+def fit_result_attached(steps: int, nnx: bool) -> str:
+    held = "which the NNX objects hold" if nnx else "as new objects"
+    return (
+        f"{CALL}: the result of the last checked state ({steps} step(s) of this "
+        f"call, {held}) and its history are this exception's `fit_result`: "
+        "`except KeyboardInterrupt as e: result = e.fit_result` (in a notebook, "
+        "`sys.last_value.fit_result`)."
+    )
+
+
 def loss_fn_reads_the_model(name: str) -> str:
     return (
         f"{CALL}: `loss_fn` reads the model being trained as `{name}` from outside "

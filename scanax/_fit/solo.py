@@ -102,6 +102,8 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
                 held = run.done if kind.finished is not None else start
                 _note(err, held, start, start + setup.steps, rewound,
                       source.past(run.done - start), run.done)  # fmt: skip
+        if isinstance(err, KeyboardInterrupt) or run.done != start:
+            _attach(err, kind, run, base.kind == "nnx")
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
@@ -110,6 +112,22 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     for logger in setup.loggers:
         logger.sinks.raise_pending(result)
     return result
+
+
+def _attach(err: BaseException, kind: Model, run: Any, nnx: bool) -> None:
+    """Ctrl-C, or an error after steps ran: the result of the last checked
+    state (``kind.partial``; None for an NNX run that checked none) as the
+    exception's ``fit_result``, said in a note (Equinox and TrainState results
+    are new objects, not otherwise returned).
+    Never in the way of the run's own error: a result that cannot be made is
+    not attached."""
+    try:
+        result = kind.partial(run, nnx)
+        err.fit_result = result
+    except Exception:  # noqa: BLE001 - the run's own error goes on as it is
+        return
+    if result is not None and hasattr(err, "add_note"):  # (Python 3.11+)
+        err.add_note(errors.fit_result_attached(result.steps, nnx))
 
 
 def _note(err: BaseException, done: int, start: int, end: int, *read: Any) -> None:
@@ -424,6 +442,27 @@ class Model:
             history,
             steps,
             best,
+            execution=run.execution.mode,
+            **self.results,
+        )
+
+    def partial(self, run: Any, nnx: bool) -> FitResult | None:
+        """An interrupted run's result: the last state checked and handed back
+        (``interrupted``), the history of its steps (the rows of the calls
+        checked). None checked: an Equinox or TrainState run's starting state
+        (a checkpoint's when one was restored); None for NNX, whose objects
+        are as given."""
+        if self.finished is None and nnx:
+            return None
+        leaves = self.finished if self.finished is not None else self.first
+        model, optimizer = self.finish(leaves)  # (NNX: what the objects hold)
+        done = run.done  # (of ``leaves``: the last call checked, or the start)
+        history = run.history.result()
+        return FitResult(
+            model,
+            optimizer,
+            history,
+            done - run.start,
             execution=run.execution.mode,
             **self.results,
         )
