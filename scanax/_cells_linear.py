@@ -146,7 +146,7 @@ class LRU(LinearCell):
 
     The state ``h`` is complex (``[..., hidden_features]``, complex64 for float32
     and 16-bit parameters, which have no complex type); the output has the
-    input's width and dtype (``D`` is a skip connection).
+    input's width (``D`` is a skip connection), in the parameters' dtype.
 
     Initialisation, as the paper's: ``|lam|`` uniform on the ring ``[r_min,
     r_max]``, the phase uniform on ``[0, max_phase]``; ``gamma_log = log(sqrt(1 -
@@ -220,7 +220,8 @@ class LRU(LinearCell):
     def readout(self, h, x):
         re, im = jnp.real(h), jnp.imag(h)  # (float32 for 16-bit parameters)
         c_re, c_im = (c[...].T.astype(re.dtype) for c in (self.C_re, self.C_im))
-        return (re @ c_re - im @ c_im).astype(x.dtype) + self.D[...] * x
+        y = (re @ c_re - im @ c_im).astype(self.C_re[...].dtype)  # (16-bit: back)
+        return y + self.D[...] * x
 
     def state_dtype(self):
         return (

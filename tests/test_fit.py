@@ -1774,3 +1774,6 @@ def test_a_result_prints_on_one_screen():
     )
     assert "steps=[2, 1]" in repr(members) and "best_step=[2, -1]" in repr(members)
     assert "last loss=[0.25, 1.5]" in repr(members)
+    bare = scanax.FitResult(None, None, {}, 0, ema=np.ones(3))  # (an array's EMA)
+    assert repr(bare).endswith("history: (empty),\n          model: None, "
+                               "optimizer: None,\n          with ema)")  # fmt: skip

@@ -225,3 +225,31 @@ def test_wrt_choosing_no_variable_is_refused():
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Variable)
     scanax.fit(model, optimizer, _plain_loss, (X, Y), **RUN)
     assert not np.array_equal(model.w[...], np.ones((3, 1)))  # (trains with its wrt)
+
+
+@jax.custom_vjp
+def _ste_round(x):
+    """Rounding with a straight-through gradient: its primal program is under
+    ``stop_gradient``, its gradient the identity (its rule)."""
+    return jax.lax.stop_gradient(jnp.round(x))
+
+
+_ste_round.defvjp(lambda x: (_ste_round(x), None), lambda _, g: (g,))
+
+
+def test_a_custom_derivative_rule_decides_not_its_primal():
+    """A straight-through estimator (quantisation-aware training) trains: its
+    gradient is its rule's, though its primal is under ``stop_gradient``
+    (a review found it refused). One SGD step equals ``jax.grad``'s."""
+    w = {"w": jnp.full((3, 1), 0.3)}
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean((_ste_round(4 * x @ p["w"]) / 4 - y) ** 2)
+
+    batch = (X[:BS], Y[:BS])
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, w, jax.grad(loss)(w, batch))
+    got = scanax.fit(w, optax.sgd(0.1), loss, (X, Y), steps=1, batch_size=BS,
+                     key=None, progress=False)  # fmt: skip
+    np.testing.assert_allclose(got.model["w"], want["w"], rtol=1e-6)
+    assert not np.allclose(want["w"], w["w"])

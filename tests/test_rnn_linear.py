@@ -219,3 +219,15 @@ def test_lru_with_16_bit_parameters(dtype):
     assert h.dtype == jnp.complex64 and ys.dtype == dtype
     helpers.close(ys.astype(jnp.float32), ys_ref, rtol=3e-2, atol=3e-2)
     helpers.close(h, h_ref, rtol=3e-2, atol=3e-2)
+
+
+def test_lru_float32_with_a_bfloat16_input_keeps_float32():
+    """float32 parameters and a bfloat16 input (JAX's standard promotion): the
+    readout stays float32, equal to the input upcast first (a review found it
+    rounded to bfloat16 by the 16-bit change)."""
+    cell, xs = lru(), xs_tbd().astype(jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):
+        got = jit(lambda x: scanax.rnn([cell], x))(xs)
+        want = jit(lambda x: scanax.rnn([cell], x))(xs.astype(jnp.float32))
+    assert got[1].dtype == jnp.float32
+    helpers.close(got, want, rtol=1e-6, atol=1e-6)

@@ -109,7 +109,11 @@ def uses_key(fn: Callable, args: Sequence[Any], index: int) -> bool:
 def depends(jaxpr: Any, tainted_in: list[bool], cut: tuple = ()) -> list[bool]:
     """For each output of ``jaxpr``, whether it depends on an input marked in
     ``tainted_in``; the outputs of primitives named in ``cut`` (e.g.
-    ``stop_gradient``, for a gradient's dependence) depend on nothing."""
+    ``stop_gradient``, for a gradient's dependence) depend on nothing. With a
+    ``cut``, a call with custom derivatives is not followed (its outputs
+    depend on all its inputs): its rule, not its primal program, says what
+    its gradient depends on (a straight-through estimator's primal is under
+    ``stop_gradient``)."""
     tainted = {v for v, t in zip(jaxpr.invars, tainted_in) if t}
 
     def hit(v: Any) -> bool:
@@ -119,7 +123,8 @@ def depends(jaxpr: Any, tainted_in: list[bool], cut: tuple = ()) -> list[bool]:
         marks = [hit(v) for v in eqn.invars]
         if not any(marks) or eqn.primitive.name in cut:
             continue
-        inner = _inner(eqn)
+        custom = cut and eqn.primitive.name.startswith("custom_")
+        inner = None if custom else _inner(eqn)
         if inner is not None:
             outs = depends(inner, marks, cut)
             tainted.update(v for v, t in zip(eqn.outvars, outs) if t)

@@ -82,11 +82,15 @@ class FitResult:
         shapes = " ".join(
             f"{k}[{', '.join(map(str, np.shape(v)))}]" for k, v in self.history.items()
         )
-        parts.append(f"history: {shapes}")
+        parts.append(f"history: {shapes or '(empty)'}")
         last = [f"{k}={_last(self.history.get(k))}" for k in ("loss", "val_loss")]
-        parts.append("last " + ", ".join(x for x in last if not x.endswith("=")))
+        last = [x for x in last if not x.endswith("=")]
+        if last:
+            parts.append("last " + ", ".join(last))
         parts.append(f"model: {_kind(self.model)}, optimizer: {_kind(self.optimizer)}")
-        extras = [n for n in ("ema", "plateau", "loss_scale") if getattr(self, n)]
+        extras = [
+            n for n in ("ema", "plateau", "loss_scale") if getattr(self, n) is not None
+        ]
         if extras:
             parts.append("with " + ", ".join(extras))
         return "FitResult(" + ",\n          ".join(parts) + ")"
