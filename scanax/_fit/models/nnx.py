@@ -23,14 +23,7 @@ from ... import _caller, _nnx
 from ..._errors import evaluate as eval_errors, models as errors, short_type
 from ..._errors.fit import CALL as _CALL
 from . import step as _step
-from .step import (
-    accumulated,
-    evaluation,
-    extra_args,
-    first,
-    is_inexact,
-    split_loss,
-)
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
 class NNXAdapter:
@@ -156,7 +149,7 @@ class NNXAdapter:
                 for i, v in zip(trained, values):
                     given[i] = v
                 model = _nnx.unflatten(graphdef, given)[0]
-                b, k = (first(batch), first(key)) if accumulate > 1 else (batch, key)
+                b, k = _step.first(accumulate, batch, key)
                 return split_loss(_CALL, loss_fn(model, b, k))[0]
 
             what = "the Variables the optimizer trains (its `wrt`)"

@@ -22,14 +22,7 @@ from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
 from . import optax_init as _inits, step as _step
 from .eqx_state import Held
-from .step import (
-    accumulated,
-    evaluation,
-    extra_args,
-    first,
-    is_inexact,
-    split_loss,
-)
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
 class OptaxAdapter:
@@ -183,7 +176,7 @@ class OptaxAdapter:
             )
 
             def loss_of(q):  # (all inside the check's own trace)
-                b, k = (first(batch), first(key)) if accumulate > 1 else (batch, key)
+                b, k = _step.first(accumulate, batch, key)
                 return objective_at(state["other"], b, k)(q)[0]
 
             what = "the model's floating-point arrays"

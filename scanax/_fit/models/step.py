@@ -166,9 +166,12 @@ def accumulated(one: Callable, state: Any, batches: Any, keys: Any, k: int) -> t
     return state, total / k, metrics, grads
 
 
-def first(tree: Any) -> Any:
-    """The first of ``accumulated``'s stacked micro-batches (or keys)."""
-    return jtu.tree_map(lambda x: x[0], tree)
+def first(k: int, *trees: Any) -> tuple:
+    """The first of ``accumulated``'s ``k`` stacked micro-batches (and keys):
+    ``trees`` as they are when ``k`` is 1."""
+    if k == 1:
+        return trees
+    return tuple(jtu.tree_map(lambda x: x[0], tree) for tree in trees)
 
 
 def _averaged(v: Any) -> bool:

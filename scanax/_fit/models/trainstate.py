@@ -18,14 +18,7 @@ from ..._errors import models as errors
 from ..._errors.fit import CALL as _CALL
 from ..._tree import is_array
 from . import step as _step
-from .step import (
-    accumulated,
-    evaluation,
-    extra_args,
-    first,
-    is_inexact,
-    split_loss,
-)
+from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
 class TrainStateAdapter:
@@ -122,7 +115,7 @@ class TrainStateAdapter:
             new = new.replace(tx=tx, **{f: getattr(after, f) for f in updated})
 
             def loss_of(params):  # (all inside the check's own trace)
-                b, k = (first(batch), first(key)) if accumulate > 1 else (batch, key)
+                b, k = _step.first(accumulate, batch, key)
                 return objective_at(state, b, k)(params)[0]
 
             what = "the TrainState's `params`"
