@@ -1396,3 +1396,28 @@ def test_a_save_after_an_error_failing_in_the_background_leaves_the_error(
     if sys.version_info >= (3, 11):
         text = "".join(getattr(caught.value, "__notes__", []))
         assert "saving checkpoint 30" in text and "No space left" in text
+
+
+def test_continuing_from_fit_result_equals_an_uninterrupted_run():
+    """An Equinox run stopped by Ctrl-C in a log sink at step 9 (calls of 6):
+    its ``fit_result`` holds step 12 and the resumable iterator is set back
+    there (a review found the 6 batches read ahead lost), so continuing from
+    the result equals an uninterrupted run of 18 steps."""
+
+    def sink(step, metrics):
+        if step == 9:
+            raise KeyboardInterrupt
+
+    data = _Resumable()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        fit_quiet(eqx_model(), TX, eqx_loss, data, steps=40, steps_per_call=6,
+                  callbacks=[scanax.Log(sink, every=1)])  # fmt: skip
+    got = caught.value.fit_result
+    assert got.steps == 12 and data.i == 12
+    assert any("set back to step 12" in n for n in caught.value.__notes__)
+    more = fit_quiet(got.model, TX, eqx_loss, data, steps=6, steps_per_call=6,
+                     opt_state=got.optimizer)  # fmt: skip
+    want = fit_quiet(
+        eqx_model(), TX, eqx_loss, _Resumable(), steps=18, steps_per_call=6
+    )
+    leaves_equal(_arrays(more.model), _arrays(want.model))

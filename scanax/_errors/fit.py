@@ -880,18 +880,7 @@ def interrupted_nnx(
     how: str = "interrupted",
 ) -> str:
     at = done if restored is None else restored  # (where the data stands)
-    if rewound:
-        read = (
-            f" The data iterator (resumable) was set back to step {at}: given "
-            "again, it goes on from there."
-        )
-    elif ahead:
-        read = (
-            f" The data iterator had given {ahead} batch(es) past step {at} "
-            "(read ahead for the next call): they were not trained."
-        )
-    else:
-        read = ""
+    read = _read_ahead(at, rewound, ahead)
     if restored is not None and restored != done:
         return (
             f"{CALL}: {how}; the NNX model and optimizer hold step {done}, as "
@@ -908,13 +897,38 @@ def interrupted_nnx(
     )
 
 
-def fit_result_attached(steps: int, nnx: bool) -> str:
-    held = "which the NNX objects hold" if nnx else "as new objects"
+def _read_ahead(at: int, rewound: bool, ahead: int) -> str:
+    """What became of the data iterator's batches past step ``at``."""
+    if rewound:
+        return (
+            f" The data iterator (resumable) was set back to step {at}: given "
+            "again, it goes on from there."
+        )
+    if ahead:
+        return (
+            f" The data iterator had given {ahead} batch(es) past step {at} "
+            "(read ahead for the next call): they were not trained."
+        )
+    return ""
+
+
+def fit_result_attached(
+    steps: int, nnx: bool, name: str, rewound: bool, ahead: int, at: int
+) -> str:
+    if nnx:
+        return (
+            f"{CALL}: the result of the state the NNX objects hold, with its "
+            f"history, is this exception's `fit_result`: `except {name} as e: "
+            "result = e.fit_result` (in a notebook, `sys.last_value.fit_result`)."
+        )
     return (
-        f"{CALL}: the result of the last checked state ({steps} step(s) of this "
-        f"call, {held}) and its history are this exception's `fit_result`: "
-        "`except KeyboardInterrupt as e: result = e.fit_result` (in a notebook, "
-        "`sys.last_value.fit_result`)."
+        f"{CALL}: the result of the last checked state (step {at}; {steps} "
+        "step(s) beyond the model passed in), as new objects, with its history, is "
+        f"this exception's `fit_result`: `except {name} as e: result = "
+        "e.fit_result` (in a notebook, `sys.last_value.fit_result`); it is the "
+        "last state, not an EarlyStop's best. To continue, pass its model to "
+        "fit again (with an optax transform, also `opt_state=result.optimizer`)."
+        + _read_ahead(at, rewound, ahead)
     )
 
 

@@ -92,18 +92,17 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         # (NNX objects keep the last checked state in place: the feed with it)
         if feed is not None and kind.finished is not None and base.kind == "nnx":
             feed.keep(kind.finished, feats.at_of(feed), run.done)
-        if base.kind == "nnx":
-            # (the NNX objects hold run.done: a resumable iterator given again
-            # continues there; an Equinox or TrainState result is not returned)
-            rewound = source.rewind(run.done - start)
-            if isinstance(err, KeyboardInterrupt) or run.done != start:
+        # (the NNX objects, an Equinox or TrainState ``fit_result``, hold
+        # run.done: a resumable iterator given again continues there)
+        rewound = source.rewind(run.done - start)
+        if isinstance(err, KeyboardInterrupt) or run.done != start:
+            read = (rewound, source.past(run.done - start), run.done)
+            if base.kind == "nnx":
                 # (a checkpoint restored, no call of it read: the objects are
                 # as given, and the same call resumes from it)
                 held = run.done if kind.finished is not None else start
-                _note(err, held, start, start + setup.steps, rewound,
-                      source.past(run.done - start), run.done)  # fmt: skip
-        if isinstance(err, KeyboardInterrupt) or run.done != start:
-            _attach(err, kind, run, base.kind == "nnx")
+                _note(err, held, start, start + setup.steps, *read)
+            _attach(err, kind, run, base.kind == "nnx", read)
         raise
     if feed is not None:  # the Rollout continues from the state handed back
         feed.keep(kind.finished, feats.at_of(feed), run.done)
@@ -114,11 +113,12 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
     return result
 
 
-def _attach(err: BaseException, kind: Model, run: Any, nnx: bool) -> None:
+def _attach(err: BaseException, kind: Model, run: Any, nnx: bool, read: tuple) -> None:
     """Ctrl-C, or an error after steps ran: the result of the last checked
     state (``kind.partial``; None for an NNX run that checked none) as the
     exception's ``fit_result``, said in a note (Equinox and TrainState results
-    are new objects, not otherwise returned).
+    are new objects, not otherwise returned), with what became of the batches
+    read ahead (``read``: as ``_note``'s) for them.
     Never in the way of the run's own error: a result that cannot be made is
     not attached."""
     try:
@@ -127,7 +127,8 @@ def _attach(err: BaseException, kind: Model, run: Any, nnx: bool) -> None:
     except Exception:  # noqa: BLE001 - the run's own error goes on as it is
         return
     if result is not None and hasattr(err, "add_note"):  # (Python 3.11+)
-        err.add_note(errors.fit_result_attached(result.steps, nnx))
+        name = type(err).__name__
+        err.add_note(errors.fit_result_attached(result.steps, nnx, name, *read))
 
 
 def _note(err: BaseException, done: int, start: int, end: int, *read: Any) -> None:
