@@ -24,7 +24,7 @@ from . import (
     program as _fit_program,
 )
 from .engine import Read
-from .models import population as _population
+from .models import population as _population, step as _model_step
 from .program import Carry
 from .result import best_state
 
@@ -292,11 +292,8 @@ class Group:
     def _finite(self, leaves: list, m: int) -> bool:
         """Whether every trained parameter of member ``m`` (its place in this
         call's group) is finite."""
-        for j in self.pop.trained():
-            x = np.asarray(jax.device_get(leaves[j][m]))
-            if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
-                return False
-        return True
+        trained = self.pop.trained()
+        return _model_step.finite_on_host(leaves[j][m] for j in trained)
 
     def stopped_by_rule(self, run: Any) -> bool:
         """(members stop one by one, inside the loop)"""

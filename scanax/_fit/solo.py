@@ -26,7 +26,7 @@ from . import (
 from .callbacks import best as _best
 from .data import rollout as _rollout
 from .engine import Read
-from .models import adapt as _models
+from .models import adapt as _models, step as _model_step
 from .program import Carry, Chunk, Report, false
 from .result import FitResult, best_state
 
@@ -333,11 +333,7 @@ class Model:
     def _finite(self, leaves: list) -> bool:
         """Whether every trained parameter in ``leaves`` is finite (tested on
         the host, once, when a call's first step was bad)."""
-        for j in self.base.trained():
-            x = np.asarray(jax.device_get(leaves[j]))
-            if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
-                return False
-        return True
+        return _model_step.finite_on_host(leaves[j] for j in self.base.trained())
 
     def _first_bad(self, run: Any, args: Chunk, report: Report) -> tuple:
         """``(b, out, found)`` of a call that hit a bad step: its first bad

@@ -212,6 +212,16 @@ def extra_args(tx: Any, loss: Any) -> dict:
     return {}
 
 
+def finite_on_host(arrays: Any) -> bool:
+    """Whether every floating array of ``arrays`` is finite, read to the host
+    (for a stop's message: never per step)."""
+    for x in arrays:
+        x = np.asarray(jax.device_get(x))
+        if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+            return False
+    return True
+
+
 def is_inexact(x: Any) -> bool:
     return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
