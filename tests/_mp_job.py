@@ -15,7 +15,13 @@ import sys
 import time
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[4]}"
+    kept = [  # (the test process's other flags: conftest.py's compile options)
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    devices = f"--xla_force_host_platform_device_count={sys.argv[4]}"
+    os.environ["XLA_FLAGS"] = " ".join([devices, *kept])
     # On CPU wherever it runs (tests/test_multiprocess.py sets it too): two
     # processes on one GPU fail in NCCL's init.
     os.environ["JAX_PLATFORMS"] = "cpu"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,17 @@ import numpy as np
 # so the reference for a job's result is made by a job too (an uninterrupted
 # one), not in this process (a TPU's numbers are not the CPU's).
 JOBS_RUN_ELSEWHERE = jax.default_backend() == "tpu"
+
+
+def xla_flags(devices: int) -> str:
+    """``XLA_FLAGS`` for a job this process starts: this process's (conftest.py's
+    choices), with ``devices`` host devices."""
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *flags])
 
 
 def working_bytes(compiled) -> int:

@@ -21,7 +21,7 @@ pytest.importorskip("orbax.checkpoint")
 
 import _fit_kill_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
 from fit_helpers import BS, TX, X, Y, nnx_loss  # noqa: E402
-from helpers import JOBS_RUN_ELSEWHERE, leaves_equal  # noqa: E402
+from helpers import JOBS_RUN_ELSEWHERE, leaves_equal, xla_flags  # noqa: E402
 
 # A job's result (run on the CPU where a TPU admits one process: helpers) against
 # this process's: bit for bit on one backend; a TPU's float32 arithmetic is not
@@ -309,7 +309,7 @@ def test_resume_with_other_metrics_keeps_history_aligned(tmp_path):
 
 def _run_job(directory, out, kill_after=None, during_save=False):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla_flags(4)
     env["JAX_COMPILATION_CACHE_DIR"] = str(out.parent / "jax-cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

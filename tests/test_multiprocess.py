@@ -26,6 +26,7 @@ pytest.importorskip("flax.nnx")
 pytest.importorskip("orbax.checkpoint")
 
 import _mp_job as job  # noqa: E402  (tests/ is on sys.path under pytest)
+from helpers import xla_flags  # noqa: E402
 
 
 def _loopback() -> str | None:
@@ -149,7 +150,7 @@ def _start_recipe(directory, cache):
     for name, code in files.items():
         (directory / name).write_text(code + "\n")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), **CPU_ONLY)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = xla_flags(2)
     with open(directory / "log.txt", "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "launch.py", "2", "train.py"],

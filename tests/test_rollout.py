@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from _rollout_job import env_reset
-from helpers import JOBS_RUN_ELSEWHERE, count_traces, traced
+from helpers import JOBS_RUN_ELSEWHERE, count_traces, traced, xla_flags
 from jax.experimental import io_callback
 
 import scanax
@@ -283,7 +283,7 @@ def test_collections_are_logged_at_their_steps(tmp_path):
 
 def test_kill_9_then_resume_is_exact(tmp_path):
     directory, out = tmp_path / "ckpt", tmp_path / "digest"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4))
     cmd = [sys.executable, str(HERE / "_rollout_job.py"), str(directory), str(out)]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
