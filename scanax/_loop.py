@@ -54,10 +54,11 @@ class CarryCodec:
         ]
         self.carried = set(self.node_idx) | set(self.dyn_idx)
         self.nodes = [self.leaves[i] for i in self.node_idx]
+        self.refs: dict = {}  # (the array refs the nodes' Variables hold)
         if self.nodes:
             if _nnx.maybe_outside(self.nodes):
                 self._refuse_outside()  # before `f` is traced
-            self.graphdef, state = _nnx.split(self.nodes)
+            self.graphdef, state = _nnx.split(self.nodes, self.refs)
         else:
             self.graphdef, state = None, None
         self.dynamic = (state, [self.leaves[i] for i in self.dyn_idx])
@@ -202,7 +203,7 @@ class CarryCodec:
         state, arrays = dynamic
         if self.nodes:
             try:
-                _nnx.update(self.nodes, state)
+                _nnx.update(self.nodes, state, self.refs)
             except Exception as err:
                 # Objects from outside the trace that ``__init__`` did not see
                 # (inside a new object made in the trace): name them.

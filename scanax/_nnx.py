@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
 
 from . import _fingerprint
@@ -33,9 +34,20 @@ def contains_node(tree: Any) -> bool:
     return any(is_node(x) for x in jtu.tree_leaves(tree, is_leaf=is_node))
 
 
-def split(nodes: list[Any]) -> tuple[Any, Any]:
-    """Split a list of NNX nodes jointly (shared Variables stay shared)."""
-    return _nnx().split(nodes)
+def split(nodes: list[Any], refs: dict | None = None) -> tuple[Any, Any]:
+    """Split a list of NNX nodes jointly (shared Variables stay shared). Array
+    refs (``nnx.var_defaults(ref=True)``) are split as the arrays they hold, so
+    that the state can be carried through a loop; given a dict ``refs``, they
+    are put in it by graph path, for ``update`` to write into."""
+    graphdef, state = _nnx().split(nodes)
+    if any(is_ref(x) for x in jtu.tree_leaves(state)):
+        if refs is not None:
+            _, variables, paths = flatten(nodes)
+            for path, v in zip(paths, variables):
+                if is_ref(v.get_raw_value()):
+                    refs[path] = v.get_raw_value()
+        graphdef, state = _nnx().split(without_refs(nodes))
+    return graphdef, state
 
 
 def flatten(nodes: list[Any]) -> tuple[Any, list[Any], list[tuple]]:
@@ -45,10 +57,30 @@ def flatten(nodes: list[Any]) -> tuple[Any, list[Any], list[tuple]]:
     return graphdef, list(flat.leaves), list(flat.paths)
 
 
+def is_ref(x: Any) -> bool:
+    """Whether ``x`` is an array ref (``jax.new_ref``), concrete or traced."""
+    ref = getattr(jax, "ref", None)  # (JAX releases before refs have none)
+    if ref is None:
+        return False
+    if isinstance(x, ref.Ref):
+        return True
+    return isinstance(x, jax.core.Tracer) and isinstance(jax.typeof(x), ref.AbstractRef)
+
+
+def without_refs(nodes: list[Any]) -> list[Any]:
+    """Copies of NNX nodes whose Variables hold arrays, where they held array
+    refs (``nnx.var_defaults(ref=True)``)."""
+    nnx = _nnx()
+    with_vars = getattr(nnx, "with_vars", None) or nnx.vars_as
+    return with_vars(nodes, ref=False)
+
+
 def values(nodes: list[Any]) -> tuple[Any, list[Any]]:
     """``(graphdef, values)``: the values of the nodes' Variables, in ``flatten``'s
     order, and the graphdef to check the nodes' structure against."""
     graphdef, leaves = _nnx().graph.flatten(nodes, with_paths=False)
+    if any(is_ref(x) for x in leaves):  # (read, as plain Variables)
+        graphdef, leaves = _nnx().graph.flatten(without_refs(nodes), with_paths=False)
     return graphdef, list(leaves)
 
 
@@ -140,9 +172,18 @@ def attribute_path(path: tuple) -> str:
     )
 
 
-def update(nodes: list[Any], state: Any) -> None:
-    """Write ``state`` back into the user's own objects, in place."""
+def update(nodes: list[Any], state: Any, refs: dict | None = None) -> None:
+    """Write ``state`` back into the user's own objects, in place; where their
+    Variables held the array refs ``refs`` (from ``split``), into the refs,
+    which the Variables keep."""
     _nnx().update(nodes, state)
+    if refs:
+        _, variables, paths = flatten(nodes)
+        for path, v in zip(paths, variables):
+            ref = refs.get(path)
+            if ref is not None and v.get_raw_value() is not ref:
+                ref[...] = v.get_raw_value()
+                v.set_raw_value(ref)
 
 
 def rngs(seed: int) -> Any:

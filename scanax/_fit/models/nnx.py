@@ -26,6 +26,16 @@ from . import step as _step
 from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
+def _raw(variable: Any) -> Any:
+    return getattr(variable, "get_raw_value", lambda: None)()
+
+
+def _value(variable: Any) -> Any:
+    """A Variable's value: its array, or the array its ref holds."""
+    raw = variable.get_raw_value()
+    return raw[...] if _nnx.is_ref(raw) else raw
+
+
 class NNXAdapter:
     """``(nnx.Module, nnx.Optimizer)``: both carried as one flat list of Variable
     values, written back into the same Variables at the end."""
@@ -35,16 +45,23 @@ class NNXAdapter:
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
         self.graphdef, self.variables, self.paths = _nnx.flatten([model, optimizer])
-        # Plain Variables are read and written directly; anything else (a leaf
-        # outside a Variable, an array ref) goes through nnx.update at the end.
+        if any(_nnx.is_ref(_raw(v)) for v in self.variables):
+            # Traced as plain Variables (a ref made inside the trace would be
+            # carried out of it); written back into the refs at the end.
+            plain = _nnx.without_refs([model, optimizer])
+            self.graphdef = _nnx.flatten(plain)[0]
+        # Variables are read and written directly: a plain one's array is
+        # replaced, an array ref (`nnx.var_defaults(ref=True)`) is written in
+        # place; anything else (a leaf outside a Variable) goes through
+        # nnx.update at the end.
         nnx = sys.modules["flax.nnx"]
         self.writable = all(
-            isinstance(v, nnx.Variable) and isinstance(v.get_raw_value(), jax.Array)
+            isinstance(v, nnx.Variable)
+            and (isinstance(v.get_raw_value(), jax.Array) or _nnx.is_ref(_raw(v)))
             for v in self.variables
         )
         self.state = [
-            v.get_raw_value() if isinstance(v, nnx.Variable) else v
-            for v in self.variables
+            _value(v) if isinstance(v, nnx.Variable) else v for v in self.variables
         ]
         if not self.trained():
             held = collections.Counter(
@@ -91,7 +108,7 @@ class NNXAdapter:
 
     def start_step(self) -> int:
         """The optimizer's own step count: where this call continues from."""
-        return int(self.objects[1].step.get_raw_value())
+        return int(_value(self.objects[1].step))
 
     def names(self) -> list[str]:
         """``model['l1']['kernel']`` for each leaf of the state."""
@@ -128,7 +145,7 @@ class NNXAdapter:
             v = values.get(self.paths[i])
             if v is None:
                 return None
-            out.append(v.get_raw_value())
+            out.append(_value(v))
         return out
 
     def partition_specs(self) -> Any:
@@ -227,10 +244,19 @@ class NNXAdapter:
     def finish(self, state: Any) -> tuple[Any, Any]:
         if self.writable:
             for var, value in zip(self.variables, state, strict=True):
-                var.set_raw_value(value)
+                raw = var.get_raw_value()
+                if _nnx.is_ref(raw):
+                    raw[...] = value
+                else:
+                    var.set_raw_value(value)
         else:
             new = _nnx.unflatten(self.graphdef, state)
-            _nnx.update(list(self.objects), _nnx.split(new)[1])
+            refs = {
+                path: v.get_raw_value()
+                for path, v in zip(self.paths, self.variables)
+                if _nnx.is_ref(_raw(v))
+            }
+            _nnx.update(list(self.objects), _nnx.split(new)[1], refs)
         return self.objects
 
 

@@ -1,0 +1,186 @@
+"""NNX models whose Variables hold array refs (``nnx.var_defaults(ref=True)``,
+Flax's mutable-array mode): ``fit`` (with evaluation, early stopping, a second
+call, checkpoints), ``evaluate``, ``predict``, populations and ``scan`` give what
+the same model with plain Variables gives, bit for bit, and write the results
+into the user's refs, which the Variables keep.
+
+Before 2026-12-07 ``fit`` refused such a model (first a ``TypeError`` from
+``int()`` of a ref, then a wrong "the optimizer's `wrt` chooses none of the
+model's Variables"), and ``scan`` failed in JAX ("mutable array references
+cannot be returned")."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+optax = pytest.importorskip("optax")
+nnx = pytest.importorskip("flax.nnx")
+if not hasattr(nnx, "var_defaults"):
+    pytest.skip("this Flax has no array-ref Variables", allow_module_level=True)
+
+import scanax  # noqa: E402
+
+X = jax.random.normal(jax.random.key(0), (48, 3))
+Y = jnp.sum(X, axis=1, keepdims=True)
+
+
+def make(ref: bool, key: jax.Array | None = None):
+    seed = 0 if key is None else key
+    with nnx.var_defaults(ref=ref):
+        rngs = nnx.Rngs(seed)
+        model = nnx.Sequential(
+            nnx.Linear(3, 8, rngs=rngs),
+            nnx.Dropout(0.2, rngs=rngs),
+            nnx.BatchNorm(8, rngs=rngs),
+            nnx.Linear(8, 1, rngs=rngs),
+        )
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, optimizer
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def raw(*nodes) -> list:
+    return [v.get_raw_value() for v in nnx.graph.flatten(list(nodes))[1].leaves]
+
+
+def values(*nodes) -> list[np.ndarray]:
+    out = []
+    for x in raw(*nodes):
+        x = x[...] if isinstance(x, jax.Ref) else x
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(x))
+    return out
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+
+
+def train(ref: bool, execution: str) -> dict:
+    model, optimizer = make(ref)
+    before = raw(model, optimizer)
+    kw = dict(batch_size=16, progress=False, key=jax.random.key(5), execution=execution)
+    first = scanax.fit(
+        model,
+        optimizer,
+        loss_fn,
+        (X, Y),
+        steps=12,
+        callbacks=[
+            scanax.Eval((X, Y), every=4),
+            scanax.EarlyStop("val_loss", patience=50),
+        ],
+        **kw,
+    )
+    second = scanax.fit(model, optimizer, loss_fn, (X, Y), steps=6, **kw)
+    if ref:  # the user's refs, written in place
+        after = raw(model, optimizer)
+        assert all(isinstance(x, jax.Ref) for x in after)
+        assert all(x is y for x, y in zip(after, before))
+    return {
+        "state": values(model, optimizer),
+        "loss": np.concatenate([first.history["loss"], second.history["loss"]]),
+        "val": first.history["val_loss"],
+        "evaluate": scanax.evaluate(model, loss_fn, (X, Y), batch_size=16),
+        "predict": scanax.predict(model, lambda m, x: m(x), X, batch_size=16),
+        "step": int(optimizer.step[...]),
+    }
+
+
+@pytest.mark.parametrize("execution", ["fused", "stepwise"])
+def test_fit_evaluate_predict_equal_plain_variables(execution):
+    ours, plain = train(True, execution), train(False, execution)
+    assert ours["step"] == plain["step"] == 18
+    assert_same(ours["state"], plain["state"])
+    for k in ("loss", "val", "predict"):
+        np.testing.assert_array_equal(ours[k], plain[k])
+    assert ours["evaluate"] == plain["evaluate"]
+    assert np.isfinite(ours["loss"]).all() and ours["loss"][-1] < ours["loss"][0]
+
+
+def test_a_checkpointed_run_resumes_into_the_refs(tmp_path):
+    kw = dict(batch_size=16, progress=False, key=jax.random.key(5))
+    whole, whole_opt = make(False)
+    scanax.fit(whole, whole_opt, loss_fn, (X, Y), steps=10, **kw)
+
+    model, optimizer = make(True)
+    ckpt = [scanax.Checkpoint(tmp_path / "ckpt", every=5)]
+    scanax.fit(model, optimizer, loss_fn, (X, Y), steps=5, callbacks=ckpt, **kw)
+    again, again_opt = make(True)  # a new process would build it anew
+    before = raw(again, again_opt)
+    ckpt = [scanax.Checkpoint(tmp_path / "ckpt", every=5)]
+    res = scanax.fit(again, again_opt, loss_fn, (X, Y), steps=10, callbacks=ckpt, **kw)
+    # restored at step 5 (the refs written), trained on to step 10
+    assert res.steps == 10 and int(again_opt.step[...]) == 10
+    assert all(x is y for x, y in zip(raw(again, again_opt), before))
+    assert_same(values(again, again_opt), values(whole, whole_opt))
+
+
+def test_a_population_equals_one_of_plain_variables():
+    def member(ref):
+        def make_member(key):
+            return make(ref, key)
+
+        return make_member
+
+    out = {}
+    for ref in (True, False):
+        pop = scanax.population(member(ref), 3, key=jax.random.key(1))
+        res = scanax.fit(
+            pop, None, loss_fn, (X, Y), steps=8, batch_size=16, progress=False,
+            key=jax.random.key(2),
+        )  # fmt: skip
+        members = [values(*pop.member(i)) for i in range(3)]
+        out[ref] = (res.history["loss"], [x for m in members for x in m])
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    assert_same(out[True][1], out[False][1])
+
+
+def body(model, x):
+    y = model(x)
+    model.bias[...] = model.bias[...] + jnp.sum(y)  # a state change per step
+    return model, jnp.sum(y**2)
+
+
+def test_scan_carries_a_model_of_refs_as_the_python_loop_does():
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    bias = model.bias.get_raw_value()
+    plain = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    xs = X[:6]
+    expected = []
+    for x in xs:  # the reference: a Python loop on plain Variables
+        plain, y = body(plain, x)
+        expected.append(y)
+
+    out, ys = scanax.scan(body, model, xs)
+    assert out is model and model.bias.get_raw_value() is bias
+    np.testing.assert_allclose(ys, jnp.stack(expected), rtol=1e-6)
+    np.testing.assert_allclose(model.bias[...], plain.bias[...], rtol=1e-6)
+    np.testing.assert_array_equal(model.kernel[...], plain.kernel[...])
+
+
+def test_scan_inside_jit_writes_the_traced_refs():
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    plain = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    xs = X[:6]
+
+    @nnx.jit
+    def run(model, xs):
+        return scanax.scan(body, model, xs)[1]
+
+    ys = run(model, xs)
+    expected = scanax.scan(body, plain, xs)[1]
+    np.testing.assert_allclose(ys, expected, rtol=1e-6)
+    np.testing.assert_allclose(model.bias[...], plain.bias[...], rtol=1e-6)
