@@ -589,6 +589,28 @@ def test_errors(call, kwargs, exc, match):
 
 
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_a_call_without_the_function_or_the_data_is_named(call):
+    """``predict(model, x)`` (Keras's form) and ``evaluate(model, eval_fn)``:
+    scanax's message with the call to write (it was Python's "missing 1
+    required positional argument: 'data'"); nothing is traced."""
+    run = getattr(scanax, call)
+    name = "eval_fn" if call == "evaluate" else "fn"
+    with count_compiles() as c:
+        with pytest.raises(
+            TypeError,
+            match=rf"(?s)scanax.{call} takes \(model, {name}, data\): got "
+            rf"float32\[{X.shape[0]}, {X.shape[1]}\] second and no data.*Fix: "
+            rf"scanax.{call}\(model, ",
+        ):
+            run(PARAMS, X, batch_size=8)
+        with pytest.raises(
+            TypeError, match=rf"(?s)scanax.{call}: `data` is missing.*Fix: "
+        ):
+            run(PARAMS, lambda p, b: jnp.mean(b), batch_size=8)
+    assert c.n == 0
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
 def test_an_nnx_optimizer_given_as_the_model_is_named(call):
     """The optimizer instead of its model (both are NNX objects): named before
     anything runs (it was flax's AttributeError from ``.eval()``)."""

@@ -25,6 +25,27 @@ def fn_not_callable(call: str, name: str, fn: Any, population: bool) -> TypeErro
     )
 
 
+def data_missing(call: str, name: str, fn: Any) -> TypeError:
+    """``evaluate(model, data)``/``predict(model, x)``: the function left out."""
+    if callable(fn):
+        return TypeError(
+            f"{call}: `data` is missing.\nFix: {call}(model, {name}, data), with "
+            "data the whole dataset as arrays with a leading example axis, e.g. "
+            "(x, y)."
+        )
+    example = (
+        "lambda model, x: model(x), x)"
+        if call == PREDICT
+        else "eval_fn, (x, y)), with eval_fn(model, batch) returning the loss or "
+        "(loss, metrics)"
+    )
+    return TypeError(
+        f"{call} takes (model, {name}, data): got {short_type(fn)} second and "
+        f"no data; `{name}` is the function {call} applies to each batch.\n"
+        f"Fix: {call}(model, {example}."
+    )
+
+
 def data_not_arrays(call: str, data: Any) -> TypeError:
     if isinstance(data, list):
         got = "a list (fit takes a list as a sequence of batches)"

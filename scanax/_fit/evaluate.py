@@ -43,10 +43,21 @@ _CALL, _PREDICT, _FIT = errors.CALL, errors.PREDICT, fit_errors.CALL
 DEFAULT_BATCH = 1024  # as fit's eval_batch_size
 
 
+class _Required:
+    """``data``'s default, so that a call without it (``predict(model, x)``)
+    gets scanax's message, not Python's."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED: Any = _Required()
+
+
 def evaluate(
     model: Any,
     eval_fn: Callable,
-    data: Any,
+    data: Any = _REQUIRED,
     *,
     batch_size: int | None = None,
     key: Any = None,
@@ -128,6 +139,8 @@ def evaluate(
     """
     if _eager.transformed():
         raise fit_errors.under_transformation(_CALL)
+    if data is _REQUIRED:
+        raise errors.data_missing(_CALL, "eval_fn", eval_fn)
     target = _targets.of(_CALL, model)
     _check_callable(_CALL, "eval_fn", eval_fn, target.members)
     n = _check_data(_CALL, data)
@@ -182,7 +195,7 @@ def evaluate(
 def predict(
     model: Any,
     fn: Callable,
-    data: Any,
+    data: Any = _REQUIRED,
     *,
     batch_size: int | None = None,
     key: Any = None,
@@ -232,6 +245,8 @@ def predict(
         >>> out.tolist()
         [0.0, 3.0, 6.0, 9.0, 12.0]
     """
+    if data is _REQUIRED:
+        raise errors.data_missing(_PREDICT, "fn", fn)
     target = _targets.of(_PREDICT, model)
     _check_callable(_PREDICT, "fn", fn, target.members)
     n = _check_data(_PREDICT, data)
