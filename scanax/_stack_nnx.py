@@ -97,6 +97,11 @@ class Run(_stack.Run):
     def __init__(self, node: Any, name: Callable[[tuple], str], stacked: bool = False):
         self.node, self.name = node, name
         self.graphdef, state = nnx.split(node)
+        self.refs: dict = {}  # (array refs: run as the arrays they hold)
+        if any(_nnx.is_ref(x) for x in jtu.tree_leaves(state)):
+            self.refs = _nnx.refs_of([node])
+            node = _nnx.without_refs([node])[0]
+            self.graphdef, state = nnx.split(node)
         self.arrays, self.treedef = jtu.tree_flatten(state)
         # (a block's Variables: a stacked run's without the layer axis in
         # their sharding annotations)
@@ -128,6 +133,7 @@ class Run(_stack.Run):
         if self.changed:
             leaves = splice(self.arrays, self.changed, new)
             nnx.update(self.node, jtu.tree_unflatten(self.treedef, leaves))
+            _nnx.restore_refs([self.node], self.refs)
 
 
 def _layer_name(i: int) -> Callable[[tuple], str]:
@@ -269,9 +275,11 @@ class NNXLayers(_stack.Layers):
         return _signature(layer)
 
     def single(self, layer: Any) -> Any:
-        return nnx.clone(layer) if nnx.graph.is_graph_node(layer) else layer
+        # (a Stack holds copies of the layers: of array refs, plain Variables)
+        return nnx.clone(_nnx.plain(layer)) if nnx.graph.is_graph_node(layer) else layer
 
     def stacked(self, blocks: list[tuple]) -> Any:
+        blocks = [_nnx.plain(b) for b in blocks]
         graphdef, _ = nnx.split(blocks[0])
         states = [nnx.split(b)[1] for b in blocks]
         stacked = _layer_axis(jtu.tree_map(_stacked_leaf, *states), add=True)

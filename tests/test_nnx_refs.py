@@ -184,3 +184,97 @@ def test_scan_inside_jit_writes_the_traced_refs():
     expected = scanax.scan(body, plain, xs)[1]
     np.testing.assert_allclose(ys, expected, rtol=1e-6)
     np.testing.assert_allclose(model.bias[...], plain.bias[...], rtol=1e-6)
+
+
+class Tied(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(3, 3, rngs=rngs)
+        self.b = nnx.Linear(3, 3, rngs=rngs)
+        self.b.kernel = self.a.kernel  # weight tying: one Variable, two paths
+        self.out = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.b(self.a(x)))
+
+
+def test_tied_weights_stay_tied_and_train_as_plain_ones():
+    out = {}
+    for ref in (True, False):
+        with nnx.var_defaults(ref=ref):
+            model = Tied(nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        res = scanax.fit(
+            model, optimizer, loss_fn, (X, Y), steps=6, batch_size=16,
+            progress=False, key=jax.random.key(1),
+        )  # fmt: skip
+        assert model.a.kernel is model.b.kernel
+        _, ys = scanax.scan(lambda m, x: (m, jnp.sum(m(x))), model, X[:4])
+        out[ref] = [res.history["loss"], np.asarray(ys), *values(model, optimizer)]
+    assert_same(out[True], out[False])
+
+
+def test_two_variables_holding_one_ref_are_refused_by_name():
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        model.twin = nnx.Param(jnp.zeros(1))
+    model.twin.set_raw_value(model.bias.get_raw_value())
+    before = values(model)
+    with pytest.raises(
+        ValueError, match="(?s)two different Variables.*same array ref.*Fix"
+    ):
+        scanax.evaluate(model, loss_fn, (X, Y), batch_size=16)
+    with pytest.raises(ValueError, match="two different Variables"):
+        scanax.scan(lambda m, x: (m, jnp.sum(m(x))), model, X[:3])
+    assert_same(values(model), before)
+
+
+def train_body(carry, x):
+    model, optimizer = carry
+    loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    return carry, loss
+
+
+def test_scan_of_a_training_step_outside_jit():
+    """``scanax.scan`` called eagerly (its compiled-program cache) on a step
+    taking gradients, as under ``nnx.jit``, as with plain Variables."""
+    xs = jax.random.normal(jax.random.key(3), (4, 2, 3))
+    out = {}
+    for ref in (True, False):
+        with nnx.var_defaults(ref=ref):
+            model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        eager = scanax.scan(train_body, (model, optimizer), xs)[1]
+        jitted = nnx.jit(lambda m, o: scanax.scan(train_body, (m, o), xs)[1])(
+            model, optimizer
+        )
+        out[ref] = [eager, jitted, *values(model, optimizer)]
+    assert_same(out[True], out[False])
+
+
+def test_a_stack_of_ref_layers_holds_plain_copies_and_runs_as_one_of_plain_layers():
+    x = jax.random.normal(jax.random.key(4), (2, 4))
+
+    def layers(ref):
+        with nnx.var_defaults(ref=ref):
+            return [nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]
+
+    ours, plain = scanax.Stack(layers(True)), scanax.Stack(layers(False))
+    np.testing.assert_array_equal(ours(x), plain(x))
+    # A Stack turned into refs afterwards (`nnx.with_vars`) runs the same.
+    as_refs = nnx.with_vars(scanax.Stack(layers(False)), ref=True)
+    np.testing.assert_array_equal(as_refs(x), plain(x))
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
+def test_fit_on_a_mesh_equals_plain_variables():
+    mesh = jax.make_mesh((2,), ("data",))
+    out = {}
+    for ref in (True, False):
+        model, optimizer = make(ref)
+        res = scanax.fit(
+            model, optimizer, loss_fn, (X, Y), steps=4, batch_size=16,
+            progress=False, key=jax.random.key(1), mesh=mesh,
+        )  # fmt: skip
+        out[ref] = [res.history["loss"], *values(model, optimizer)]
+    assert_same(out[True], out[False])

@@ -330,6 +330,17 @@ def nnx_carry_moved(call: str, passed: str, returned: str) -> TypeError:
     )
 
 
+def shared_ref() -> ValueError:
+    return ValueError(
+        "scanax: two different Variables of the model hold the same array ref "
+        "(one attached to another with `set_raw_value`); Flax cannot copy such a "
+        "model, and scanax carries a model's refs as the arrays they hold, one "
+        "per Variable.\nFix: share the Variable itself (assign the same "
+        "`nnx.Param` to both attributes, as tied weights are), or give each "
+        "Variable a ref of its own."
+    )
+
+
 def nnx_carried_and_in_xs(call: str, name: str) -> TypeError:
     return TypeError(
         f"{call}: {name} shares Variables with an NNX object of the carry, and "

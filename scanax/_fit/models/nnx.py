@@ -45,7 +45,7 @@ class NNXAdapter:
     def __init__(self, model: Any, optimizer: Any):
         self.objects = (model, optimizer)
         self.graphdef, self.variables, self.paths = _nnx.flatten([model, optimizer])
-        if any(_nnx.is_ref(_raw(v)) for v in self.variables):
+        if _nnx.holds_refs(self.variables):
             # Traced as plain Variables (a ref made inside the trace would be
             # carried out of it); written back into the refs at the end.
             plain = _nnx.without_refs([model, optimizer])
@@ -150,7 +150,10 @@ class NNXAdapter:
 
     def partition_specs(self) -> Any:
         """The Variables' sharding annotations, one per leaf of the state."""
-        return sys.modules["flax.nnx"].get_partition_spec(self.variables)
+        variables = self.variables
+        if _nnx.holds_refs(variables):  # (flax would make refs of the specs)
+            variables = _nnx.flatten(_nnx.without_refs(list(self.objects)))[1]
+        return sys.modules["flax.nnx"].get_partition_spec(variables)
 
     def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         """``step(state, batch, key)``; with ``accumulate`` > 1, ``batch`` and
@@ -246,7 +249,7 @@ class NNXAdapter:
             for var, value in zip(self.variables, state, strict=True):
                 raw = var.get_raw_value()
                 if _nnx.is_ref(raw):
-                    raw[...] = value
+                    _nnx.write_ref(var, raw, value)
                 else:
                     var.set_raw_value(value)
         else:
