@@ -750,6 +750,23 @@ def test_error_unsupported_pair():
         fit_quiet(ts_make(), TX, ts_loss, (X, Y), steps=1, batch_size=BS)
 
 
+def test_error_swapped_or_uncalled_optimizer_is_named():
+    """The two pair mistakes a new user makes: the model and the optimizer
+    swapped (each kind), an optax function passed uncalled (``optax.adam``)."""
+    model, opt = nnx_pair()
+    params = {"w": jnp.zeros((3, 1))}
+    swapped = r"(?s)The model and the optimizer are swapped.*Fix: fit\(model, optimizer"
+    with pytest.raises(TypeError, match=swapped):
+        fit_quiet(opt, model, nnx_loss, (X, Y), steps=1, batch_size=BS)
+    with pytest.raises(TypeError, match=swapped):
+        fit_quiet(TX, params, nnx_loss, (X, Y), steps=1, batch_size=BS)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)\(dict, function\).*optax's function, not called.*optax.adam\(1e-3\)",
+    ):
+        fit_quiet(params, optax.adam, nnx_loss, (X, Y), steps=1, batch_size=BS)
+
+
 def test_error_a_line_search_without_its_arguments():
     """optax.lbfgs()'s line search needs ``grad=`` and ``value_fn=``, which fit
     does not pass: a TypeError of fit's naming the fix (not optax's from inside

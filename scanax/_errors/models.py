@@ -299,6 +299,10 @@ _PAIR_FIXES = {
     "the optimizer.",
     "optimizer_without_nnx": "Fix: pass the nnx.Module that the nnx.Optimizer was "
     "built for.",
+    "swapped": "The model and the optimizer are swapped.\nFix: "
+    "fit(model, optimizer, loss_fn, data, ...).",
+    "uncalled": "The optimizer is optax's function, not called.\nFix: call it "
+    "with its settings, e.g. `optax.adam(1e-3)`.",
     "other": "Fix: pass one of the supported pairs.",
 }
 

@@ -73,6 +73,8 @@ def adapt(
     if _nnx.is_node(model):
         if _models_nnx.is_optimizer(optimizer):
             return _models_nnx.NNXAdapter(model, optimizer)
+        if _models_nnx.is_optimizer(model) and _nnx.is_node(optimizer):
+            raise errors.bad_pair(model, optimizer, "swapped")
         raise errors.bad_pair(model, optimizer, "nnx_without_optimizer")
     if _is_gradient_transformation(optimizer):
         bad = [
@@ -87,7 +89,16 @@ def adapt(
         return _models_optax.OptaxAdapter(
             model, optimizer, opt_state, compiled_init, keep
         )
-    why = "optimizer_without_nnx" if _models_nnx.is_optimizer(optimizer) else "other"
+    if _models_nnx.is_optimizer(optimizer):
+        why = "optimizer_without_nnx"
+    elif _is_gradient_transformation(model) or _models_nnx.is_optimizer(model):
+        why = "swapped"  # fit(optimizer, model, ...)
+    elif callable(optimizer) and getattr(optimizer, "__module__", "").startswith(
+        "optax"
+    ):
+        why = "uncalled"  # optax.adam, not optax.adam(1e-3)
+    else:
+        why = "other"
     raise errors.bad_pair(model, optimizer, why)
 
 
