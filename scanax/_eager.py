@@ -156,8 +156,8 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
             variables = None
         if variables is None:
             return _plain(fn, args, kwargs)
-        if _nnx.holds_refs(variables):  # traced as plain Variables, as scan's
-            graphdef = _nnx.flatten(_nnx.without_refs(nodes))[0]  # carry is
+        if _nnx.holds_refs(variables):  # (array refs: traced as plain
+            graphdef = _nnx.flatten(_nnx.without_refs(nodes))[0]  # Variables)
         values = [_value(v) for v in variables]
         var_idx = [k for k, v in enumerate(values) if _is_input(v)]
         inputs += [values[k] for k in var_idx]

@@ -34,8 +34,9 @@ def contains_node(tree: Any) -> bool:
     return any(is_node(x) for x in jtu.tree_leaves(tree, is_leaf=is_node))
 
 
-def split(nodes: list[Any], refs: dict | None = None) -> tuple[Any, Any]:
-    """Split a list of NNX nodes jointly (shared Variables stay shared). Array
+def split(nodes: Any, refs: dict | None = None) -> tuple[Any, Any]:
+    """Split an NNX node, or a list of them jointly (shared Variables stay
+    shared). Array
     refs (``nnx.var_defaults(ref=True)``) are split as the arrays they hold, so
     that the state can be carried through a loop; given a dict ``refs``, they
     are put in it by graph path, for ``update`` to write into."""
@@ -64,9 +65,15 @@ def is_ref(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer) and isinstance(jax.typeof(x), ref.AbstractRef)
 
 
+def ref_of(variable: Any) -> Any:
+    """The array ref a Variable holds, or None (a plain Variable, another leaf)."""
+    raw = getattr(variable, "get_raw_value", lambda: None)()
+    return raw if is_ref(raw) else None
+
+
 def holds_refs(variables: list[Any]) -> bool:
     """Whether any of these Variables holds an array ref."""
-    return any(is_ref(getattr(v, "get_raw_value", lambda: None)()) for v in variables)
+    return any(ref_of(v) is not None for v in variables)
 
 
 def without_refs(nodes: list[Any]) -> list[Any]:
@@ -185,14 +192,11 @@ def plain(node: Any) -> Any:
     return without_refs([node])[0]
 
 
-def refs_of(nodes: list[Any]) -> dict:
-    """The array refs the nodes' Variables hold, by graph path (``update``'s)."""
+def refs_of(nodes: Any) -> dict:
+    """The array refs the Variables of ``nodes`` (a node or a list of them)
+    hold, by graph path (``restore_refs``'s)."""
     _, variables, paths = flatten(nodes)
-    return {
-        p: v.get_raw_value()
-        for p, v in zip(paths, variables)
-        if is_ref(v.get_raw_value())
-    }
+    return {p: ref_of(v) for p, v in zip(paths, variables) if ref_of(v) is not None}
 
 
 def update(nodes: list[Any], state: Any, refs: dict | None = None) -> None:
@@ -215,7 +219,7 @@ def write_ref(variable: Any, ref: Any, value: Any) -> None:
         variable.set_raw_value(jax.new_ref(value))
 
 
-def restore_refs(nodes: list[Any], refs: dict) -> None:
+def restore_refs(nodes: Any, refs: dict) -> None:
     """Where ``nnx.update`` replaced the array refs ``refs`` (``refs_of``) with
     arrays: the arrays written into the refs, which the Variables hold again."""
     if refs:

@@ -96,12 +96,8 @@ class Run(_stack.Run):
 
     def __init__(self, node: Any, name: Callable[[tuple], str], stacked: bool = False):
         self.node, self.name = node, name
-        self.graphdef, state = nnx.split(node)
         self.refs: dict = {}  # (array refs: run as the arrays they hold)
-        if any(_nnx.is_ref(x) for x in jtu.tree_leaves(state)):
-            self.refs = _nnx.refs_of([node])
-            node = _nnx.without_refs([node])[0]
-            self.graphdef, state = nnx.split(node)
+        self.graphdef, state = _nnx.split(node, self.refs)
         self.arrays, self.treedef = jtu.tree_flatten(state)
         # (a block's Variables: a stacked run's without the layer axis in
         # their sharding annotations)
@@ -109,7 +105,7 @@ class Run(_stack.Run):
         if stacked and _annotated(state):  # (else a block's are the run's)
             one = nnx.clone(node)
             _layer_axis(nnx.state(one), add=False)
-            self.block_graph, state = nnx.split(one)
+            self.block_graph, state = _nnx.split(one)
             self.block_def = jtu.tree_structure(state)
         self.changed: list[int] = []
 
@@ -133,7 +129,7 @@ class Run(_stack.Run):
         if self.changed:
             leaves = splice(self.arrays, self.changed, new)
             nnx.update(self.node, jtu.tree_unflatten(self.treedef, leaves))
-            _nnx.restore_refs([self.node], self.refs)
+            _nnx.restore_refs(self.node, self.refs)
 
 
 def _layer_name(i: int) -> Callable[[tuple], str]:

@@ -93,9 +93,9 @@ def adapt(
         why = "optimizer_without_nnx"
     elif _is_gradient_transformation(model) or _models_nnx.is_optimizer(model):
         why = "swapped"  # fit(optimizer, model, ...)
-    elif callable(optimizer) and getattr(optimizer, "__module__", "").startswith(
-        "optax"
-    ):
+    elif callable(optimizer) and (
+        getattr(optimizer, "__module__", None) or ""
+    ).startswith("optax"):
         why = "uncalled"  # optax.adam, not optax.adam(1e-3)
     else:
         why = "other"

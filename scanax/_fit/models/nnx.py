@@ -26,10 +26,6 @@ from . import step as _step
 from .step import accumulated, evaluation, extra_args, is_inexact, split_loss
 
 
-def _raw(variable: Any) -> Any:
-    return getattr(variable, "get_raw_value", lambda: None)()
-
-
 def _value(variable: Any) -> Any:
     """A Variable's value: its array, or the array its ref holds."""
     raw = variable.get_raw_value()
@@ -57,7 +53,7 @@ class NNXAdapter:
         nnx = sys.modules["flax.nnx"]
         self.writable = all(
             isinstance(v, nnx.Variable)
-            and (isinstance(v.get_raw_value(), jax.Array) or _nnx.is_ref(_raw(v)))
+            and (isinstance(v.get_raw_value(), jax.Array) or _nnx.ref_of(v) is not None)
             for v in self.variables
         )
         self.state = [
@@ -254,12 +250,8 @@ class NNXAdapter:
                     var.set_raw_value(value)
         else:
             new = _nnx.unflatten(self.graphdef, state)
-            refs = {
-                path: v.get_raw_value()
-                for path, v in zip(self.paths, self.variables)
-                if _nnx.is_ref(_raw(v))
-            }
-            _nnx.update(list(self.objects), _nnx.split(new)[1], refs)
+            objects = list(self.objects)
+            _nnx.update(objects, _nnx.split(new)[1], _nnx.refs_of(objects))
         return self.objects
 
 
