@@ -82,20 +82,28 @@ def leaves_equal(a, b):
 
 
 class count_compiles:
-    """``with count_compiles() as c: ...``: ``c.n`` backend compiles inside."""
+    """``with count_compiles() as c: ...``: ``c.n`` programs built inside: backend
+    compiles, and programs loaded from JAX's persistent compilation cache (which
+    conftest.py turns on), each of which jit's in-memory caches missed."""
 
-    EVENT = "/jax/core/compile/backend_compile_duration"
+    COMPILED = "/jax/core/compile/backend_compile_duration"
+    LOADED = "/jax/compilation_cache/cache_hits"
 
     def __enter__(self):
         self.n = 0
-        jax.monitoring.register_event_duration_secs_listener(self._seen)
+        jax.monitoring.register_event_duration_secs_listener(self._compiled)
+        jax.monitoring.register_event_listener(self._loaded)
         return self
 
-    def _seen(self, event, duration, **kwargs):
-        self.n += event == self.EVENT
+    def _compiled(self, event, duration, **kwargs):
+        self.n += event == self.COMPILED
+
+    def _loaded(self, event, **kwargs):
+        self.n += event == self.LOADED
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._seen)
+        jax.monitoring.unregister_event_duration_listener(self._compiled)
+        jax.monitoring.unregister_event_listener(self._loaded)
 
 
 _TRACES = "scanax-tests.traces"

@@ -424,7 +424,19 @@ def test_second_process_loads_fit_from_the_cache(tmp_path):
     assert any(cache.iterdir())
 
 
-def test_unwritable_cache_directory_warns_and_runs(tmp_path):
+@pytest.fixture
+def no_cache_chosen():
+    """A process where no compilation cache directory is chosen yet (conftest.py
+    chooses one for the suite's processes on CPU): restored after the test."""
+    suites = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", suites)
+
+
+def test_unwritable_cache_directory_warns_and_runs(tmp_path, no_cache_chosen):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.warns(RuntimeWarning, match=r"scanax.compile_cache: cannot use"):
@@ -433,14 +445,11 @@ def test_unwritable_cache_directory_warns_and_runs(tmp_path):
     train(*build())  # and training goes on
 
 
-def test_compile_cache_keeps_the_users_directory(tmp_path):
+def test_compile_cache_keeps_the_users_directory(tmp_path, no_cache_chosen):
     theirs = str(tmp_path / "theirs")
     jax.config.update("jax_compilation_cache_dir", theirs)
-    try:
-        assert scanax.compile_cache(tmp_path / "ours") == theirs
-        assert jax.config.jax_compilation_cache_dir == theirs
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
+    assert scanax.compile_cache(tmp_path / "ours") == theirs
+    assert jax.config.jax_compilation_cache_dir == theirs
     assert not (tmp_path / "ours").exists()
 
 

@@ -34,6 +34,15 @@ STEPS = 20
 RUN = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=6, progress=False)
 
 
+@pytest.fixture(autouse=True)
+def no_choices_on_disk(monkeypatch):
+    """auto keeps its choices on disk next to JAX's compilation cache, which the
+    suite's processes keep (conftest.py): here a choice made by one test (measured
+    times injected) would be found by the next with the same program. Each test
+    starts with none on disk; a test about the disk gives its own directory."""
+    monkeypatch.setattr(_fit_schedule, "cache_directory", lambda: None)
+
+
 def both(make, loss_fn, data=(X, Y), **kw):
     """The fused and the stepwise fit of the same model: ``[(result, objs)]``."""
     out = []

@@ -33,7 +33,7 @@ from fit_helpers import (  # noqa: E402
     ts_loss,
     ts_make,
 )
-from helpers import leaves_equal, poison  # noqa: E402
+from helpers import count_compiles, leaves_equal, poison  # noqa: E402
 
 STEPS = 23  # 6 batches per epoch: 23 steps cross 3 epoch boundaries
 CHUNKED = dict(steps=STEPS, batch_size=BS, key=KEY, steps_per_call=7)  # array data
@@ -193,18 +193,11 @@ def test_metrics_in_history():
 
 
 def test_second_call_does_not_compile():
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     model, opt = nnx_pair()
     fit_quiet(model, opt, nnx_loss, (X, Y), **CHUNKED)
     model, opt = nnx_pair(seed=3)  # new objects, same structure, new values
     x2, key2 = X + 1, jr.key(9)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as c:
         fit_quiet(
             model,
             opt,
@@ -215,9 +208,7 @@ def test_second_call_does_not_compile():
             key=key2,
             steps_per_call=7,
         )
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == []
+    assert c.n == 0
 
 
 def test_progress_bar(capsys):
