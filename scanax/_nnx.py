@@ -80,12 +80,20 @@ def without_refs(nodes: list[Any]) -> list[Any]:
     """Copies of NNX nodes whose Variables hold arrays, where they held array
     refs (``nnx.var_defaults(ref=True)``); a Variable shared by two attributes
     (tied weights) stays one Variable."""
-    nnx = _nnx()
-    with_vars = getattr(nnx, "with_vars", None) or nnx.vars_as
     try:
-        return with_vars(nodes, ref=False, allow_duplicates=True)
+        return _with_vars()(nodes, ref=False, allow_duplicates=True)
     except StopIteration as err:  # (flax's copy, where two Variables hold one
         raise _errors.shared_ref() from err  # ref: its graph holds it once)
+
+
+def with_refs(node: Any) -> Any:
+    """A copy of an NNX node whose Variables hold new array refs of its values."""
+    return _with_vars()(node, ref=True)
+
+
+def _with_vars() -> Callable:
+    nnx = _nnx()
+    return getattr(nnx, "with_vars", None) or nnx.vars_as
 
 
 def values(nodes: list[Any]) -> tuple[Any, list[Any]]:
@@ -199,13 +207,29 @@ def refs_of(nodes: Any) -> dict:
     return {p: ref_of(v) for p, v in zip(paths, variables) if ref_of(v) is not None}
 
 
-def update(nodes: list[Any], state: Any, refs: dict | None = None) -> None:
-    """Write ``state`` back into the user's own objects, in place; where their
-    Variables held the array refs ``refs`` (from ``split``), into the refs,
-    which the Variables keep."""
-    _nnx().update(nodes, state)
-    if refs:
-        restore_refs(nodes, refs)
+def update(nodes: Any, state: Any, refs: dict | None = None) -> None:
+    """Write ``state`` (all of the nodes' Variables, or some) back into the
+    user's own objects, in place; where their Variables hold the array refs
+    ``refs`` (from ``split``), into the refs, which the Variables keep. (Writing
+    into a ref is what a ``jax.jit`` closure over such a model may do; NNX
+    refuses to replace a Variable's value from another trace.)"""
+    nnx = _nnx()
+    if not refs:
+        nnx.update(nodes, state)
+        return
+    flat = state.flat_state()
+    rest = [(p, v) for p, v in flat if p not in refs]
+    if rest:
+        nnx.update(nodes, nnx.State.from_flat_path(rest))
+    if len(rest) == len(flat):
+        return
+    _, variables, paths = flatten(nodes)
+    held = dict(zip(paths, variables))
+    for path, v in flat:
+        ref = refs.get(path)
+        if ref is not None:
+            value = v.get_raw_value() if isinstance(v, nnx.Variable) else v
+            write_ref(held[path], ref, value)
 
 
 def write_ref(variable: Any, ref: Any, value: Any) -> None:
@@ -304,6 +328,8 @@ def outside(nodes: list[Any]) -> list[tuple[tuple, Any]]:
     out: dict[tuple, Any] = {}
     for path, var in found.items():
         if not isinstance(var, nnx.Variable) or var._can_update:
+            continue
+        if ref_of(var) is not None:  # (written through its ref: any trace may)
             continue
         for k in range(1, len(path) + 1):
             obj = found.get(path[:k])

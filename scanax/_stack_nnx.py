@@ -126,10 +126,20 @@ class Run(_stack.Run):
         return [new[k] for k in self.changed]
 
     def write_back(self, new: list[Any]) -> None:
-        if self.changed:
-            leaves = splice(self.arrays, self.changed, new)
-            nnx.update(self.node, jtu.tree_unflatten(self.treedef, leaves))
-            _nnx.restore_refs(self.node, self.refs)
+        if not self.changed:
+            return
+        leaves = splice(self.arrays, self.changed, new)
+        state = jtu.tree_unflatten(self.treedef, leaves)
+        if self.refs:  # only what changed, into the refs (as a jit closure may)
+            ids = {id(x) for x in new}
+            state = nnx.State.from_flat_path(
+                [(p, v) for p, v in state.flat_state() if id(_raw(v)) in ids]
+            )
+        _nnx.update(self.node, state, self.refs)
+
+
+def _raw(v: Any) -> Any:
+    return v.get_raw_value() if isinstance(v, nnx.Variable) else v
 
 
 def _layer_name(i: int) -> Callable[[tuple], str]:
@@ -249,6 +259,17 @@ def _layer_axis(state: Any, add: bool) -> Any:
     return state
 
 
+def _refs_in(node: Any) -> bool:
+    """Whether ``node``'s Variables hold array refs (``nnx.var_defaults(ref=True)``)."""
+    return _nnx.holds_refs(_nnx.flatten([node])[1])
+
+
+def _as_refs_if(refs: bool, node: Any) -> Any:
+    """``node``, or, if ``refs``, a copy whose Variables hold new array refs of
+    its values (as the layers it was made of did)."""
+    return _nnx.with_refs(node) if refs else node
+
+
 def _check_value(i: int, path: tuple, var: Any) -> None:
     """A Variable's leaves are stacked as arrays: numbers or arrays only."""
     for leaf in jtu.tree_leaves(var.get_value()):
@@ -271,15 +292,19 @@ class NNXLayers(_stack.Layers):
         return _signature(layer)
 
     def single(self, layer: Any) -> Any:
-        # (a Stack holds copies of the layers: of array refs, plain Variables)
-        return nnx.clone(_nnx.plain(layer)) if nnx.graph.is_graph_node(layer) else layer
+        # (a Stack holds copies of the layers; of a layer whose Variables hold
+        # array refs, a copy holding refs of its own)
+        if not nnx.graph.is_graph_node(layer):
+            return layer
+        return _as_refs_if(_refs_in(layer), nnx.clone(_nnx.plain(layer)))
 
     def stacked(self, blocks: list[tuple]) -> Any:
+        refs = any(_refs_in(b) for b in blocks)
         blocks = [_nnx.plain(b) for b in blocks]
         graphdef, _ = nnx.split(blocks[0])
         states = [nnx.split(b)[1] for b in blocks]
         stacked = _layer_axis(jtu.tree_map(_stacked_leaf, *states), add=True)
-        return nnx.List(list(nnx.merge(graphdef, stacked)))
+        return _as_refs_if(refs, nnx.List(list(nnx.merge(graphdef, stacked))))
 
     def store(self, pieces: list[Any]) -> Any:
         return nnx.List(pieces)

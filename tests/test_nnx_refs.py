@@ -252,18 +252,84 @@ def test_scan_of_a_training_step_outside_jit():
     assert_same(out[True], out[False])
 
 
-def test_a_stack_of_ref_layers_holds_plain_copies_and_runs_as_one_of_plain_layers():
-    x = jax.random.normal(jax.random.key(4), (2, 4))
+def test_scan_of_refs_closed_over_by_jax_jit_is_the_python_loop():
+    """Flax's array-ref mode lets a ``jax.jit`` closure write a model's refs;
+    scan's carry does so too (before 2026-12-07 it was refused with NNX's
+    trace-level message, which holds for plain Variables only)."""
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    bias = model.bias.get_raw_value()
+    plain = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    xs = X[:5]
+    run = jax.jit(lambda xs: scanax.scan(body, model, xs)[1])
+    for _ in range(2):  # the second call reads the refs the first one wrote
+        expected = []
+        for x in xs:
+            plain, y = body(plain, x)
+            expected.append(y)
+        np.testing.assert_allclose(run(xs), jnp.stack(expected), rtol=1e-6)
+        np.testing.assert_allclose(model.bias[...], plain.bias[...], rtol=1e-6)
+    assert model.bias.get_raw_value() is bias
 
-    def layers(ref):
+
+def test_plain_variables_beside_refs_under_a_jax_jit_closure_are_named():
+    with nnx.var_defaults(ref=True):
+        ours = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    plain = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+    before = values(ours, plain)
+
+    def step(carry, x):
+        a, b = carry
+        a, y = body(a, x)
+        b, z = body(b, x)
+        return (a, b), y + z
+
+    with pytest.raises(TypeError, match=r"carry\[1\] \(Linear\) was made outside"):
+        jax.jit(lambda xs: scanax.scan(step, (ours, plain), xs)[1])(X[:3])
+    assert_same(values(ours, plain), before)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.tanh(self.norm(self.lin(x)))
+
+
+def test_a_stack_of_ref_layers_holds_refs_of_its_own_as_plain_layers_run():
+    """A Stack copies its layers; of layers holding array refs, into refs of its
+    own, so that it runs (training-mode BatchNorm writing its statistics) inside
+    a ``jax.jit`` closure as the model's other layers do."""
+    xs = jax.random.normal(jax.random.key(4), (3, 6, 4))
+
+    def layers(ref):  # a stacked run of three blocks, then one layer alone
         with nnx.var_defaults(ref=ref):
-            return [nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]
+            blocks = [Block(nnx.Rngs(i)) for i in range(3)]
+            return [*blocks, nnx.BatchNorm(4, rngs=nnx.Rngs(3))]
 
-    ours, plain = scanax.Stack(layers(True)), scanax.Stack(layers(False))
-    np.testing.assert_array_equal(ours(x), plain(x))
-    # A Stack turned into refs afterwards (`nnx.with_vars`) runs the same.
+    given = layers(True)
+    kept = values(*given)
+    ours, plain = scanax.Stack(given), scanax.Stack(layers(False))
+    held = raw(ours)
+    assert all(isinstance(r, jax.Ref) for r in held)
+    assert not {id(r) for r in held} & {id(r) for r in raw(*given)}
+    # eagerly, then inside a jax.jit closure (plain Variables: through nnx.jit)
+    np.testing.assert_array_equal(ours(xs[0]), plain(xs[0]))
+    closure = jax.jit(lambda x: ours(x))
+    through = nnx.jit(lambda stack, x: stack(x))
+    for x in xs[1:]:
+        np.testing.assert_array_equal(closure(x), through(plain, x))
+    assert_same(values(ours), values(plain))
+    assert [id(r) for r in raw(ours)] == [id(r) for r in held]
+    assert_same(values(*given), kept)  # the user's layers: untouched
+    # A Stack of plain layers turned into refs afterwards (`nnx.with_vars`) too.
     as_refs = nnx.with_vars(scanax.Stack(layers(False)), ref=True)
-    np.testing.assert_array_equal(as_refs(x), plain(x))
+    replay = scanax.Stack(layers(False))
+    for x in xs:
+        np.testing.assert_array_equal(jax.jit(lambda x: as_refs(x))(x), replay(x))
+    assert_same(values(as_refs), values(replay))
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
@@ -277,4 +343,25 @@ def test_fit_on_a_mesh_equals_plain_variables():
             progress=False, key=jax.random.key(1), mesh=mesh,
         )  # fmt: skip
         out[ref] = [res.history["loss"], *values(model, optimizer)]
+    assert_same(out[True], out[False])
+
+
+def test_fit_and_evaluate_of_a_stack_of_ref_layers_equal_plain_layers():
+    x = jax.random.normal(jax.random.key(6), (32, 4))
+    data = (x, jnp.sum(x, axis=1, keepdims=True))
+
+    def stack_loss(stack, batch):
+        return jnp.mean((jnp.sum(stack(batch[0]), 1, keepdims=True) - batch[1]) ** 2)
+
+    out = {}
+    for ref in (True, False):
+        with nnx.var_defaults(ref=ref):
+            stack = scanax.Stack([Block(nnx.Rngs(i)) for i in range(3)])
+            optimizer = nnx.Optimizer(stack, optax.adam(1e-2), wrt=nnx.Param)
+        res = scanax.fit(
+            stack, optimizer, stack_loss, data, steps=6, batch_size=8,
+            progress=False, key=jax.random.key(1),
+        )  # fmt: skip
+        metrics = scanax.evaluate(stack, stack_loss, data, batch_size=8)
+        out[ref] = [res.history["loss"], metrics["loss"], *values(stack, optimizer)]
     assert_same(out[True], out[False])
