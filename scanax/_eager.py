@@ -156,13 +156,15 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
             variables = None
         if variables is None:
             return _plain(fn, args, kwargs)
-        if _nnx.holds_refs(variables):  # (array refs: traced as plain
-            graphdef = _nnx.flatten(_nnx.without_refs(nodes))[0]  # Variables)
+        refs = _nnx.holds_refs(variables)
+        if refs:  # (array refs: traced as plain Variables)
+            graphdef = _nnx.flatten(_nnx.without_refs(nodes))[0]
         values = [_value(v) for v in variables]
         var_idx = [k for k, v in enumerate(values) if _is_input(v)]
         inputs += [values[k] for k in var_idx]
     else:
         nodes, variables, values, var_idx, graphdef = [], [], [], [], None
+        refs = False
     copies: list[Any] = []
     found: dict[str, Any] = {}
 
@@ -221,6 +223,9 @@ def call(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         if not _nnx.is_trace_level_error(err):  # flax: a closed-over Variable was
             raise  # written: the plain call says what happened
         plain = True
+    if not plain and refs:  # `fn` writes into the objects' refs through its
+        held = {id(_nnx.ref_of(v)) for v in variables}  # closure: the call
+        plain = bool(held & _nnx.written_consts(jaxpr, consts))  # says so
     if plain:  # outside the `except`: its error is not the context of another
         return _plain(fn, args, kwargs)
     outs = _program(jaxpr)(*consts, *inputs)

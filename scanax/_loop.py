@@ -206,9 +206,19 @@ class CarryCodec:
                 _nnx.update(self.nodes, state, self.refs)
             except Exception as err:
                 # Objects from outside the trace that ``__init__`` did not see
-                # (inside a new object made in the trace): name them.
-                if _nnx.is_trace_level_error(err):
+                # (inside a new object made in the trace): name them. Refs
+                # closed over by `jax.vmap`/`jax.grad` cannot take their values
+                # (JAX's error, chained); array attributes that are not
+                # Variables, set from a closure (flax's): name the objects.
+                if _nnx.is_trace_level_error(err) or self.refs:
                     self._refuse_outside(err)
+                    names = [
+                        self._node_path((i,)) + f" ({type(n).__name__})"
+                        for i, n in enumerate(self.nodes)
+                        if _nnx.maybe_outside([n])
+                    ]
+                    if names:
+                        raise _errors.nnx_made_outside(self.call, names) from err
                 raise
         return self._rebuild(self.nodes, arrays)
 
@@ -458,6 +468,8 @@ def call_lowering(codec: CarryCodec, f: Callable, lowering: Callable[[], Any]) -
     lowering = _conv_layout.wrap(lowering)
     if not _nnx.loaded():
         return lowering()
+    if codec.refs:
+        lowering = _refs_not_written_around(codec, lowering)
     try:
         return lowering()
     except Exception as err:
@@ -466,3 +478,23 @@ def call_lowering(codec: CarryCodec, f: Callable, lowering: Callable[[], Any]) -
         raise _errors.nnx_closure_mutation(
             codec.call, _nnx.reachable_nodes(f), err
         ) from err
+
+
+def _refs_not_written_around(codec: CarryCodec, lowering: Callable[[], Any]) -> Any:
+    """``lowering``, refused if ``f`` writes through its closure into an array ref
+    the carry holds: the loop carries the ref's values, which are written back
+    at the end over what ``f`` wrote (the Python loop would see both). Traced
+    once to a program, which is then replayed (JAX's own evaluation of it)."""
+
+    def checked() -> Any:
+        closed, shapes = jax.make_jaxpr(lowering, return_shape=True)()
+        jaxpr = closed.jaxpr
+        written = _nnx.written_consts(jaxpr, closed.consts)
+        paths = [p for p, ref in codec.refs.items() if id(ref) in written]
+        if paths:
+            names = [codec._node_path(p) for p in paths]
+            raise _errors.nnx_ref_written_around(codec.call, names)
+        flat = jax.core.eval_jaxpr(jaxpr, closed.consts)
+        return jtu.tree_unflatten(jtu.tree_structure(shapes), flat)
+
+    return checked

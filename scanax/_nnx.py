@@ -65,6 +65,17 @@ def is_ref(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer) and isinstance(jax.typeof(x), ref.AbstractRef)
 
 
+def written_consts(jaxpr: Any, consts: list[Any]) -> set[int]:
+    """The ids of ``consts`` (a jaxpr's constants: closed-over arrays and array
+    refs) that ``jaxpr`` writes into (JAX's ``WriteEffect``/``AccumEffect``)."""
+    written = {
+        id(getattr(e, "input", None))
+        for e in jaxpr.effects
+        if type(e).__name__ in ("WriteEffect", "AccumEffect")
+    }
+    return {id(c) for v, c in zip(jaxpr.constvars, consts) if id(v) in written}
+
+
 def ref_of(variable: Any) -> Any:
     """The array ref a Variable holds, or None (a plain Variable, another leaf)."""
     raw = getattr(variable, "get_raw_value", lambda: None)()
@@ -88,7 +99,7 @@ def without_refs(nodes: list[Any]) -> list[Any]:
 
 def with_refs(node: Any) -> Any:
     """A copy of an NNX node whose Variables hold new array refs of its values."""
-    return _with_vars()(node, ref=True)
+    return _with_vars()(node, ref=True, allow_duplicates=True)
 
 
 def _with_vars() -> Callable:
@@ -225,18 +236,40 @@ def update(nodes: Any, state: Any, refs: dict | None = None) -> None:
         return
     _, variables, paths = flatten(nodes)
     held = dict(zip(paths, variables))
-    for path, v in flat:
-        ref = refs.get(path)
-        if ref is not None:
-            value = v.get_raw_value() if isinstance(v, nnx.Variable) else v
-            write_ref(held[path], ref, value)
+    writes = [
+        (path, refs[path], v.get_raw_value() if isinstance(v, nnx.Variable) else v)
+        for path, v in flat
+        if path in refs
+    ]
+    # (checked before any write: JAX refuses a batched or differentiated value
+    # for a ref outside the transformation, after writing some)
+    foreign = [
+        (path, _TRANSFORMED[type(value).__name__])
+        for path, ref, value in writes
+        if type(value).__name__ in _TRANSFORMED and not isinstance(ref, jax.core.Tracer)
+    ]
+    if foreign:
+        names = [attribute_path(p).lstrip(".") or "the model" for p, _ in foreign]
+        raise _errors.ref_not_writable(names, foreign[0][1])
+    for path, ref, value in writes:
+        write_ref(held[path], ref, value)
+
+
+# Tracers of the transformations that run eagerly, value by value (not traced
+# to a program first): their values cannot go into a ref made outside them.
+_TRANSFORMED = {
+    "BatchTracer": "batched",
+    "JVPTracer": "differentiated",
+    "LinearizeTracer": "differentiated",
+}
 
 
 def write_ref(variable: Any, ref: Any, value: Any) -> None:
     """``value`` written into ``ref``, the array ref ``variable`` holds; where
     it is placed otherwise (on a mesh, where the ref is on one device), a new
     ref holding it, which ``variable`` holds instead."""
-    placed = None if isinstance(value, jax.core.Tracer) else value.sharding
+    traced = isinstance(value, jax.core.Tracer) or isinstance(ref, jax.core.Tracer)
+    placed = None if traced else value.sharding
     if placed is None or placed.is_equivalent_to(ref.sharding, value.ndim):
         ref[...] = value
     else:

@@ -365,3 +365,72 @@ def test_fit_and_evaluate_of_a_stack_of_ref_layers_equal_plain_layers():
         metrics = scanax.evaluate(stack, stack_loss, data, batch_size=8)
         out[ref] = [res.history["loss"], metrics["loss"], *values(stack, optimizer)]
     assert_same(out[True], out[False])
+
+
+def test_a_carried_model_written_through_the_closure_too_is_refused():
+    """``f`` writing the carried model's refs through its closure (the object
+    passed, not the one it is given): the carry's values would be written over
+    those writes at the end (a silent wrong result before 2026-12-07)."""
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    before = values(model)
+
+    def step(m, x):
+        model.kernel[...] = model.kernel[...] + 1.0  # the closure's object
+        return m, jnp.sum(m(x))
+
+    match = r"(?s)`f` writes carry\['kernel'\] through its closure.*Fix"
+    with pytest.raises(ValueError, match=match):
+        scanax.scan(step, model, X[:3])
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda xs: scanax.scan(step, model, xs)[1])(X[:3])
+    assert_same(values(model), before)
+
+
+def test_refs_closed_over_by_vmap_or_grad_are_named():
+    """JAX cannot write a batched or differentiated value into a ref closed
+    over by ``jax.vmap``/``jax.grad``: scanax names the carry, as for plain
+    Variables (JAX's own message, chained)."""
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    before = values(model)
+    match = r"carry \(Linear\) was made outside the function being traced"
+    with pytest.raises(TypeError, match=match):
+        jax.vmap(lambda x: scanax.scan(body, model, x[None])[1])(X[:2])
+    with pytest.raises(TypeError, match=match):
+        jax.grad(lambda x: jnp.sum(scanax.scan(body, model, x[None])[1]))(X[0])
+    assert_same(values(model), before)
+
+
+class TiedLayer(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 4, rngs=rngs)
+        self.b = nnx.Linear(4, 4, rngs=rngs)
+        self.b.kernel = self.a.kernel  # one Variable, two paths, in one layer
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.norm(self.b(self.a(x))))
+
+
+def test_a_ref_stack_of_tied_layers_under_nnx_grad_is_flax_s_sequential():
+    """Under ``nnx.grad``, Flax's own models of refs update BatchNorm's statistics
+    otherwise than plain ones (Flax's behaviour): a Stack of ref layers does
+    what an ``nnx.Sequential`` of those layers does; tied weights stay tied."""
+    xs = jax.random.normal(jax.random.key(7), (2, 5, 4))
+    out = {}
+    for kind in ("Sequential", "Stack"):
+        with nnx.var_defaults(ref=True):
+            layers = [TiedLayer(nnx.Rngs(i)) for i in range(3)]
+            model = (nnx.Sequential if kind == "Sequential" else scanax.Stack)(
+                *([layers] if kind == "Stack" else layers)
+            )
+        grad = nnx.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=1)
+        out[kind] = [np.asarray(grad(model, x)) for x in xs]  # train mode
+        if kind == "Stack":
+            out[kind] += values(model)
+        else:  # (each leaf of the layers, stacked as the Stack holds them)
+            per = [values(layer) for layer in layers]
+            out[kind] += [np.stack(leaf) for leaf in zip(*per)]
+    for ours, flax in zip(out["Stack"], out["Sequential"], strict=True):
+        np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-6)

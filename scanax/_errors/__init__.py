@@ -341,6 +341,17 @@ def shared_ref() -> ValueError:
     )
 
 
+def ref_not_writable(names: list[str], kind: str) -> TypeError:
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return TypeError(
+        f"scanax: the array refs of {shown} are closed over by a function that "
+        f"`jax.vmap` or `jax.grad` transforms, and JAX cannot write a {kind} value "
+        "into a ref it does not transform. Nothing was written.\nFix: pass the "
+        "model in as an argument: to `nnx.vmap`/`nnx.grad` (or to `jax.vmap`/"
+        "`jax.grad` and return it), or call it in eval mode there."
+    )
+
+
 def nnx_carried_and_in_xs(call: str, name: str) -> TypeError:
     return TypeError(
         f"{call}: {name} shares Variables with an NNX object of the carry, and "
@@ -348,6 +359,18 @@ def nnx_carried_and_in_xs(call: str, name: str) -> TypeError:
         "were before the scan, where a Python loop sees each step's values.\n"
         "Fix: read the object from the carry only; to use its values from before "
         "the scan, pass a copy in xs: nnx.clone(...)."
+    )
+
+
+def nnx_ref_written_around(call: str, names: list[str]) -> NNXMutation:
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return NNXMutation(
+        f"{call}: `f` writes {shown} through its closure (the object you passed "
+        "as the carry, not the one `f` is given), but the scan carries it: the "
+        "carry's values would be written back at the end over what `f` wrote "
+        "there. Nothing was run and nothing was changed.\nFix: write through "
+        "the carry `f` is given (`model, y = carry`), or do not carry the object "
+        "and let `f` use its array refs through the closure."
     )
 
 
