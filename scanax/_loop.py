@@ -204,13 +204,17 @@ class CarryCodec:
         if self.nodes:
             try:
                 _nnx.update(self.nodes, state, self.refs)
+            except _errors.RefNotWritable as err:  # (refs closed over by
+                names = [self._node_path(p) for p in err.paths]  # vmap, grad)
+                raise _errors.ref_not_writable(
+                    names, err.paths, err.kind, self.call
+                ) from None
             except Exception as err:
                 # Objects from outside the trace that ``__init__`` did not see
-                # (inside a new object made in the trace): name them. Refs
-                # closed over by `jax.vmap`/`jax.grad` cannot take their values
-                # (JAX's error, chained); array attributes that are not
-                # Variables, set from a closure (flax's): name the objects.
-                if _nnx.is_trace_level_error(err) or self.refs:
+                # (inside a new object made in the trace): name them; beside
+                # refs, array attributes that are not Variables, which NNX will
+                # not set from a closure: name the objects holding them.
+                if _nnx.is_trace_level_error(err):
                     self._refuse_outside(err)
                     names = [
                         self._node_path((i,)) + f" ({type(n).__name__})"

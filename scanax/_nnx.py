@@ -249,8 +249,9 @@ def update(nodes: Any, state: Any, refs: dict | None = None) -> None:
         if type(value).__name__ in _TRANSFORMED and not isinstance(ref, jax.core.Tracer)
     ]
     if foreign:
-        names = [attribute_path(p).lstrip(".") or "the model" for p, _ in foreign]
-        raise _errors.ref_not_writable(names, foreign[0][1])
+        paths = [p for p, _ in foreign]
+        names = [attribute_path(p).lstrip(".") or "the model" for p in paths]
+        raise _errors.ref_not_writable(names, paths, foreign[0][1])
     for path, ref, value in writes:
         write_ref(held[path], ref, value)
 

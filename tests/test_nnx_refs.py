@@ -47,7 +47,8 @@ def loss_fn(model, batch):
 
 
 def raw(*nodes) -> list:
-    return [v.get_raw_value() for v in nnx.graph.flatten(list(nodes))[1].leaves]
+    leaves = nnx.graph.flatten(list(nodes))[1].leaves
+    return [v.get_raw_value() if isinstance(v, nnx.Variable) else v for v in leaves]
 
 
 def values(*nodes) -> list[np.ndarray]:
@@ -389,12 +390,12 @@ def test_a_carried_model_written_through_the_closure_too_is_refused():
 
 def test_refs_closed_over_by_vmap_or_grad_are_named():
     """JAX cannot write a batched or differentiated value into a ref closed
-    over by ``jax.vmap``/``jax.grad``: scanax names the carry, as for plain
-    Variables (JAX's own message, chained)."""
+    over by ``jax.vmap``/``jax.grad`` (it raised after writing some): scanax
+    names the carry's Variables before writing any."""
     with nnx.var_defaults(ref=True):
         model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     before = values(model)
-    match = r"carry \(Linear\) was made outside the function being traced"
+    match = r"(?s)^scanax.scan: the array refs of carry\['bias'\].*(batched|differentiated) value.*Nothing was written"
     with pytest.raises(TypeError, match=match):
         jax.vmap(lambda x: scanax.scan(body, model, x[None])[1])(X[:2])
     with pytest.raises(TypeError, match=match):
@@ -434,3 +435,35 @@ def test_a_ref_stack_of_tied_layers_under_nnx_grad_is_flax_s_sequential():
             out[kind] += [np.stack(leaf) for leaf in zip(*per)]
     for ours, flax in zip(out["Stack"], out["Sequential"], strict=True):
         np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-6)
+
+
+class Masked(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.mask = jnp.array([1.0, 0.0])  # an array attribute, not a Variable
+
+    def __call__(self, x):
+        return self.lin(x) * self.mask
+
+
+def test_an_array_attribute_beside_refs_under_a_jax_jit_closure_is_named():
+    """NNX will not set a plain array attribute from a closure (its refs it
+    would): scanax names the object, where Flax's own error said nothing of
+    the carry; eagerly, it is carried as any array."""
+    with nnx.var_defaults(ref=True):
+        model = Masked()
+    before = values(model)
+
+    def step(m, x):
+        m.lin.bias[...] = m.lin.bias[...] + jnp.sum(m(x))
+        return m, jnp.sum(m(x))
+
+    with pytest.raises(TypeError, match=r"carry \(Masked\) was made outside"):
+        jax.jit(lambda xs: scanax.scan(step, model, xs)[1])(X[:3])
+    assert_same(values(model), before)
+    plain = Masked()
+    expected = []
+    for x in X[:3]:
+        plain, y = step(plain, x)
+        expected.append(y)
+    np.testing.assert_allclose(scanax.scan(step, model, X[:3])[1], expected, rtol=1e-6)

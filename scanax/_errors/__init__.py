@@ -31,6 +31,15 @@ class NNXMutation(ValueError):
     on the user's behalf (``scanax.Stack``'s keyword arguments) say so instead."""
 
 
+class RefNotWritable(TypeError):
+    """A batched or differentiated value for an array ref outside the
+    transformation (``paths``: the Variables' graph paths)."""
+
+    def __init__(self, message: str, paths: list[tuple], kind: str):
+        super().__init__(message)
+        self.paths, self.kind = paths, kind
+
+
 def short_type(x: Any) -> str:
     """``float32[5, 4]`` for arrays and shape/dtype structs, else the type name."""
     shape = getattr(x, "shape", None)
@@ -341,14 +350,18 @@ def shared_ref() -> ValueError:
     )
 
 
-def ref_not_writable(names: list[str], kind: str) -> TypeError:
+def ref_not_writable(
+    names: list[str], paths: list[tuple], kind: str, call: str = "scanax"
+) -> RefNotWritable:
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    return TypeError(
-        f"scanax: the array refs of {shown} are closed over by a function that "
+    return RefNotWritable(
+        f"{call}: the array refs of {shown} are closed over by a function that "
         f"`jax.vmap` or `jax.grad` transforms, and JAX cannot write a {kind} value "
-        "into a ref it does not transform. Nothing was written.\nFix: pass the "
-        "model in as an argument: to `nnx.vmap`/`nnx.grad` (or to `jax.vmap`/"
-        "`jax.grad` and return it), or call it in eval mode there."
+        "into a ref it does not transform. Nothing was written into them.\nFix: "
+        "pass the model in as an argument: to `nnx.vmap`/`nnx.grad` (or to "
+        "`jax.vmap`/`jax.grad` and return it), or call it in eval mode there.",
+        paths,
+        kind,
     )
 
 
