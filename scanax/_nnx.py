@@ -213,7 +213,7 @@ def plain(node: Any) -> Any:
 
 def refs_of(nodes: Any) -> dict:
     """The array refs the Variables of ``nodes`` (a node or a list of them)
-    hold, by graph path (``restore_refs``'s)."""
+    hold, by graph path (``update``'s)."""
     _, variables, paths = flatten(nodes)
     return {p: ref_of(v) for p, v in zip(paths, variables) if ref_of(v) is not None}
 
@@ -275,19 +275,6 @@ def write_ref(variable: Any, ref: Any, value: Any) -> None:
         ref[...] = value
     else:
         variable.set_raw_value(jax.new_ref(value))
-
-
-def restore_refs(nodes: Any, refs: dict) -> None:
-    """Where ``nnx.update`` replaced the array refs ``refs`` (``refs_of``) with
-    arrays: the arrays written into the refs, which the Variables hold again."""
-    if refs:
-        _, variables, paths = flatten(nodes)
-        for path, v in zip(paths, variables):
-            ref = refs.get(path)
-            if ref is not None and v.get_raw_value() is not ref:
-                value = v.get_raw_value()
-                v.set_raw_value(ref)
-                write_ref(v, ref, value)
 
 
 def rngs(seed: int) -> Any:
