@@ -148,8 +148,15 @@ class CarryCodec:
     def _refuse_outside(self, err: Exception | None = None) -> None:
         """Raise if NNX objects of the carry are from outside the current trace
         (closed over by a jitted function, passed beside the differentiated
-        argument of ``jax.grad``): NNX would refuse to write them back."""
+        argument of ``jax.grad``): NNX would refuse to write them back. After
+        NNX refused (``err``) where no Variable is to blame (an array attribute
+        beside array refs, which NNX will not set from a closure): the objects
+        made outside."""
         found = _nnx.outside(self.nodes)
+        if not found and err is not None:
+            found = [
+                ((i,), n) for i, n in enumerate(self.nodes) if _nnx.maybe_outside([n])
+            ]
         if not found:
             return
         names = [
@@ -211,18 +218,9 @@ class CarryCodec:
                 ) from None
             except Exception as err:
                 # Objects from outside the trace that ``__init__`` did not see
-                # (inside a new object made in the trace): name them; beside
-                # refs, array attributes that are not Variables, which NNX will
-                # not set from a closure: name the objects holding them.
+                # (inside a new object made in the trace): name them.
                 if _nnx.is_trace_level_error(err):
                     self._refuse_outside(err)
-                    names = [
-                        self._node_path((i,)) + f" ({type(n).__name__})"
-                        for i, n in enumerate(self.nodes)
-                        if _nnx.maybe_outside([n])
-                    ]
-                    if names:
-                        raise _errors.nnx_made_outside(self.call, names) from err
                 raise
         return self._rebuild(self.nodes, arrays)
 
@@ -469,11 +467,12 @@ def call_lowering(codec: CarryCodec, f: Callable, lowering: Callable[[], Any]) -
     Its convolutions are made canonical where the backend needs it (the loop as
     traced is replayed, so ``f`` is traced once; without convolutions the same
     program), see ``_conv_layout``."""
-    lowering = _conv_layout.wrap(lowering)
+    if codec.refs:  # (traced and replayed there, convolutions included)
+        lowering = _refs_not_written_around(codec, lowering)
+    else:
+        lowering = _conv_layout.wrap(lowering)
     if not _nnx.loaded():
         return lowering()
-    if codec.refs:
-        lowering = _refs_not_written_around(codec, lowering)
     try:
         return lowering()
     except Exception as err:
@@ -488,7 +487,8 @@ def _refs_not_written_around(codec: CarryCodec, lowering: Callable[[], Any]) -> 
     """``lowering``, refused if ``f`` writes through its closure into an array ref
     the carry holds: the loop carries the ref's values, which are written back
     at the end over what ``f`` wrote (the Python loop would see both). Traced
-    once to a program, which is then replayed (JAX's own evaluation of it)."""
+    once to a program, which is then replayed (``_conv_layout.replay``: its
+    convolutions canonical where the backend needs it, as ``wrap`` makes them)."""
 
     def checked() -> Any:
         closed, shapes = jax.make_jaxpr(lowering, return_shape=True)()
@@ -498,7 +498,7 @@ def _refs_not_written_around(codec: CarryCodec, lowering: Callable[[], Any]) -> 
         if paths:
             names = [codec._node_path(p) for p in paths]
             raise _errors.nnx_ref_written_around(codec.call, names)
-        flat = jax.core.eval_jaxpr(jaxpr, closed.consts)
+        flat = _conv_layout.replay(closed)
         return jtu.tree_unflatten(jtu.tree_structure(shapes), flat)
 
     return checked

@@ -204,18 +204,22 @@ def attribute_path(path: tuple) -> str:
     )
 
 
+def has_refs(node: Any) -> bool:
+    """Whether ``node``'s Variables hold array refs (``nnx.var_defaults(ref=True)``)."""
+    return holds_refs(flatten([node])[1])
+
+
 def plain(node: Any) -> Any:
     """``node`` itself, or a copy holding arrays where it held array refs."""
-    if not holds_refs(flatten([node])[1]):
-        return node
-    return without_refs([node])[0]
+    return without_refs([node])[0] if has_refs(node) else node
 
 
 def refs_of(nodes: Any) -> dict:
     """The array refs the Variables of ``nodes`` (a node or a list of them)
     hold, by graph path (``update``'s)."""
     _, variables, paths = flatten(nodes)
-    return {p: ref_of(v) for p, v in zip(paths, variables) if ref_of(v) is not None}
+    found = {p: ref_of(v) for p, v in zip(paths, variables)}
+    return {p: ref for p, ref in found.items() if ref is not None}
 
 
 def update(nodes: Any, state: Any, refs: dict | None = None) -> None:

@@ -259,11 +259,6 @@ def _layer_axis(state: Any, add: bool) -> Any:
     return state
 
 
-def _refs_in(node: Any) -> bool:
-    """Whether ``node``'s Variables hold array refs (``nnx.var_defaults(ref=True)``)."""
-    return _nnx.holds_refs(_nnx.flatten([node])[1])
-
-
 def _as_refs_if(refs: bool, node: Any) -> Any:
     """``node``, or, if ``refs``, a copy whose Variables hold new array refs of
     its values (as the layers it was made of did)."""
@@ -296,10 +291,10 @@ class NNXLayers(_stack.Layers):
         # array refs, a copy holding refs of its own)
         if not nnx.graph.is_graph_node(layer):
             return layer
-        return _as_refs_if(_refs_in(layer), nnx.clone(_nnx.plain(layer)))
+        return _as_refs_if(_nnx.has_refs(layer), nnx.clone(_nnx.plain(layer)))
 
     def stacked(self, blocks: list[tuple]) -> Any:
-        refs = any(_refs_in(b) for b in blocks)
+        refs = any(_nnx.has_refs(b) for b in blocks)
         blocks = [_nnx.plain(b) for b in blocks]
         graphdef, _ = nnx.split(blocks[0])
         states = [nnx.split(b)[1] for b in blocks]
