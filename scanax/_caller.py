@@ -6,8 +6,10 @@ scanax will call it with, and whether its error may be about its input."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,6 +37,24 @@ def _library(frame) -> bool:
     return name.partition(".")[0] in _LIBRARIES or frame.f_code.co_filename.startswith(
         "<frozen"
     )
+
+
+def positional(count: int, refuse: Callable[[tuple], Exception]) -> Callable:
+    """A decorator for a public function taking ``count`` positional arguments:
+    a call with more raises ``refuse(the extra ones)`` instead of Python's bare
+    count; its signature (``inspect.signature``, the API reference) stays the
+    function's own."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > count:
+                raise refuse(args[count:])
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def cannot_bind(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str] | None:

@@ -611,6 +611,31 @@ def test_a_call_without_the_function_or_the_data_is_named(call):
 
 
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_data_or_batch_size_by_position_is_named(call):
+    """``evaluate(model, fn, x, y)`` (Keras's form) and ``batch_size`` by
+    position: scanax's message with the call to write (it was Python's "takes
+    from 2 to 3 positional arguments but 4 were given"); nothing traced."""
+    run = getattr(scanax, call)
+    name = "eval_fn" if call == "evaluate" else "fn"
+    fn = params_eval if call == "evaluate" else lambda p, b: b[0] @ p["w"]
+    with count_compiles() as c:
+        with pytest.raises(
+            TypeError,
+            match=rf"(?s)^scanax.{call} takes 3 positional arguments \(model, {name}, "
+            rf"data\), got 4: after `data` came float32\[{Y.shape[0]}, 1\].*Fix: "
+            rf"`data` is one argument .*{call}\(model, {name}, \{{'x': x, 'y': y\}}",
+        ):
+            run(PARAMS, fn, X, Y)
+        with pytest.raises(
+            TypeError,
+            match=rf"(?s)got 4: after `data` came int 8\..*Fix: the options after "
+            rf"`data` are keywords: {call}\(model, {name}, data, batch_size=8, ",
+        ):
+            run(PARAMS, fn, (X, Y), 8)
+    assert c.n == 0
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
 def test_an_nnx_optimizer_given_as_the_model_is_named(call):
     """The optimizer instead of its model (both are NNX objects): named before
     anything runs (it was flax's AttributeError from ``.eval()``)."""

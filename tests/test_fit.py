@@ -1,5 +1,6 @@
 """scanax.fit against Python loops of the same optimizer steps on the same batches."""
 
+import inspect
 import re
 import sys
 import warnings
@@ -1051,6 +1052,38 @@ def test_error_bad_call(loss_fn, data, kwargs, err, msg):
     model, opt = nnx_pair()
     with pytest.raises(err, match=msg):
         fit_quiet(model, opt, loss_fn, data, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        (
+            (Y,),
+            r"(?s)^scanax.fit takes 4 positional arguments \(model, optimizer, loss_fn, "
+            r"data\), got 5: after `data` came float32\[\d+, 1\].*Fix: `data` is one "
+            r"argument .*fit\(model, optimizer, loss_fn, \{'x': x, 'y': y\}, \.\.\.\)",
+        ),
+        (
+            (STEPS, BS),
+            r"(?s)got 6: after `data` came int \d+, int \d+\..*Fix: the options after "
+            rf"`data` are keywords: fit\(model, optimizer, loss_fn, data, steps={STEPS}, ",
+        ),
+    ],
+)
+def test_error_data_or_options_by_position(extra, msg):
+    """Keras's ``fit(x, y)`` and ``steps`` given by position: scanax's message
+    with the call to write (it was Python's "takes 4 positional arguments but 5
+    were given"); nothing traced, the model unchanged; the signature shown is
+    fit's own."""
+    model, opt = nnx_pair()
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    with count_compiles() as c, pytest.raises(TypeError, match=msg):
+        scanax.fit(model, opt, nnx_loss, X, *extra)
+    assert c.n == 0
+    leaves_equal(nnx.state(model), before)
+    assert list(inspect.signature(scanax.fit).parameters)[:5] == [
+        "model", "optimizer", "loss_fn", "data", "steps"
+    ]
 
 
 def test_error_fit_under_disable_jit():

@@ -22,6 +22,38 @@ def loss_fn_not_callable(loss_fn: Any) -> TypeError:
     )
 
 
+def extra_positional(
+    call: str, names: tuple[str, ...], extra: tuple, keyword: str
+) -> TypeError:
+    """More positional arguments than ``names`` (Keras's ``fit(x, y)``, or
+    ``steps`` given by position): what came after the data, and how to pass it."""
+    short = call.rpartition(".")[2]
+    data, fn = names[-1], names[-2]
+    head = (
+        f"{call} takes {len(names)} positional arguments ({', '.join(names)}), "
+        f"got {len(names) + len(extra)}: after `{data}` came "
+        f"{', '.join(short_type(x) for x in extra)}."
+    )
+    first = extra[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return TypeError(
+            f"{head}\nFix: the options after `{data}` are keywords: "
+            f"{short}({', '.join(names)}, {keyword}={first!r}, ...)."
+        )
+    if hasattr(first, "shape") or isinstance(first, (list, tuple, dict)):
+        return TypeError(
+            f"{head}\nFix: `{data}` is one argument (Keras's fit(x, y) becomes "
+            f"{{'x': x, 'y': y}} here): a pytree whose arrays share their "
+            f"leading (example) axis, e.g. {short}({', '.join(names[:-1])}, "
+            f"{{'x': x, 'y': y}}, ...), with {fn}(model, batch) reading "
+            "batch['x'] and batch['y']."
+        )
+    return TypeError(
+        f"{head}\nFix: pass `{data}` as one argument and name the options after "
+        f"it: {short}({', '.join(names)}, {keyword}=..., ...)."
+    )
+
+
 def checkpoint_every_without_dir(checkpoint_every: Any) -> TypeError:
     return TypeError(
         f"{CALL}: checkpoint_every={checkpoint_every!r} is given but "

@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _progress
+from .. import _caller, _progress
 from .._errors import fit as errors
 from . import (
     config as _fit_config,
@@ -20,6 +20,12 @@ from .result import FitResult
 _CALL = errors.CALL
 
 
+@_caller.positional(
+    4,
+    lambda extra: errors.extra_positional(
+        _CALL, ("model", "optimizer", "loss_fn", "data"), extra, "steps"
+    ),
+)
 def fit(
     model: Any,
     optimizer: Any,

@@ -54,6 +54,12 @@ class _Required:
 _REQUIRED: Any = _Required()
 
 
+@_caller.positional(
+    3,
+    lambda extra: fit_errors.extra_positional(
+        "scanax.evaluate", ("model", "eval_fn", "data"), extra, "batch_size"
+    ),
+)
 def evaluate(
     model: Any,
     eval_fn: Callable,
@@ -192,6 +198,12 @@ def evaluate(
     return {k: float(host[k]) if host[k].ndim == 0 else host[k] for k in names}
 
 
+@_caller.positional(
+    3,
+    lambda extra: fit_errors.extra_positional(
+        "scanax.predict", ("model", "fn", "data"), extra, "batch_size"
+    ),
+)
 def predict(
     model: Any,
     fn: Callable,
