@@ -128,6 +128,27 @@ def test_checkpoint_without_rng_state_is_refused(tmp_path):
         fit(model, opt, 12, checkpoint_dir=tmp_path, checkpoint_every=6)
 
 
+@pytest.mark.parametrize("added", [True, False])
+def test_a_resume_with_other_callbacks_names_them(tmp_path, added):
+    """A checkpoint written with an ``Ema`` resumed without it, or one
+    written without it resumed with it: refused naming the callback and the
+    fix (it said to pass the model that wrote it; review); nothing trained."""
+    ema = [scanax.Ema(0.9)]
+    model, opt = make(dropout=False)
+    fit(model, opt, 6, checkpoint_dir=tmp_path, callbacks=[] if added else ema)
+    model, opt = make(dropout=False)
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    which = "this run adds scanax.Ema" if added else "written with scanax.Ema"
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)holds other arrays.*The run's callbacks differ from those that "
+        rf"wrote it \({which}\).\nFix: resume with the callbacks the checkpoint "
+        "was written with",
+    ):
+        fit(model, opt, 12, checkpoint_dir=tmp_path, callbacks=ema if added else [])
+    leaves_equal(nnx.state(model), before)
+
+
 def test_corrupt_newest_checkpoint_falls_back(tmp_path):
     model, opt = make()
     fit(model, opt, 18, checkpoint_dir=tmp_path, checkpoint_every=6)

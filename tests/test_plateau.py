@@ -662,6 +662,22 @@ def test_plateau_state_continues_each_population_member():
         close(second.model[i], whole.model[i], rtol=0, atol=0)
 
 
+def test_a_scale_reduced_to_zero_continues():
+    """With ``min_lr=0`` repeated reductions reach a scale of 0 (float32
+    underflow, as Keras's rate does); the state given back is taken by the next
+    call (it was refused as "must be in (0, 1]", the fix it named being what
+    was passed), which leaves the parameters where they are."""
+    rule = Plateau("loss", factor=1e-30, patience=0, min_delta=1e3)
+    first = plateau_fit(params0(), optax.adam(LR), linear_loss, steps=12, rule=rule)
+    assert float(first.plateau.scale) == 0.0
+    again = plateau_fit(
+        first.model, optax.adam(LR), linear_loss, steps=4, rule=rule,
+        opt_state=first.optimizer, plateau_state=first.plateau,
+    )  # fmt: skip
+    np.testing.assert_array_equal(again.history["lr_scale"], 0.0)
+    close(again.model, first.model, rtol=0, atol=0)
+
+
 def test_plateau_state_errors_and_the_keras_recipe():
     with pytest.raises(TypeError, match=r"`plateau_state` was given without"):
         fit(params0(), optax.adam(LR), linear_loss, plateau_state=1)
@@ -677,7 +693,7 @@ def test_plateau_state_errors_and_the_keras_recipe():
         with pytest.raises(TypeError, match=message):
             plateau_fit(params0(), optax.adam(LR), linear_loss, steps=2,
                         plateau_state=bad)  # fmt: skip
-    for field, value in (("scale", 0.0), ("scale", 5.0), ("scale", np.nan),
+    for field, value in (("scale", -0.5), ("scale", 5.0), ("scale", np.nan),
                          ("best", np.nan), ("wait", -1), ("cooldown", 0.5)):  # fmt: skip
         with pytest.raises(
             ValueError,

@@ -1331,6 +1331,73 @@ def test_a_failing_data_iterator_saves_the_last_checked_state_of_an_equinox_fit(
     np.testing.assert_allclose(resumed.history["loss"], ref.history["loss"], rtol=1e-6)
 
 
+def _eqx_array_fit(directory=None, loss=eqx_loss, callbacks=(), **kwargs):
+    """An Equinox fit of 50 steps over (X, Y) in order, calls of 5 steps."""
+    ckpt = [] if directory is None else [scanax.Checkpoint(directory, every=1000)]
+    return fit_quiet(eqx_model(), TX, loss, (X, Y), steps=50, batch_size=BS, key=None,
+                     steps_per_call=5, callbacks=[*ckpt, *callbacks], **kwargs)  # fmt: skip
+
+
+def _resumes_as_uninterrupted(directory, saved):
+    """The checkpoint saved last is ``saved``, and the same call given the
+    directory again ends as the run that was never stopped."""
+    import equinox as eqx
+
+    assert max(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == saved
+    resumed, ref = _eqx_array_fit(directory), _eqx_array_fit()
+    leaves_equal(
+        eqx.filter(resumed.model, eqx.is_array), eqx.filter(ref.model, eqx.is_array)
+    )
+    np.testing.assert_array_equal(resumed.history["loss"], ref.history["loss"])
+
+
+def test_ctrl_c_while_the_next_call_runs_saves_the_last_checked_state(tmp_path):
+    """Ctrl-C (a sink raising it) while call 26..30 runs and 21..25 is read:
+    the checkpoint of step 25, the state the exception's ``fit_result`` holds,
+    is saved before it goes on, and the run resumes there to end as the
+    uninterrupted one (review: nothing was saved whenever a call was in
+    flight, as it nearly always is: a restart began again from step 0)."""
+
+    def ctrl_c(step, metrics):
+        if step == 25:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        _eqx_array_fit(tmp_path, callbacks=[scanax.Log(ctrl_c, every=5)])
+    assert caught.value.fit_result.steps == 25
+    _resumes_as_uninterrupted(tmp_path, 25)
+
+
+def test_a_call_that_fails_keeps_the_call_before_it(tmp_path):
+    """The call of steps 31..35 fails (a host callback in the loss raises
+    at step 33): the call of steps 26..30 had run whole, so it is checked
+    and kept (the exception's ``fit_result``, the checkpoint) before the error
+    goes on (review: an error while a call was launched lost the one before,
+    20 where 30 ran), and the run resumes there to end as the uninterrupted
+    one."""
+    import equinox as eqx
+
+    calls = [0]
+
+    def tick(_):
+        calls[0] += 1
+        if calls[0] == 33:
+            raise RuntimeError("the host side failed")
+
+    def loss(model, batch):
+        jax.debug.callback(tick, batch[0][0, 0])
+        return eqx_loss(model, batch)
+
+    with pytest.raises(Exception, match="the host side failed") as caught:
+        _eqx_array_fit(tmp_path, loss=loss)
+    result = caught.value.fit_result
+    assert result.steps == 30
+    ref = fit_quiet(eqx_model(), TX, eqx_loss, (X, Y), steps=30, batch_size=BS,
+                    key=None)  # fmt: skip
+    leaves_equal(eqx.filter(result.model, eqx.is_array), eqx.filter(ref.model, eqx.is_array))
+    _resumes_as_uninterrupted(tmp_path, 30)
+
+
 class _Resumable:
     """A resumable iterator of (X, Y)'s batches in order (Grain's
     get_state/set_state), failing once when batch ``fail_at`` is drawn."""

@@ -62,11 +62,38 @@ def checkpoint_leaves_differ(
             else "none"
         )
 
+    saved, here = _callbacks(only_saved), _callbacks(only_here)
+    fix = _CHECKPOINT_FIX
+    if saved or here:  # (a training feature's state: the callbacks differ)
+        parts = [f"written with {', '.join(saved)}"] if saved else []
+        parts += [f"this run adds {', '.join(here)}"] if here else []
+        fix = (
+            f"The run's callbacks differ from those that wrote it ({'; '.join(parts)}"
+            ").\nFix: resume with the callbacks the checkpoint was written with, "
+            "or another checkpoint_dir (or delete this one to start over)."
+        )
     return ValueError(
         f"{at} does not fit this training state: it "
         f"holds other arrays.\n  only in the checkpoint  {shown(only_saved)}\n  "
-        f"only in this run        {shown(only_here)}\n{_CHECKPOINT_FIX}"
+        f"only in this run        {shown(only_here)}\n{fix}"
     )
+
+
+# The checkpoint names of a training feature's state (their first part), and
+# the callback that keeps it.
+_FEATURES = {
+    "ema": "scanax.Ema",
+    "plateau": "scanax.Plateau",
+    "stop": "scanax.EarlyStop",
+    "loss_scale": "a loss scale (scanax.Precision('float16') or scanax.LossScale)",
+    "rollout": "scanax.Rollout",
+}
+
+
+def _callbacks(names: list[str]) -> list[str]:
+    """The callbacks whose state ``names`` hold, in order, once each."""
+    found = (_FEATURES.get(n.partition(".")[0].partition("[")[0]) for n in names)
+    return list(dict.fromkeys(f for f in found if f is not None))
 
 
 def checkpoint_other_data(at: str, found: Any, data: Any) -> ValueError:

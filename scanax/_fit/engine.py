@@ -82,7 +82,6 @@ class Read(NamedTuple):
 
     ran: int  # global steps the run's clock moves on by
     halted: bool  # nothing more to train after it
-    good: list  # the last state checked
     redone: Carry | None  # the state to continue from instead (a redone call)
     call: Any  # ``_fit_hooks.Collected``: what the hooks are given
 
@@ -160,7 +159,7 @@ class Run:
         data, key = source.arguments(how.place)
         self.state, key = kind.init(self, Carry(leaves, false(), None), key)
         self.inputs = (data, key)  # the compiled call's data and key
-        self.good = self.state.leaves  # the last state checked
+        self.checked = self.state  # the last state checked (at ``done``)
         self.done = how.start  # the global step reached
         self.halted = False  # nothing more to train
         self.history = History(kind.members)
@@ -168,6 +167,7 @@ class Run:
 
     # (what the kinds and hooks read)
     start = property(lambda self: self.how.start)
+    good = property(lambda self: self.checked.leaves)  # (the leaves checked)
     end = property(lambda self: self.how.end)
     spec = property(lambda self: self.how.spec)
     place = property(lambda self: self.how.place)
@@ -215,7 +215,7 @@ class Run:
         self.inputs = (self.inputs[0], self.kind.use_key(self, key))
         ckpt.last_saved = step
         self.history.restore(history, self.start, step)
-        self.done, self.good = step, self.state.leaves
+        self.done, self.checked = step, self.state
         self.kind.restored(self, self.history.result())
         if step == self.end:
             self.warn(ckpt_errors.checkpoint_at_end(ckpt.directory, step))
@@ -357,10 +357,18 @@ class Run:
                     break
             if jax.config.jax_disable_jit:  # (turned on by a data iterator)
                 raise errors.under_disable_jit()
-            with self.context():
-                fn = self.compiled(args, mode)
-                began = time.perf_counter()
-                out = fn(*self.launched(args))
+            try:
+                with self.context():
+                    fn = self.compiled(args, mode)
+                    began = time.perf_counter()
+                    out = fn(*self.launched(args))
+            except (Exception, KeyboardInterrupt):
+                # (this call failed, or Ctrl-C while it was launched: the one
+                # before it ran whole, and is checked and kept before the error
+                # goes on)
+                if pending is not None:
+                    self._collect(hooks, *pending)
+                raise
             self.state = Carry(out.leaves, out.stopped, out.extra)
             # Compiling happens in the call above, running after it returns.
             dispatched = time.perf_counter()
@@ -394,9 +402,10 @@ class Run:
         report = Report.read(packed)
         self.execution.read(mode, int(np.max(report.ran)), began)
         read = self.kind.collect(self, start, end, out, args, report, ys, dispatched)
-        self.done += read.ran
+        # (one statement: a Ctrl-C between them cannot pair a step with
+        # another call's state)
+        self.done, self.checked = self.done + read.ran, read.call.state
         self.halted = self.halted or read.halted
-        self.good = read.good
         if read.redone is not None:
             self.state = read.redone
         for hook in hooks:

@@ -120,15 +120,16 @@ class Saver:
         self._save(run, run.done, run.state)
 
     def failed(self, run: Any, err: BaseException) -> None:
-        """An error or Ctrl-C ended the run: the last checked state is saved
-        (an Equinox or TrainState result is not returned then), unless a save
-        was what failed or a call is in flight unchecked (``Checkpoints.save``
-        skips a step saved already, and the start). A failure of this save is
-        added to ``err`` as a note."""
-        if self.saving or run.state.leaves is not run.good:
+        """An error or Ctrl-C ended the run: the last checked state
+        (``run.checked``, at ``run.done``; not a call in flight, unchecked) is
+        saved (an Equinox or TrainState result is not returned then), unless a
+        save was what failed (``Checkpoints.save`` skips a step saved already,
+        and the start). A failure of this save is added to ``err`` as a
+        note."""
+        if self.saving:
             return
         try:
-            self._save(run, run.done, run.state)
+            self._save(run, run.done, run.checked)
         except Exception as second:  # noqa: BLE001 - the run's own error goes on
             if hasattr(err, "add_note"):
                 err.add_note(errors.save_after_error_failed(run.done, second))

@@ -352,7 +352,7 @@ class Group:
         state = Carry(out.leaves, out.stopped, out.extra)
         complete = ran == end - start
         call = _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
-        return Read(ran, not training.any(), out.leaves, None, call)
+        return Read(ran, not training.any(), None, call)
 
     def hand_over(self, run: Any) -> None:
         """(the population is updated once, by ``fit_population``)"""

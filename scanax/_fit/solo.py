@@ -328,7 +328,7 @@ class Model:
         complete = not halted and start + count == end
         state = Carry(leaves, out.stopped, extra)
         call = _fit_hooks.Collected(start, end, complete, state, recorded, postfix)
-        return Read(count, halted, leaves, redone, call)
+        return Read(count, halted, redone, call)
 
     def _finite(self, leaves: list) -> bool:
         """Whether every trained parameter in ``leaves`` is finite (tested on

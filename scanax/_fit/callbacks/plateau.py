@@ -353,8 +353,9 @@ def checked_state(state: Any, members: int | None = None) -> PlateauState:
     for name, a in (("wait", wait), ("cooldown", cooldown)):
         if not ((a >= 0).all() and (a == np.floor(a)).all()):
             raise errors.state_value(name, getattr(state, name), "a whole number >= 0")
-    if not (np.isfinite(scale).all() and (scale > 0).all() and (scale <= 1).all()):
-        raise errors.state_value("scale", state.scale, "in (0, 1]")
+    # (0 included: with min_lr=0 repeated reductions reach it, as Keras's rate)
+    if not (np.isfinite(scale).all() and (scale >= 0).all() and (scale <= 1).all()):
+        raise errors.state_value("scale", state.scale, "in [0, 1]")
     like = Plateau().init()
     return PlateauState(
         *(jnp.asarray(a, y.dtype) for a, y in zip((best, wait, cooldown, scale), like))
