@@ -17,6 +17,10 @@ import jax.tree_util as jtu
 
 from . import _errors, _fingerprint
 
+# The metadata a ``Stack`` gives the Variables of its stacked runs: their layer
+# axis (what ``fit(shard="fsdp")`` leaves whole).
+LAYER_AXIS = "scanax_layer_axis"
+
 
 def _nnx():
     return sys.modules.get("flax.nnx")

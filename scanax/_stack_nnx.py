@@ -256,6 +256,8 @@ def _layer_axis(state: Any, add: bool) -> Any:
             elif names[0] is None:
                 var.set_metadata(out_sharding=tuple(names[1:]))
         (var.add_axis if add else var.remove_axis)(0, None)
+        if add:
+            var.set_metadata(**{_nnx.LAYER_AXIS: 0})
     return state
 
 

@@ -101,6 +101,47 @@ def test_nnx_sharding_annotations_are_followed():
     assert m4.l2.kernel[...].sharding.is_fully_replicated
 
 
+def test_a_model_on_an_explicit_mesh_is_given_back_on_it():
+    """fit(mesh=) of a model made under ``jax.set_mesh`` of Explicit axes
+    (``jax.make_mesh``'s default) runs on an Auto copy of the mesh and gives
+    the state back on the user's mesh (the same buffers), so the model,
+    ``evaluate(mesh=)`` and ``predict`` work inside ``jax.set_mesh(mesh)``
+    after it (review: JAX's "context mesh ... should match the aval mesh"
+    error); values as the Auto mesh's run; a second fit continues."""
+    explicit = jax.make_mesh((2, 2), ("data", "model"))
+    assert jax.sharding.AxisType.Explicit in explicit.axis_types
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    _, m_ref, _ = run(jax.make_mesh((2, 2), ("data", "model"), axis_types=auto),
+                      (X, Y), annotate=True, batch_size=BS)  # fmt: skip
+    _, m, o = run(explicit, (X, Y), annotate=True, batch_size=BS)
+    close(nnx.state(m), nnx.state(m_ref))
+    kernel = m.l1.kernel[...]
+    assert kernel.sharding.mesh == explicit and kernel.sharding.spec == P(None, "model")
+    with jax.set_mesh(explicit):
+        out = m(X[:4])
+        got = scanax.evaluate(m, loss_fn, (X, Y), batch_size=BS, mesh=explicit)
+        rows = scanax.predict(m, lambda model, b: model(b), X, batch_size=BS)
+    close(out, m_ref(X[:4]))
+    want = scanax.evaluate(m_ref, loss_fn, (X, Y), batch_size=BS)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    close(rows, m_ref(X))
+    again = scanax.fit(m, o, loss_fn, (X, Y), steps=6, batch_size=BS, progress=False,
+                       mesh=explicit)  # fmt: skip
+    assert again.steps == 6 and m.l1.kernel[...].sharding.mesh == explicit
+
+
+def test_evaluate_on_a_mesh_inside_its_set_mesh():
+    """``evaluate(mesh=m)`` inside ``jax.set_mesh(m)`` (Explicit axes) of a
+    model on one device: the value outside it (review: JAX's context-mesh
+    error from inside the compiled evaluation)."""
+    mesh = jax.make_mesh((4,), ("data",))
+    model = MLP(nnx.Rngs(0))
+    want = scanax.evaluate(model, loss_fn, (X, Y), batch_size=BS, mesh=mesh)
+    with jax.set_mesh(mesh):
+        got = scanax.evaluate(model, loss_fn, (X, Y), batch_size=BS, mesh=mesh)
+    assert got == want
+
+
 def test_annotated_model_with_an_early_stop_keeps_placements_across_calls():
     """The early stop's copy of the best state keeps the state's placement: an
     unannotated bias (replicated) came out of the first call split over
@@ -354,6 +395,46 @@ def test_fsdp_leaves_a_size_0_parameter_replicated_across_calls():
     assert result.model["z"].sharding.is_fully_replicated
     assert result.model["w"].sharding.spec == P(None, "data")
     np.testing.assert_allclose(result.model["w"], alone.model["w"], rtol=1e-6)
+
+
+class DeepNarrow(nnx.Module):
+    """A Stack of more layers (8) than its width (4): the layer axis is the
+    stacked leaves' largest."""
+
+    def __init__(self, rngs):
+        self.blocks = scanax.Stack([nnx.Linear(4, 4, rngs=rngs) for _ in range(8)])
+
+    def __call__(self, x):
+        return jnp.mean(self.blocks(x), axis=-1, keepdims=True)
+
+
+def test_fsdp_never_splits_a_stacks_layer_axis():
+    """``shard="fsdp"`` splits a stacked ``[8, 4, 4]`` kernel and ``[8, 4]`` bias
+    on a within-layer axis, their Adam moments alike (review: on the layer
+    axis, the largest, so the scan over the layers gathered the whole stack
+    each step); values as on one device."""
+    mesh = jax.make_mesh((4,), ("data",))
+    x = jr.normal(jr.key(0), (32, 4))
+    data = (x, jnp.sin(x[:, :1]))
+
+    def fitted(**kw):
+        model = DeepNarrow(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+        plain = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+        scanax.fit(model, opt, plain, data, steps=6, batch_size=8, key=KEY,
+                   progress=False, **kw)  # fmt: skip
+        return model, opt
+
+    one, _ = fitted()
+    model, opt = fitted(mesh=mesh, shard="fsdp")
+    close(nnx.state(model), nnx.state(one))
+    run_ = model.blocks.pieces[0][0]
+    kernel, bias = run_.kernel[...], run_.bias[...]
+    assert kernel.sharding.spec == P(None, "data") and bias.sharding.spec == P(None, "data")
+    assert kernel.addressable_shards[0].data.shape == (8, 1, 4)
+    mu = opt.opt_state[0].mu["blocks"]["pieces"][0][0]["kernel"][...]
+    assert mu.sharding.spec == P(None, "data")
+    close(model(x), one(x))
 
 
 class StackedMLP(nnx.Module):

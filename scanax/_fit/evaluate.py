@@ -192,7 +192,8 @@ def evaluate(
     program = _fit_program.program(identity, build)
     leaves, hp = target.leaves, target.hp
     leaves, data, key = place.put(leaves), place.put(data), place.replicate(key)
-    out = program.call(leaves, hp, data, key)
+    with place.context():  # (the Auto mesh, also inside the user's jax.set_mesh)
+        out = program.call(leaves, hp, data, key)
     host = place.host(out)
     names = ["loss", *(k for k in host if k != "loss")]  # (the rest by name)
     return {k: float(host[k]) if host[k].ndim == 0 else host[k] for k in names}

@@ -186,6 +186,18 @@ class Features:
             out += f.leaf_specs(specs, self.base)
         return out
 
+    def layer_axes(self) -> list | None:
+        """Per leaf of the state, a ``Stack``'s layer axis (``shard="fsdp"``
+        leaves it whole), else None; None: none known. A feature's leaves
+        mirror the model's as their annotations do (``leaf_specs``)."""
+        axes = self.base.layer_axes()
+        if axes is None:
+            return None
+        out = list(axes)
+        for f in self.items:
+            out += [a if isinstance(a, int) else None for a in f.leaf_specs(axes, self.base)]
+        return out
+
     def wrap_loss(self, call: Callable, kind: str) -> Callable:
         for f in self.items:
             call = f.wrap_loss(call, kind)

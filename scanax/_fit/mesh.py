@@ -128,6 +128,8 @@ def state_shardings(
         found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
         if len(found) == len(leaves):
             specs = [x if isinstance(x, P) else None for x in found]
+    layers = adapter.layer_axes() if shard == "fsdp" else None
+    layers = layers if layers is not None and len(layers) == len(leaves) else None
     n = data_size(mesh)
     out, unsharded = [], []
     for i, leaf in enumerate(leaves):
@@ -139,7 +141,7 @@ def state_shardings(
             axes += [None] * (ndim - len(axes))
         sized = getattr(leaf, "size", 1) > 0  # (else replicated, as its outputs)
         if shard == "fsdp" and ndim and sized and n > 1 and AXIS not in _names(axes):
-            axis = fsdp_axis(leaf.shape, axes, n)
+            axis = fsdp_axis(leaf.shape, axes, n, None if layers is None else layers[i])
             if axis is not None:
                 axes[axis] = AXIS
             elif leaf.size >= n:
@@ -156,10 +158,16 @@ def state_shardings(
     return out
 
 
-def fsdp_axis(shape: tuple, axes: list, n: int) -> int | None:
+def fsdp_axis(shape: tuple, axes: list, n: int, layers: int | None = None) -> int | None:
     """``shard="fsdp"``'s rule: the largest axis of ``shape`` that ``n`` divides
-    and ``axes`` leaves free (the first of equal ones), or None."""
-    free = [d for d, size in enumerate(shape) if axes[d] is None and size % n == 0]
+    and ``axes`` leaves free (the first of equal ones), never a ``Stack``'s
+    layer axis ``layers`` (a scan over the layers would gather them all), or
+    None."""
+    free = [
+        d
+        for d, size in enumerate(shape)
+        if axes[d] is None and size % n == 0 and d != layers
+    ]
     if not free:
         return None
     return max(free, key=lambda d: (shape[d], -d))
@@ -302,6 +310,15 @@ def _put(x: Any, sharding: Any) -> Any:
     return jax.device_put(x, sharding)
 
 
+def _on_mesh(x: Any, run: Any, given: Any) -> Any:
+    """``x``, placed on the run's mesh ``run``, moved to ``given`` (the same
+    devices and spec; other leaves as they are)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != run:
+        return x
+    return jax.device_put(x, NamedSharding(given, sharding.spec))
+
+
 # ---------------------------------------------------------------- the placement
 
 
@@ -325,8 +342,10 @@ class Placement:
     of its methods; the module's functions above are what they call on a mesh.
     """
 
-    def __init__(self, mesh: Any = None):
-        self.mesh = mesh
+    def __init__(self, mesh: Any = None, given: Any = None):
+        self.mesh = mesh  # (Auto axes: ``auto``)
+        self.given = mesh if given is None else given  # the user's ``mesh=``
+        self.back: list | None = None  # (``state``: the leaves ``hand_back`` moves)
 
     @staticmethod
     def of(mesh: Any, members: int | None = None) -> Placement:
@@ -338,7 +357,7 @@ class Placement:
             check(mesh)
         else:
             check_population(mesh, members)
-        return Placement(auto(mesh))
+        return Placement(auto(mesh), mesh)
 
     @property
     def local(self) -> bool:
@@ -415,8 +434,24 @@ class Placement:
         without a mesh: where they already are)."""
         if self.mesh is None:
             return leaves, None
+        if self.given is not self.mesh:
+            self.back = [explicit_mesh(x) == self.given for x in leaves]
         shardings = tuple(state_shardings(self.mesh, adapter, leaves, shard))
         return place(leaves, shardings), shardings
+
+    def hand_back(self, leaves: list) -> list:
+        """The state's leaves as ``fit`` gives them back: those that came on
+        the mesh it was given, of ``Explicit`` axes (``jax.make_mesh``'s
+        default; the run's own copy is ``Auto``), back on it, so that the
+        user's code under ``jax.set_mesh(mesh)`` takes them (the same buffers,
+        not a copy); the others on the run's mesh, where code written for one
+        device takes them."""
+        if self.back is None or not any(self.back):
+            return leaves
+        return [
+            _on_mesh(x, self.mesh, self.given) if back else x
+            for x, back in zip(leaves, self.back, strict=True)
+        ]
 
     def devices(self, leaf: Any) -> list:
         """The devices whose memory a call uses."""

@@ -78,7 +78,7 @@ def fit_model(adapter: Any, opt_state: Any, setup: Any) -> FitResult:
         # (Ema(on_eval=True): the best judged on the average, saved as such)
         best = _best.BestSaver(writer, feats.eval_view)
     extras = _fit_loop.Extras(checks, eval_arrays, setup.loggers, best)
-    kind = Model(base, feats)
+    kind = Model(base, feats, place)
     run = _fit_loop.Run(kind, source, program, schedule, leaves, how, extras)
     if setup.checkpoint_dir is not None:
         run.resume(setup.checkpoint_dir, setup.checkpoint_every)
@@ -226,8 +226,8 @@ class Model:
     hp = None
     label = _CALL
 
-    def __init__(self, base: Any, feats: Any):
-        self.base, self.feats = base, feats
+    def __init__(self, base: Any, feats: Any, place: Any):
+        self.base, self.feats, self.place = base, feats, place
         self.handed = None  # the (model, optimizer) given the last state early
         self.first: list | None = None  # the state training started from
         self.finished: list | None = None  # the state last handed back
@@ -467,5 +467,6 @@ class Model:
     def finish(self, leaves: list) -> tuple[Any, Any]:
         """The model and optimizer holding ``leaves`` (NNX: written in place),
         and the features' results of that state."""
-        self.finished, self.results = leaves, self.feats.results(leaves)
-        return self.base.finish(leaves[: self.feats.n])
+        back = self.place.hand_back(leaves)  # (on the user's mesh)
+        self.finished, self.results = leaves, self.feats.results(back)
+        return self.base.finish(back[: self.feats.n])

@@ -135,6 +135,12 @@ class Flat:
         found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, P))
         return found if len(found) == len(self.state) else None
 
+    def layer_axes(self) -> list | None:
+        """Per leaf, the layer axis of a ``Stack``'s stacked leaf, else None
+        (None: no leaf known as one)."""
+        axes = self.adapter.layer_axes()
+        return axes if axes is not None and len(axes) == len(self.state) else None
+
     def _tree(self, leaves: list) -> Any:
         return jtu.tree_unflatten(self.treedef, leaves)
 

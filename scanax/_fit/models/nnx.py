@@ -151,6 +151,12 @@ class NNXAdapter:
             variables = _nnx.flatten(_nnx.without_refs(list(self.objects)))[1]
         return sys.modules["flax.nnx"].get_partition_spec(variables)
 
+    def layer_axes(self) -> list:
+        """Per leaf of the state, the layer axis of a ``Stack``'s stacked
+        Variable (their optimizer moments' too: flax copies the metadata), else
+        None."""
+        return [v.get_metadata().get(_nnx.LAYER_AXIS) for v in self.variables]
+
     def make_step(self, loss_fn: Callable, accumulate: int = 1) -> Callable:
         """``step(state, batch, key)``; with ``accumulate`` > 1, ``batch`` and
         ``key`` hold that many micro-batches (see ``accumulated``)."""

@@ -130,6 +130,10 @@ class OptaxAdapter:
         """No sharding annotations: the state is replicated on a mesh."""
         return None
 
+    def layer_axes(self) -> None:
+        """(no leaf known as a ``Stack``'s stacked one)"""
+        return None
+
     def start_step(self) -> int | None:
         """The step count kept in the optax state (``count`` of Adam, schedules,
         ``inject_hyperparams``...; fit's own count for a state that keeps none):

@@ -55,6 +55,10 @@ class TrainStateAdapter:
         """No sharding annotations: the state is replicated on a mesh."""
         return None
 
+    def layer_axes(self) -> None:
+        """(no leaf known as a ``Stack``'s stacked one)"""
+        return None
+
     def start_step(self) -> int:
         """The state's own ``step``: where this call continues from."""
         return int(self.state.step)
