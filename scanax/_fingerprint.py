@@ -417,6 +417,8 @@ def _library(module_name: str | None) -> bool:
         return False
     if module_name in sys.builtin_module_names or module_name == "builtins":
         return True
+    if module_name.partition(".")[0] == __name__.partition(".")[0]:
+        return True  # scanax's own (also installed editable, from a checkout)
     module = sys.modules.get(module_name)
     path = getattr(module, "__file__", None)
     if path is None:
