@@ -45,6 +45,12 @@ class LinearCell(nnx.Module, abc.ABC):
     def state_dtype(self) -> Any:
         """The dtype of the state."""
 
+    @property
+    def num_feature_axes(self) -> int:
+        """One feature axis (Flax's cell protocol: ``nnx.RNN`` and
+        ``nnx.Bidirectional`` read it)."""
+        return 1
+
     def initialize_carry(self, input_shape: tuple[int, ...], rngs: Any = None) -> Any:
         """Zeros of shape ``[*input_shape[:-1], hidden_features]`` (``rngs``
         unused: the signature of Flax's cells)."""

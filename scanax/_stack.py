@@ -276,6 +276,10 @@ class Run:
         """After ``block`` ran: the values of its leaves that changed."""
         return []
 
+    def leaf_name(self, k: int) -> str:
+        """How a message names the run's leaf ``arrays[k]``."""
+        return f"leaf {k}"
+
     def write_back(self, new: list[Any]) -> None:
         """Store ``changes``' values (stacked over the blocks) in the run."""
 
@@ -376,6 +380,9 @@ def _run(
     say bfloat16 input to float32 layers), else a Python loop."""
     start, period, repeats = piece
     in_run = run_remat(remat)
+    for k, a in enumerate(run.arrays):  # (a value added to the built Stack)
+        if getattr(a, "ndim", 0) < 1 or a.shape[0] != repeats:
+            raise errors.run_leaf_unstacked(span(piece), run.leaf_name(k), a, repeats)
 
     def block(x, arrays, per_j, kw, looped, j):
         layers = run.block(arrays)

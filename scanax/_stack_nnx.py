@@ -112,6 +112,12 @@ class Run(_stack.Run):
     def block(self, arrays: list[Any]) -> Any:
         return nnx.merge(self.block_graph, jtu.tree_unflatten(self.block_def, arrays))
 
+    def leaf_name(self, k: int) -> str:
+        """``layers[3]['attn']['cached_key']``: the run's leaf ``k`` in the
+        run's first layer."""
+        state = jtu.tree_unflatten(self.treedef, self.arrays)
+        return self.name(_leaf_paths(state)[k])
+
     def changes(self, block: Any, arrays: list[Any]) -> list[Any]:
         graphdef, after = nnx.split(block)
         if graphdef != self.block_graph or jtu.tree_structure(after) != self.block_def:

@@ -140,6 +140,23 @@ def test_batch_major_and_birnn():
     close(ys, jnp.concatenate([f_ref[1], b_ref[1]], -1))
 
 
+@pytest.mark.parametrize("make", [lru, mingru])
+def test_flax_rnn_and_bidirectional_take_the_cells(make):
+    """``nnx.RNN`` and ``nnx.Bidirectional`` run an LRU or MinGRU as any Flax
+    cell (review: AttributeError, no ``num_feature_axes``), equal to
+    ``scanax.rnn``/``birnn`` over the same cells, with ``seq_lengths``."""
+    xs = jnp.swapaxes(xs_tbd(), 0, 1)  # (batch, time, features): Flax's layout
+    lengths = jnp.array([T, T - 2, 1])[:B]
+    valid = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]  # (flax's
+    fwd, bwd = make(), make(seed=5)  # outputs past a length are not zeroed)
+    flax_ys = nnx.RNN(fwd)(xs, seq_lengths=lengths)
+    _, ys = scanax.rnn([fwd], xs, time_axis=1, seq_lengths=lengths)
+    close(jnp.where(valid, flax_ys, 0), ys)
+    both = nnx.Bidirectional(nnx.RNN(fwd), nnx.RNN(bwd))(xs, seq_lengths=lengths)
+    _, ys = scanax.birnn(fwd, bwd, xs, time_axis=1, seq_lengths=lengths)
+    close(jnp.where(valid, both, 0), ys)
+
+
 def test_vmap_over_sequences():
     cell, xs = mingru(), xs_tbd()
     one = lambda x: scanax.rnn([cell], x)  # x: [T, D]

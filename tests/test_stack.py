@@ -1158,3 +1158,47 @@ def test_layers_in_an_nnx_list_stack_and_layers_as_arguments_are_named():
         TypeError, match=r"got Sequential\.\nFix: pass its layers: Stack\(list\("
     ):
         scanax.Stack(nnx.Sequential(*layers))
+
+
+class _DecodingBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(2, 8, rngs=rngs, decode=False)
+        self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x, decode=None):
+        x = x + self.attn(x, decode=decode)
+        return x + jnp.tanh(self.fc(x))
+
+
+def _init_caches(node):
+    for _, module in nnx.iter_modules(node):
+        if isinstance(module, nnx.MultiHeadAttention):
+            module.init_cache((2, 5, 8))
+
+
+def test_a_decoding_cache_added_after_the_stack_is_named_with_the_fix():
+    """``init_cache`` through ``nnx.iter_modules`` on a built Stack adds
+    unstacked Variables to its run: a ValueError naming one and the fix
+    (review: a bare IndexError from inside the scan), nothing changed; with
+    the caches made on the layers first, a decoding step equals the layers
+    looped."""
+    x = jr.normal(jr.key(0), (2, 1, 8))
+    stack = scanax.Stack([_DecodingBlock(nnx.Rngs(i)) for i in range(3)])
+    _init_caches(stack)
+    before = jax.tree.map(np.asarray, nnx.state(stack))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)the stacked run of layers\[0:3\] holds layers\[0\]\['attn'\]\['cache_index'\] "
+        r"= int32\[\], without the leading axis of its 3 blocks.*Fix: add it to the layers "
+        "before building the Stack",
+    ):
+        stack(x, decode=True)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(stack), before)
+    blocks = [_DecodingBlock(nnx.Rngs(i)) for i in range(3)]
+    _init_caches(nnx.List(blocks))
+    stack = scanax.Stack(blocks)
+    got = stack(x, decode=True)
+    want = x
+    for block in blocks:
+        want = block(want, decode=True)
+    close(got, want)

@@ -153,6 +153,18 @@ def per_layer_leaf(path: str, leaf: Any, n: int) -> ValueError:
     )
 
 
+def run_leaf_unstacked(layers: str, name: str, leaf: Any, repeats: int) -> ValueError:
+    return ValueError(
+        f"{CALL}: the stacked run of {layers} holds {name} = {short_type(leaf)}, "
+        f"without the leading axis of its {repeats} blocks: a value added to the "
+        "layers after the Stack was built (a decoding cache made by "
+        "`init_cache` through `nnx.iter_modules`, a Variable assigned) is not "
+        "stacked.\nFix: add it to the layers before building the Stack "
+        "(e.g. call each attention layer's `init_cache` first), or stack it "
+        f"yourself with a leading axis of {repeats}."
+    )
+
+
 def graph_changed(added: list[str], removed: list[str]) -> TypeError:
     what = added_removed(
         added, removed, "the same values, with a Variable's type changed"
