@@ -660,7 +660,9 @@ class _EqxNet(eqx.Module):
 
     def __init__(self, key):
         keys = jax.random.split(key, 4)
-        self.blocks = scanax.Stack([_EqxLayer(eqx.nn.Linear(3, 3, key=k)) for k in keys[:3]])
+        self.blocks = scanax.Stack(
+            [_EqxLayer(eqx.nn.Linear(3, 3, key=k)) for k in keys[:3]]
+        )
         self.out = eqx.nn.Linear(3, 1, key=keys[3])
 
     def __call__(self, x):
@@ -687,7 +689,8 @@ def test_a_model_using_scanax_keeps_its_program(kind, monkeypatch):
         rngs = nnx.Rngs(0)
         if kind == "stack":
             model = nnx.Sequential(
-                scanax.Stack([_Layer(rngs) for _ in range(3)]), nnx.Linear(3, 1, rngs=rngs)
+                scanax.Stack([_Layer(rngs) for _ in range(3)]),
+                nnx.Linear(3, 1, rngs=rngs),
             )
         else:
             model = _Recurrent(rngs)

@@ -1082,7 +1082,11 @@ def test_error_data_or_options_by_position(extra, msg):
     assert c.n == 0
     leaves_equal(nnx.state(model), before)
     assert list(inspect.signature(scanax.fit).parameters)[:5] == [
-        "model", "optimizer", "loss_fn", "data", "steps"
+        "model",
+        "optimizer",
+        "loss_fn",
+        "data",
+        "steps",
     ]
 
 

@@ -430,7 +430,9 @@ def test_fsdp_never_splits_a_stacks_layer_axis():
     close(nnx.state(model), nnx.state(one))
     run_ = model.blocks.pieces[0][0]
     kernel, bias = run_.kernel[...], run_.bias[...]
-    assert kernel.sharding.spec == P(None, "data") and bias.sharding.spec == P(None, "data")
+    assert kernel.sharding.spec == P(None, "data") and bias.sharding.spec == P(
+        None, "data"
+    )
     assert kernel.addressable_shards[0].data.shape == (8, 1, 4)
     mu = opt.opt_state[0].mu["blocks"]["pieces"][0][0]["kernel"][...]
     assert mu.sharding.spec == P(None, "data")

@@ -1394,7 +1394,9 @@ def test_a_call_that_fails_keeps_the_call_before_it(tmp_path):
     assert result.steps == 30
     ref = fit_quiet(eqx_model(), TX, eqx_loss, (X, Y), steps=30, batch_size=BS,
                     key=None)  # fmt: skip
-    leaves_equal(eqx.filter(result.model, eqx.is_array), eqx.filter(ref.model, eqx.is_array))
+    leaves_equal(
+        eqx.filter(result.model, eqx.is_array), eqx.filter(ref.model, eqx.is_array)
+    )
     _resumes_as_uninterrupted(tmp_path, 30)
 
 

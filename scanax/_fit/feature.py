@@ -195,7 +195,9 @@ class Features:
             return None
         out = list(axes)
         for f in self.items:
-            out += [a if isinstance(a, int) else None for a in f.leaf_specs(axes, self.base)]
+            out += [
+                a if isinstance(a, int) else None for a in f.leaf_specs(axes, self.base)
+            ]
         return out
 
     def wrap_loss(self, call: Callable, kind: str) -> Callable:

@@ -158,7 +158,9 @@ def state_shardings(
     return out
 
 
-def fsdp_axis(shape: tuple, axes: list, n: int, layers: int | None = None) -> int | None:
+def fsdp_axis(
+    shape: tuple, axes: list, n: int, layers: int | None = None
+) -> int | None:
     """``shard="fsdp"``'s rule: the largest axis of ``shape`` that ``n`` divides
     and ``axes`` leaves free (the first of equal ones), never a ``Stack``'s
     layer axis ``layers`` (a scan over the layers would gather them all), or
